@@ -1,0 +1,109 @@
+"""What an attention call asks for, independent of how a kernel computes it.
+
+A `Problem` is the key that variants are searched, checked and cached for. It is built from
+tensors by `Problem.from_tensors` and from the CLI's `--shape` strings by `Problem.parse`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+
+#: dtypes the kernels accept, by the short names the CLI and the database use.
+DTYPES: dict[str, torch.dtype] = {
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp32": torch.float32,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Shape, dtype and masking of one attention call (q: B x Hq x Nq x D, k/v: B x Hkv x Nk x D)."""
+
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seq_q: int
+    seq_k: int
+    head_dim: int
+    dtype: str = "fp16"
+    causal: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "heads_q", "heads_kv", "seq_q", "seq_k", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.heads_q % self.heads_kv:
+            raise ValueError(
+                f"query heads ({self.heads_q}) must be a multiple of key/value heads "
+                f"({self.heads_kv}) for GQA/MQA"
+            )
+        if self.head_dim > MAX_HEAD_DIM:
+            raise ValueError(f"head dim {self.head_dim} is over the supported {MAX_HEAD_DIM}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {self.dtype!r}; use one of {sorted(DTYPES)}")
+
+    @property
+    def group(self) -> int:
+        """Query heads per key/value head (1 for plain multi-head attention)."""
+        return self.heads_q // self.heads_kv
+
+    @property
+    def padded_head_dim(self) -> int:
+        """Head dim rounded up to the power of two (at least 16) that the kernels tile with."""
+        return max(16, 1 << (self.head_dim - 1).bit_length())
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def flops(self) -> float:
+        """Forward FLOPs of the two matmuls; causal counts the half that is really computed."""
+        full = 4.0 * self.batch * self.heads_q * self.seq_q * self.seq_k * self.head_dim
+        if not self.causal:
+            return full
+        # Bottom-right aligned causal mask: query i sees keys j <= i + (Nk - Nq).
+        offset = self.seq_k - self.seq_q
+        seen = sum(min(self.seq_k, max(0, i + offset + 1)) for i in range(self.seq_q))
+        return full * seen / (self.seq_q * self.seq_k)
+
+    def with_(self, **changes: Any) -> Problem:
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Problem:
+        return cls(**data)
+
+    @classmethod
+    def parse(cls, shape: str, dtype: str = "fp16", causal: bool = False) -> Problem:
+        """Parse the CLI's `B,Hq,Hkv,Nq,Nk,D` form."""
+        parts = [p.strip() for p in shape.split(",")]
+        if len(parts) != 6 or not all(p.isdigit() for p in parts):
+            raise ValueError(f"shape {shape!r} is not of the form B,Hq,Hkv,Nq,Nk,D")
+        b, hq, hkv, nq, nk, d = (int(p) for p in parts)
+        return cls(b, hq, hkv, nq, nk, d, dtype, causal)
+
+    @classmethod
+    def from_tensors(
+        cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False
+    ) -> Problem:
+        """Build the problem for q, k, v of shape (B, H, N, D); `validate` checks them first."""
+        b, hq, nq, d = q.shape
+        _, hkv, nk, _ = k.shape
+        return cls(b, hq, hkv, nq, nk, d, DTYPE_NAMES[q.dtype], bool(causal))
+
+    def __str__(self) -> str:
+        mask = "causal" if self.causal else "full"
+        return (
+            f"B{self.batch} Hq{self.heads_q} Hkv{self.heads_kv} Nq{self.seq_q} Nk{self.seq_k} "
+            f"D{self.head_dim} {self.dtype} {mask}"
+        )

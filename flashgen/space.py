@@ -1,0 +1,147 @@
+"""The search space: every variant, and the named rules that drop the ones that cannot work.
+
+Rules exclude points up front (a tile that cannot fit shared memory, a block longer than the
+sequence needs), so the tuner spends no time on them and nothing crashes to find them out.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+from flashgen.hardware import DeviceInfo, device_info
+from flashgen.problem import Problem
+from flashgen.variant import LOOP_ORDERS, Variant
+
+BLOCK_SIZES = (16, 32, 64, 128, 256)
+WARPS = (2, 4, 8)
+STAGES = (1, 2, 3, 4)
+
+#: Accumulator registers a thread may hold (fp32 values) before the compiler starts spilling.
+MAX_ACC_PER_THREAD = 128
+
+
+def _pow2_at_least_16(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def shared_memory_bytes(v: Variant, p: Problem) -> int:
+    """Estimate the shared memory a variant stages: the Q tile, plus K and V tiles per stage."""
+    elem = 4 if p.dtype == "fp32" else 2
+    d = p.padded_head_dim
+    stages = max(1, v.num_stages)
+    return elem * d * (v.block_m + 2 * v.block_n * stages)
+
+
+Rule = Callable[[Variant, Problem, DeviceInfo], str | None]
+
+
+def block_m_longer_than_queries(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
+    if v.block_m > _pow2_at_least_16(p.seq_q):
+        return f"block_m {v.block_m} is longer than the {p.seq_q} queries need"
+    return None
+
+
+def block_n_longer_than_keys(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
+    if v.block_n > _pow2_at_least_16(p.seq_k):
+        return f"block_n {v.block_n} is longer than the {p.seq_k} keys need"
+    return None
+
+
+def shared_memory_overflow(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
+    need = shared_memory_bytes(v, p)
+    if need > dev.shared_memory:
+        return f"needs ~{need} B of shared memory, device has {dev.shared_memory}"
+    return None
+
+
+def accumulator_too_large(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
+    # The fp32 output tile block_m x D and score tile block_m x block_n live in registers,
+    # spread over the program's threads; past this they spill to local memory.
+    threads = 32 * v.num_warps
+    per_thread = v.block_m * (p.padded_head_dim + v.block_n) // threads
+    if per_thread > 2 * MAX_ACC_PER_THREAD:
+        return f"{per_thread} accumulator registers per thread (block_m x (D + block_n) too big)"
+    return None
+
+
+def too_many_warps(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
+    # Each warp's matrix instructions cover at least 16 rows of the Q tile (the rows are split
+    # across warps); more warps than that leave some idle or duplicate work.
+    if v.num_warps > max(1, v.block_m // 16) * 2:
+        return f"{v.num_warps} warps for a {v.block_m}-row Q tile"
+    return None
+
+
+def fa1_pipelining(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
+    # The fa1 inner loop reads and writes running O/m/l through global memory with a barrier
+    # between steps, so deep K/V pipelining only adds shared memory.
+    if v.loop_order == "fa1" and v.num_stages > 2:
+        return "fa1 pipelines at most 2 stages"
+    return None
+
+
+RULES: tuple[Rule, ...] = (
+    block_m_longer_than_queries,
+    block_n_longer_than_keys,
+    shared_memory_overflow,
+    accumulator_too_large,
+    too_many_warps,
+    fa1_pipelining,
+)
+
+
+def why_invalid(v: Variant, p: Problem, device: DeviceInfo | str | None = None) -> str | None:
+    """The first rule `v` breaks for problem `p` on `device`, or None if the variant is valid."""
+    dev = device_info(device)
+    if v.loop_order not in LOOP_ORDERS:
+        return f"unknown loop_order {v.loop_order!r}; use one of {LOOP_ORDERS}"
+    if v.block_m not in BLOCK_SIZES or v.block_n not in BLOCK_SIZES:
+        return f"block sizes must be among {BLOCK_SIZES}"
+    if v.num_warps not in WARPS and v.num_warps != 1:
+        return f"num_warps must be among {WARPS}"
+    if v.num_stages < 1:
+        return "num_stages must be at least 1"
+    for rule in RULES:
+        reason = rule(v, p, dev)
+        if reason:
+            return reason
+    return None
+
+
+def all_points() -> list[Variant]:
+    """Every point before the validity rules: the full grid."""
+    return [
+        Variant(order, bm, bn, w, s)
+        for order, bm, bn, w, s in itertools.product(LOOP_ORDERS, BLOCK_SIZES, BLOCK_SIZES, WARPS, STAGES)
+    ]
+
+
+def search_space(problem: Problem, device: DeviceInfo | str | None = None) -> list[Variant]:
+    """The valid variants for `problem` on `device`, in a stable order."""
+    dev = device_info(device)
+    return [v for v in all_points() if why_invalid(v, problem, dev) is None]
+
+
+def default_variant(problem: Problem, device: DeviceInfo | str | None = None) -> Variant:
+    """A hand-picked variant that is valid for any problem: the answer when nothing was tuned.
+
+    Preferences go from the fastest general choice on recent GPUs down to the smallest tile,
+    which every problem admits.
+    """
+    dev = device_info(device)
+    big_d = problem.padded_head_dim >= 128
+    prefs = [
+        Variant("fa2", 128, 64 if big_d else 64, 8 if big_d else 4, 3 if dev.is_hopper else 2),
+        Variant("fa2", 128, 32, 8, 2),
+        Variant("fa2", 64, 64, 4, 2),
+        Variant("fa2", 64, 32, 4, 2),
+        Variant("fa2", 32, 32, 4, 2),
+        Variant("fa2", 32, 16, 2, 1),
+        Variant("fa2", 16, 32, 2, 1),
+        Variant("fa2", 16, 16, 2, 1),
+    ]
+    for v in prefs:
+        if why_invalid(v, problem, dev) is None:
+            return v
+    raise AssertionError(f"no default variant fits {problem}")  # the 16x16 tile always fits

@@ -1,0 +1,54 @@
+"""One point of the kernel search space, and the hand-picked default used before any tuning."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Literal
+
+LoopOrder = Literal["fa1", "fa2"]
+LOOP_ORDERS: tuple[str, ...] = ("fa2", "fa1")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Everything that tells two generated forward kernels apart.
+
+    loop_order: "fa2" gives each program one Q block and streams K/V blocks past it (FlashAttention
+        2); "fa1" is the 2022 paper's order: K/V blocks outer, Q blocks inner, with the running
+        O, m and l kept in GPU memory between steps (one program per batch and head).
+    block_m / block_n: rows of Q / K-V per tile. Larger tiles reuse more data per load but need
+        more registers and shared memory.
+    num_warps: warps per program. num_stages: software-pipelining depth of the K/V loads.
+    """
+
+    loop_order: LoopOrder = "fa2"
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Variant:
+        """Build from a dict; unknown keys are an error so a typo never silently tunes nothing."""
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown variant parameters {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> Variant:
+        return cls.from_dict(json.loads(text))
+
+    def __str__(self) -> str:
+        return (
+            f"{self.loop_order} m{self.block_m} n{self.block_n} "
+            f"w{self.num_warps} s{self.num_stages}"
+        )

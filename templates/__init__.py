@@ -1,0 +1,1 @@
+"""flashgen's Jinja kernel templates, shipped as package data (`flashgen.templates`)."""

@@ -1,0 +1,1 @@
+"""The tuning database shipped with flashgen (`flashgen.tuning_db`)."""
