@@ -8,7 +8,7 @@ from flashgen.forward import run_forward
 from flashgen.hardware import device_info
 from flashgen.problem import Problem
 from flashgen.space import default_variant, why_invalid
-from flashgen.validate import check_inputs
+from flashgen.validate import check_inputs, check_runnable
 from flashgen.variant import Variant
 
 
@@ -41,5 +41,6 @@ def attention(
         reason = why_invalid(variant, problem, device)
         if reason:
             raise ValueError(f"variant {variant} is invalid for {problem}: {reason}")
+    check_runnable(q.device)
     out, lse = run_forward(q, k, v, variant, problem, scale)
     return (out, lse) if return_lse else out

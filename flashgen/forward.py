@@ -38,11 +38,12 @@ def run_forward(
         kernel[grid](q, k, v, out, lse, *strides, *common, **launch)
     else:
         # fa1 keeps the running output, max and sum in fp32 scratch between K/V tiles.
-        acc = torch.zeros((b * hq, nq, problem.padded_head_dim), device=q.device,
-                          dtype=torch.float32)
+        acc = torch.zeros(
+            (b * hq, nq, problem.padded_head_dim), device=q.device, dtype=torch.float32
+        )
         m = torch.full((b * hq, nq), float("-inf"), device=q.device, dtype=torch.float32)
-        l = torch.zeros((b * hq, nq), device=q.device, dtype=torch.float32)
-        kernel[(b * hq,)](q, k, v, out, lse, acc, m, l, *strides, *common, **launch)
+        lsum = torch.zeros((b * hq, nq), device=q.device, dtype=torch.float32)
+        kernel[(b * hq,)](q, k, v, out, lse, acc, m, lsum, *strides, *common, **launch)
     return out, lse
 
 

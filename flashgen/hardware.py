@@ -72,7 +72,9 @@ def device_info(device: torch.device | str | int | DeviceInfo | None = None) -> 
     if device.type == "cpu":
         return INTERPRETER
     if device.type != "cuda":
-        raise ValueError(f"unsupported device {device}; flashgen runs on CUDA GPUs or the CPU "
-                         "through the Triton interpreter")
+        raise ValueError(
+            f"unsupported device {device}; flashgen runs on CUDA GPUs or the CPU "
+            "through the Triton interpreter"
+        )
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _cuda_info(index)

@@ -23,7 +23,7 @@ MAX_HEAD_DIM = 256
 
 @dataclass(frozen=True)
 class Problem:
-    """Shape, dtype and masking of one attention call (q: B x Hq x Nq x D, k/v: B x Hkv x Nk x D)."""
+    """Shape, dtype and masking of one call: q is B x Hq x Nq x D, k and v B x Hkv x Nk x D."""
 
     batch: int
     heads_q: int

@@ -113,7 +113,9 @@ def all_points() -> list[Variant]:
     """Every point before the validity rules: the full grid."""
     return [
         Variant(order, bm, bn, w, s)
-        for order, bm, bn, w, s in itertools.product(LOOP_ORDERS, BLOCK_SIZES, BLOCK_SIZES, WARPS, STAGES)
+        for order, bm, bn, w, s in itertools.product(
+            LOOP_ORDERS, BLOCK_SIZES, BLOCK_SIZES, WARPS, STAGES
+        )
     ]
 
 
@@ -132,7 +134,7 @@ def default_variant(problem: Problem, device: DeviceInfo | str | None = None) ->
     dev = device_info(device)
     big_d = problem.padded_head_dim >= 128
     prefs = [
-        Variant("fa2", 128, 64 if big_d else 64, 8 if big_d else 4, 3 if dev.is_hopper else 2),
+        Variant("fa2", 128, 64, 8 if big_d else 4, 3 if dev.is_hopper else 2),
         Variant("fa2", 128, 32, 8, 2),
         Variant("fa2", 64, 64, 4, 2),
         Variant("fa2", 64, 32, 4, 2),

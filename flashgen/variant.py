@@ -40,7 +40,9 @@ class Variant:
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
         if unknown:
-            raise ValueError(f"unknown variant parameters {sorted(unknown)}; known: {sorted(known)}")
+            raise ValueError(
+                f"unknown variant parameters {sorted(unknown)}; known: {sorted(known)}"
+            )
         return cls(**data)
 
     @classmethod

@@ -1,0 +1,72 @@
+"""Bad input gets a clear error that names the problem, before any kernel is launched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashgen
+from flashgen.check import compare, make_inputs
+
+
+def _qkv(**kw: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    shape = {"b": 1, "hq": 2, "hkv": 2, "nq": 8, "nk": 8, "d": 16} | kw
+    return make_inputs(
+        shape["b"], shape["hq"], shape["hkv"], shape["nq"], shape["nk"], shape["d"], torch.float32
+    )
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        (lambda q, k, v: (q[0], k, v), ValueError, "4-D"),
+        (lambda q, k, v: (q, k[:, :1].contiguous(), v), ValueError, "same number of heads"),
+        (lambda q, k, v: (q, k, v[:, :, :4]), ValueError, "same sequence length"),
+        (lambda q, k, v: (q, k[..., :8], v[..., :8]), ValueError, "head dims differ"),
+        (lambda q, k, v: (torch.cat([q, q]), k, v), ValueError, "batch sizes differ"),
+        (lambda q, k, v: (q.double(), k.double(), v.double()), TypeError, "unsupported dtype"),
+        (lambda q, k, v: (q.half(), k, v), TypeError, "share a dtype"),
+        (lambda q, k, v: (q.to("meta"), k, v), ValueError, "different devices"),
+        (lambda q, k, v: (q.numpy(), k, v), TypeError, "torch.Tensor"),
+        (lambda q, k, v: (q[:, :, :0], k, v), ValueError, "empty"),
+    ],
+)
+def test_bad_inputs(make, error: type[Exception], match: str) -> None:
+    q, k, v = make(*_qkv())
+    with pytest.raises(error, match=match):
+        flashgen.attention(q, k, v)
+
+
+def test_gqa_ratio_must_divide() -> None:
+    q, k, v = _qkv(hq=3, hkv=2)
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        flashgen.attention(q, k, v)
+
+
+def test_head_dim_over_256() -> None:
+    q, k, v = _qkv(d=264)
+    with pytest.raises(ValueError, match="head dim 264"):
+        flashgen.attention(q, k, v)
+
+
+def test_invalid_variant_is_an_error_not_a_fallback() -> None:
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="invalid for"):
+        flashgen.attention(q, k, v, variant=flashgen.Variant("fa2", 128, 16, 4, 2))
+    with pytest.raises(TypeError, match=r"flashgen\.Variant"):
+        flashgen.attention(q, k, v, variant={"block_m": 16})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="loop_order"):
+        flashgen.attention(q, k, v, variant=flashgen.Variant("fa3", 16, 16, 2, 1))  # type: ignore[arg-type]
+
+
+@pytest.mark.interpreter
+def test_gate_rejects_wrong_outputs() -> None:
+    """The correctness check is not vacuous: small real mistakes fail it."""
+    q, k, v = make_inputs(1, 2, 1, 33, 33, 40, torch.float16, seed=1)
+    good = flashgen.attention(q, k, v, causal=True)
+    assert compare(good, q, k, v, causal=True).ok
+    assert not compare(flashgen.attention(q, k, v), q, k, v, causal=True).ok  # wrong mask
+    assert not compare(good * 1.01, q, k, v, causal=True).ok
+    nan = good.clone()
+    nan[0, 0, 0, 0] = float("nan")
+    assert "NaN" in compare(nan, q, k, v, causal=True).reason

@@ -1,0 +1,218 @@
+"""Every loop order and a sample of tile shapes against the float64 reference on odd shapes.
+
+CPU tests run through the Triton interpreter (tiny shapes; bf16 is excluded there because the
+3.6 interpreter computes bf16 dots wrongly). `gpu` tests run real kernels on bigger shapes.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import flashgen
+from flashgen.check import compare, make_inputs
+from flashgen.hardware import INTERPRETER
+
+interpreter = pytest.mark.interpreter
+gpu = pytest.mark.gpu
+
+# Small tiles keep many programs and loop trips in play even on tiny shapes.
+CPU_VARIANTS = {
+    "fa2": [
+        flashgen.Variant("fa2", 16, 16, 2, 1),
+        flashgen.Variant("fa2", 32, 16, 4, 2),
+        flashgen.Variant("fa2", 16, 32, 2, 3),
+        flashgen.Variant("fa2", 64, 32, 4, 2),
+    ],
+    "fa1": [
+        flashgen.Variant("fa1", 16, 16, 2, 1),
+        flashgen.Variant("fa1", 32, 16, 4, 2),
+        flashgen.Variant("fa1", 16, 32, 2, 1),
+        flashgen.Variant("fa1", 64, 32, 4, 2),
+    ],
+}
+
+
+def _fitting(order: str, index: int, problem: flashgen.Problem) -> flashgen.Variant:
+    """The index-th sample variant of this loop order that is valid for the problem."""
+    candidates = CPU_VARIANTS[order]
+    for shift in range(len(candidates)):
+        v = candidates[(index + shift) % len(candidates)]
+        if flashgen.why_invalid(v, problem, INTERPRETER) is None:
+            return v
+    raise AssertionError("the 16x16 sample fits every problem")
+
+
+def _run_and_check(
+    order: str,
+    index: int,
+    causal: bool,
+    nq: int,
+    nk: int,
+    d: int,
+    dtype: torch.dtype,
+    heads: tuple[int, int],
+    layout: str,
+    device: str = "cpu",
+    variant: flashgen.Variant | None = None,
+) -> None:
+    hq, hkv = heads
+    q, k, v = make_inputs(1, hq, hkv, nq, nk, d, dtype, device, seed=index, layout=layout)
+    problem = flashgen.Problem.from_tensors(q, k, v, causal)
+    variant = variant or _fitting(order, index, problem)
+    out, lse = flashgen.attention(q, k, v, causal=causal, return_lse=True, variant=variant)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride() == q.stride()
+    result = compare(out, q, k, v, causal, lse=lse)
+    assert result.ok, f"{variant} on {problem} ({layout}): {result.reason}"
+
+
+# Main grid: loop order x causal x odd lengths x odd head dims. dtype, GQA and layout rotate
+# with the case index so every combination appears without multiplying the grid.
+GRID = list(itertools.product(("fa2", "fa1"), (False, True), (1, 33, 77, 130), (40, 64, 80)))
+
+
+@interpreter
+@pytest.mark.parametrize(("order", "causal", "n", "d"), GRID)
+def test_self_attention_grid(order: str, causal: bool, n: int, d: int) -> None:
+    index = GRID.index((order, causal, n, d))
+    dtype = (torch.float32, torch.float16)[index % 2]
+    heads = ((2, 2), (4, 2), (3, 1))[index % 3]
+    layout = ("bhnd", "bnhd")[(index // 2) % 2]
+    _run_and_check(order, index, causal, n, n, d, dtype, heads, layout)
+
+
+CROSS = list(
+    itertools.product(("fa2", "fa1"), (False, True), ((33, 77), (77, 33), (1, 130), (130, 1)))
+)
+
+
+@interpreter
+@pytest.mark.parametrize(("order", "causal", "lengths"), CROSS)
+def test_cross_attention(order: str, causal: bool, lengths: tuple[int, int]) -> None:
+    # Nq != Nk: with causal the diagonal is aligned bottom-right; Nq > Nk leaves early
+    # queries with no visible key, which must give 0 output and -inf LSE.
+    index = CROSS.index((order, causal, lengths))
+    dtype = (torch.float32, torch.float16)[index % 2]
+    _run_and_check(order, index, causal, *lengths, 40, dtype, (4, 2), "bhnd")
+
+
+@interpreter
+@pytest.mark.parametrize("order", ["fa2", "fa1"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads", [(2, 2), (4, 1)])
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+def test_dtype_gqa_layout(
+    order: str, dtype: torch.dtype, heads: tuple[int, int], layout: str
+) -> None:
+    _run_and_check(order, 1, True, 45, 45, 48, dtype, heads, layout)
+
+
+@interpreter
+@pytest.mark.parametrize("order", ["fa2", "fa1"])
+def test_every_sample_variant(order: str) -> None:
+    for index, variant in enumerate(CPU_VARIANTS[order]):
+        _run_and_check(
+            order,
+            index,
+            bool(index % 2),
+            70,
+            70,
+            32,
+            torch.float32,
+            (2, 1),
+            "bhnd",
+            variant=variant,
+        )
+
+
+@interpreter
+@pytest.mark.parametrize("d", [16, 24, 112, 256])
+def test_head_dim_range(d: int) -> None:
+    _run_and_check("fa2", 0, False, 20, 20, d, torch.float32, (1, 1), "bhnd")
+
+
+@interpreter
+def test_custom_scale_and_lse() -> None:
+    q, k, v = make_inputs(2, 2, 2, 40, 40, 32, torch.float32, seed=3)
+    out, lse = flashgen.attention(q, k, v, scale=0.3, return_lse=True)
+    assert compare(out, q, k, v, scale=0.3, lse=lse).ok
+    # The default scale is 1/sqrt(D); 0.3 must make a different result.
+    assert not torch.allclose(out, flashgen.attention(q, k, v))
+
+
+@interpreter
+def test_default_variant_runs_without_lse() -> None:
+    q, k, v = make_inputs(1, 2, 2, 33, 33, 64, torch.float16, seed=5)
+    out = flashgen.attention(q, k, v, causal=True)
+    assert isinstance(out, torch.Tensor)
+    assert compare(out, q, k, v, causal=True).ok
+
+
+# ---------------------------------------------------------------------------------- GPU
+GPU_SHAPES = [(128, 64), (1000, 64), (4096, 64), (1000, 128), (4096, 128)]
+
+
+@gpu
+@pytest.mark.parametrize("order", ["fa2", "fa1"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("n", "d"), GPU_SHAPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_matches_reference(
+    order: str, dtype: torch.dtype, n: int, d: int, causal: bool
+) -> None:
+    heads = (4, 2) if n < 4096 else (2, 2)
+    q, k, v = make_inputs(1, *heads, n, n, d, dtype, "cuda", seed=n + d)
+    problem = flashgen.Problem.from_tensors(q, k, v, causal)
+    variant = flashgen.default_variant(problem, q.device)
+    if order == "fa1":
+        variant = flashgen.Variant("fa1", 64, 64, 4, 2)
+    out, lse = flashgen.attention(q, k, v, causal=causal, return_lse=True, variant=variant)
+    result = compare(out, q, k, v, causal, lse=lse)
+    assert result.ok, f"{variant} on {problem}: {result.reason}"
+
+
+@gpu
+@pytest.mark.parametrize("d", [40, 80, 96, 112, 160, 192, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_gpu_odd_head_dims(d: int, dtype: torch.dtype) -> None:
+    _run_and_check(
+        "fa2",
+        d,
+        True,
+        333,
+        517,
+        d,
+        dtype,
+        (8, 2),
+        "bnhd",
+        device="cuda",
+        variant=flashgen.default_variant(
+            flashgen.Problem(
+                1,
+                8,
+                2,
+                333,
+                517,
+                d,
+                {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype],
+                True,
+            ),
+            "cuda",
+        ),
+    )
+
+
+@gpu
+@pytest.mark.parametrize("order", ["fa2", "fa1"])
+def test_gpu_search_space_sample(order: str) -> None:
+    """A spread of the real search space compiles and matches on the GPU."""
+    problem = flashgen.Problem(2, 4, 2, 777, 777, 64, "bf16", True)
+    space = [v for v in flashgen.search_space(problem, "cuda") if v.loop_order == order]
+    sample = space[:: max(1, len(space) // 8)]
+    q, k, v = make_inputs(2, 4, 2, 777, 777, 64, torch.bfloat16, "cuda", seed=11)
+    for variant in sample:
+        out = flashgen.attention(q, k, v, causal=True, variant=variant)
+        result = compare(out, q, k, v, causal=True)
+        assert result.ok, f"{variant}: {result.reason}"

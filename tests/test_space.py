@@ -1,0 +1,117 @@
+"""Variants, the search space's rules, and rendering: no kernel runs here."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import flashgen
+from flashgen.hardware import INTERPRETER, DeviceInfo
+from flashgen.space import all_points, shared_memory_bytes
+
+PROBLEMS = [
+    flashgen.Problem(1, 8, 2, 77, 130, 40, "fp16", True),
+    flashgen.Problem(2, 16, 16, 4096, 4096, 128, "bf16", False),
+    flashgen.Problem(1, 4, 4, 1, 33, 256, "fp32", True),
+]
+SMALL_GPU = DeviceInfo("small-gpu", (8, 0), 108, 101376)
+
+
+def test_variant_is_frozen_hashable_and_round_trips() -> None:
+    v = flashgen.Variant("fa1", 32, 64, 4, 2)
+    assert hash(v) == hash(flashgen.Variant.from_dict(v.to_dict()))
+    assert flashgen.Variant.from_json(json.dumps(v.to_dict())) == v
+    with pytest.raises(AttributeError):
+        v.block_m = 64  # type: ignore[misc]
+    with pytest.raises(ValueError, match="unknown variant parameters"):
+        flashgen.Variant.from_dict({**v.to_dict(), "blockm": 3})
+
+
+@pytest.mark.parametrize("problem", PROBLEMS, ids=str)
+@pytest.mark.parametrize("device", [INTERPRETER, SMALL_GPU], ids=lambda d: d.name)
+def test_space_holds_exactly_the_valid_points(
+    problem: flashgen.Problem, device: DeviceInfo
+) -> None:
+    space = flashgen.search_space(problem, device)
+    assert space, "every problem has at least one valid variant"
+    assert {v.loop_order for v in space} == {"fa1", "fa2"}
+    excluded = [v for v in all_points() if v not in set(space)]
+    assert excluded, "the rules must exclude something on these problems"
+    for v in excluded:
+        assert flashgen.why_invalid(v, problem, device)
+    for v in space:
+        assert shared_memory_bytes(v, problem) <= device.shared_memory
+        assert v.block_m <= max(16, 1 << (problem.seq_q - 1).bit_length())
+        assert v.block_n <= max(16, 1 << (problem.seq_k - 1).bit_length())
+    assert flashgen.default_variant(problem, device) in space
+
+
+def test_rules_name_the_reason() -> None:
+    p = flashgen.Problem(1, 1, 1, 8, 8, 256, "fp32")
+    assert "longer than" in flashgen.why_invalid(flashgen.Variant("fa2", 64, 16, 4, 1), p)
+    big = flashgen.Problem(1, 1, 1, 4096, 4096, 256, "fp16")
+    reason = flashgen.why_invalid(flashgen.Variant("fa2", 128, 128, 8, 4), big, SMALL_GPU)
+    assert "shared memory" in reason
+
+
+@pytest.mark.parametrize("problem", PROBLEMS, ids=str)
+def test_every_variant_renders_to_valid_python(problem: flashgen.Problem) -> None:
+    for v in flashgen.search_space(problem, INTERPRETER):
+        source = flashgen.render(v, problem)
+        tree = ast.parse(source)
+        names = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+        assert "attn_fwd" in names
+        assert f"BLOCK_M: tl.constexpr = {v.block_m}" in source
+        assert f"BLOCK_N: tl.constexpr = {v.block_n}" in source
+
+
+def test_render_is_deterministic_and_cached() -> None:
+    v, p = flashgen.Variant("fa2", 64, 32, 4, 2), PROBLEMS[0]
+    first = flashgen.render(v, p)
+    assert flashgen.render(v, p) is first  # served from the content cache
+    # Lengths and batch are runtime arguments: they do not change the source.
+    assert flashgen.render(v, p.with_(seq_q=999, seq_k=5, batch=7)) == first
+    assert flashgen.render(v, p.with_(causal=False)) != first
+    assert "if causal" not in first and "{%" not in first
+
+
+def test_render_works_from_any_directory(tmp_path: Path) -> None:
+    code = (
+        "import flashgen, hashlib;"
+        "p = flashgen.Problem(1, 2, 1, 33, 33, 80, 'fp16', True);"
+        "print(hashlib.sha256(flashgen.render(flashgen.Variant(), p).encode()).hexdigest())"
+    )
+    here = flashgen.render(flashgen.Variant(), flashgen.Problem(1, 2, 1, 33, 33, 80, "fp16", True))
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    import hashlib
+
+    assert out == hashlib.sha256(here.encode()).hexdigest()
+
+
+def test_template_hash_is_stable() -> None:
+    assert flashgen.template_hash() == flashgen.template_hash()
+    assert len(flashgen.template_hash()) == 16
+
+
+def test_problem_parse_and_errors() -> None:
+    p = flashgen.Problem.parse("2,32,8,1024,1024,128", "bf16", True)
+    assert (p.batch, p.group, p.padded_head_dim) == (2, 4, 128)
+    with pytest.raises(ValueError, match="B,Hq,Hkv,Nq,Nk,D"):
+        flashgen.Problem.parse("2,32,8,1024")
+    with pytest.raises(ValueError, match="multiple"):
+        flashgen.Problem(1, 6, 4, 8, 8, 64)
+    with pytest.raises(ValueError, match="head dim"):
+        flashgen.Problem(1, 1, 1, 8, 8, 512)
+
+
+def test_causal_flops_count_the_visible_half() -> None:
+    full = flashgen.Problem(1, 1, 1, 1024, 1024, 64)
+    causal = full.with_(causal=True)
+    assert causal.flops() == pytest.approx(full.flops() * (1024 + 1) / 2 / 1024)
