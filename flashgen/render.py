@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.resources
 import importlib.util
 import os
 import tempfile
@@ -21,13 +20,11 @@ from typing import Any
 import jinja2
 
 from flashgen.problem import Problem
+from flashgen.resources import data_dir
 from flashgen.variant import Variant
 
-TEMPLATE_PACKAGE = "flashgen.templates"
-
-
 def _template_files() -> dict[str, str]:
-    root = importlib.resources.files(TEMPLATE_PACKAGE)
+    root = data_dir("templates")
     return {
         entry.name: entry.read_text(encoding="utf-8")
         for entry in root.iterdir()
