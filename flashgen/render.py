@@ -23,6 +23,7 @@ from flashgen.problem import Problem
 from flashgen.resources import data_dir
 from flashgen.variant import Variant
 
+
 def _template_files() -> dict[str, str]:
     root = data_dir("templates")
     return {

@@ -18,5 +18,5 @@ def data_dir(name: str) -> Traversable:
     """The folder `name` ("templates" or "tuning_db") of package data."""
     try:
         return importlib.resources.files(f"flashgen.{name}")
-    except ModuleNotFoundError:
+    except ImportError:
         return _SOURCE_ROOT / name
