@@ -1,0 +1,70 @@
+"""The yardstick: torch's scaled_dot_product_attention at its best on the same device.
+
+SDPA picks a backend by heuristics, not by speed, so each backend that accepts the problem
+(cuDNN, FlashAttention, memory-efficient) is timed on its own and the fastest one is the
+baseline. A speed-up over anything slower would flatter the generated kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from flashgen.timing import Timing
+
+Timer = Callable[[Callable[[], object]], Timing]
+
+
+@dataclass(frozen=True)
+class Baseline:
+    backend: str  # "cudnn", "flash", "efficient", or "cpu" on the interpreter device
+    timing: Timing
+
+
+def _sdpa_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               causal: bool) -> Callable[[], object]:
+    kwargs: dict[str, object] = {}
+    if q.shape[1] != k.shape[1]:
+        kwargs["enable_gqa"] = True
+    nq, nk = q.shape[2], k.shape[2]
+    if causal and nq != nk:
+        # is_causal aligns top-left; flashgen (and FlashAttention 2+) align bottom-right.
+        from torch.nn.attention.bias import causal_lower_right
+
+        kwargs["attn_mask"] = causal_lower_right(nq, nk)
+    else:
+        kwargs["is_causal"] = causal
+    return lambda: F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+def _backends() -> dict[str, object]:
+    from torch.nn.attention import SDPBackend
+
+    names = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION",
+             "efficient": "EFFICIENT_ATTENTION"}
+    return {name: getattr(SDPBackend, attr) for name, attr in names.items()
+            if hasattr(SDPBackend, attr)}
+
+
+def sdpa_baseline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                  timer: Timer) -> Baseline | None:
+    """The fastest SDPA backend on q, k, v (None if none accepts them)."""
+    call = _sdpa_call(q, k, v, causal)
+    if q.device.type == "cpu":
+        return Baseline("cpu", timer(call))
+    from torch.nn.attention import sdpa_kernel
+
+    best: Baseline | None = None
+    for name, backend in _backends().items():
+        try:
+            with sdpa_kernel([backend]):
+                call()  # raises if this backend cannot take the problem
+                timing = timer(call)
+        except RuntimeError:
+            continue
+        if best is None or timing.median_ms < best.timing.median_ms:
+            best = Baseline(name, timing)
+    return best

@@ -1,0 +1,220 @@
+"""The `flashgen` command: tune kernels into the database, and show what it holds.
+
+Imports of torch-facing modules happen inside the commands: `--device cpu` must set
+TRITON_INTERPRET=1 before anything imports triton, and `--help` should not wait for them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from flashgen.tuner import TuneResult
+
+app = typer.Typer(
+    help="Generate, autotune and store Triton flash-attention kernels.",
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode=None,
+)
+
+DbOption = Annotated[
+    Path | None,
+    typer.Option("--db", envvar="FLASHGEN_DB", dir_okay=False,
+                 help="Tuning database file (default: $FLASHGEN_DB, else "
+                      "~/.cache/flashgen/tuning.db)."),
+]
+
+#: Trials per problem when neither --trials nor --timeout is given.
+DEFAULT_TRIALS = 50
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(2)
+
+
+def _console() -> Console:
+    """A console for tables; piped output gets a wide one, since no terminal sets a width
+    and rich's default of 80 columns squeezes the tables into unreadable stacks."""
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=200)
+
+
+def _use_interpreter() -> None:
+    """Make the Triton interpreter run the kernels; only possible before triton is imported."""
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        raise _fail("triton was imported before --device cpu could select its interpreter")
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+@app.command()
+def tune(
+    shape: Annotated[list[str] | None, typer.Option(
+        "--shape", metavar="B,Hq,Hkv,Nq,Nk,D",
+        help="A problem: batch, query heads, key/value heads, query and key lengths, head "
+             "dim. Repeatable.")] = None,
+    preset: Annotated[list[str] | None, typer.Option(
+        "--preset", metavar="NAME",
+        help="A named set of problems (see `flashgen presets`), e.g. fa-bench or llama3-8b. "
+             "Repeatable.")] = None,
+    dtype: Annotated[str, typer.Option(
+        metavar="LIST", help="Comma-separated input dtypes to tune: fp16, bf16, fp32.")] = "fp16",
+    causal: Annotated[str, typer.Option(
+        metavar="yes|no|both", help="Masking to tune: yes (causal), no (full), or both.")] = "no",
+    trials: Annotated[int | None, typer.Option(
+        min=0, help=f"New variants to measure per problem (pruned and resumed ones are "
+                    f"free). Default {DEFAULT_TRIALS} when --timeout is not given.")] = None,
+    timeout: Annotated[float | None, typer.Option(
+        min=0, help="Seconds of tuning per problem (with --trials: whichever ends "
+                    "first).")] = None,
+    gpu: Annotated[int, typer.Option(
+        min=0, help="Index of the CUDA GPU to tune on.")] = 0,
+    device: Annotated[str, typer.Option(
+        metavar="cuda|cpu",
+        help="cuda, or cpu to run tiny problems through the Triton interpreter (tests the "
+             "pipeline; its timings say nothing about GPUs).")] = "cuda",
+    seed: Annotated[int, typer.Option(
+        help="Seed of the sampler and of all random inputs: equal seeds repeat a run.")] = 0,
+    compile_workers: Annotated[int, typer.Option(
+        min=1, help="Threads compiling candidates ahead of timing; also how many trials are "
+                    "asked of the sampler at once.")] = min(16, os.cpu_count() or 1),
+    db: DbOption = None,
+) -> None:
+    """Tune every problem: search variants with Optuna, check each against the reference,
+    time the correct ones, and store all trials and the winners in the database."""
+    if device not in ("cuda", "cpu"):
+        raise _fail(f"--device must be cuda or cpu, got {device!r}")
+    if device == "cpu":
+        _use_interpreter()
+    if not shape and not preset:
+        raise _fail("give at least one --shape or --preset")
+    if trials is None and timeout is None:
+        trials = DEFAULT_TRIALS
+
+    from flashgen import presets
+
+    try:
+        problems = presets.expand(shape or [], preset or [], presets.parse_dtypes(dtype),
+                                  presets.parse_causal(causal))
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    _run_tuning(problems, device, gpu, trials, timeout, seed, compile_workers, db)
+
+
+def _run_tuning(problems: list, device_type: str, gpu: int, trials: int | None,
+                timeout: float | None, seed: int, compile_workers: int,
+                db_path: Path | None) -> None:
+    import optuna
+    import torch
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    from flashgen.bench import KernelBench
+    from flashgen.db import TuningDB
+    from flashgen.hardware import device_info
+    from flashgen.report import results_table
+    from flashgen.tuner import tune_problem
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if device_type == "cuda":
+        if not torch.cuda.is_available():
+            raise _fail("no CUDA GPU is visible; use --device cpu for the interpreter")
+        if gpu >= torch.cuda.device_count():
+            raise _fail(f"--gpu {gpu}: only {torch.cuda.device_count()} GPU(s) visible")
+        target = torch.device("cuda", gpu)
+    else:
+        target = torch.device("cpu")
+    info = device_info(target)
+    batch = compile_workers if device_type == "cuda" else 1
+    run_id = uuid.uuid4().hex[:12]
+    console = _console()
+    results: list[TuneResult] = []
+    with TuningDB(db_path) as database, Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("best {task.fields[best]}"), TextColumn("{task.fields[last]}"),
+        TimeElapsedColumn(), console=Console(stderr=True),
+    ) as progress:
+        progress.console.print(f"tuning {len(problems)} problem(s) on {info.name} "
+                               f"(db: {database.path})")
+        try:
+            for problem in problems:
+                task = progress.add_task(str(problem), total=trials, best="-", last="")
+
+                def show(r: TuneResult, task: int = task) -> None:
+                    best = f"{r.best_tflops:.3g} TFLOP/s" if r.best_tflops else "-"
+                    progress.update(task, completed=r.measured, best=best, last=r.last[:50])
+
+                bench = KernelBench(problem, target, seed=seed, compile_workers=compile_workers)
+                results.append(tune_problem(
+                    problem, bench, database, info, trials=trials, timeout=timeout,
+                    seed=seed, batch=batch, run_id=run_id, on_progress=show))
+        except KeyboardInterrupt:
+            progress.console.print("interrupted: results so far are in the database")
+    console.print(results_table(results))
+
+
+@app.command()
+def show(
+    db: DbOption = None,
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="Print the winners as JSON instead of a table.")] = False,
+    current: Annotated[bool, typer.Option(
+        help="Only winners that the installed Triton and templates can use.")] = False,
+) -> None:
+    """List the winners in the tuning database, one per key (device, versions, dtype, mask,
+    head dim, GQA ratio and sequence-length buckets)."""
+    from flashgen.db import TuningDB, default_db_path
+    from flashgen.report import is_current, winners_table
+    from flashgen.tuning_key import Versions
+
+    path = db or default_db_path()
+    if not path.exists():
+        raise _fail(f"no tuning database at {path}")
+    versions = Versions.current()
+    with TuningDB(path) as database:
+        winners = [w for w in database.all_winners()
+                   if not current or is_current(w, versions)]
+    if as_json:
+        typer.echo(json.dumps([{**w.to_dict(), "current": is_current(w, versions)}
+                               for w in winners], indent=2))
+    else:
+        _console().print(winners_table(winners, versions))
+
+
+@app.command("presets")
+def list_presets() -> None:
+    """List the problem presets that `flashgen tune --preset` accepts."""
+    from rich.table import Table
+
+    from flashgen.presets import PRESETS
+
+    table = Table(title="flashgen presets")
+    for column in ("name", "problems", "description", "(B, Hq, Hkv, Nq, Nk, D)"):
+        table.add_column(column)
+    for name, p in PRESETS.items():
+        shapes = p.shapes()
+        table.add_row(name, str(len(shapes)), p.description,
+                      " ".join(",".join(map(str, s)) for s in shapes[:2]) + " ...")
+    _console().print(table)
+
+
+if __name__ == "__main__":
+    app()

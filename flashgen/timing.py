@@ -1,0 +1,104 @@
+"""Timing a kernel launch: CUDA events on a GPU, `time.perf_counter` on the interpreter.
+
+A GPU measurement is the median of many launches, each preceded by a write of a buffer larger
+than L2 so every launch reads its inputs from HBM, as it would inside a model where other
+layers evict them. The spread (20th and 80th percentiles) is kept so a reader can tell a real
+difference from noise.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+#: Larger than the L2 cache of every current GPU (H100/H200: 50 MB, B200: 126 MB).
+FLUSH_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Milliseconds per call over `reps` launches."""
+
+    median_ms: float
+    p20_ms: float
+    p80_ms: float
+    reps: int
+
+    @classmethod
+    def from_samples(cls, samples: list[float]) -> Timing:
+        if not samples:
+            raise ValueError("no timing samples")
+        ordered = sorted(samples)
+        return cls(statistics.median(ordered), _percentile(ordered, 0.2),
+                   _percentile(ordered, 0.8), len(ordered))
+
+
+def _percentile(ordered: list[float], q: float) -> float:
+    # Linear interpolation between closest ranks (numpy's default method).
+    pos = q * (len(ordered) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def tflops(flops: float, ms: float) -> float:
+    """Throughput of `flops` work done in `ms` milliseconds, in TFLOP/s."""
+    return flops / (ms * 1e-3) / 1e12
+
+
+@functools.cache
+def _flush_buffer(device: torch.device) -> torch.Tensor:
+    return torch.empty(FLUSH_BYTES, dtype=torch.int8, device=device)
+
+
+def time_cuda(
+    fn: Callable[[], object], device: torch.device, *, warmup_ms: float = 25.0,
+    rep_ms: float = 100.0, min_reps: int = 10, max_reps: int = 200,
+) -> Timing:
+    """Median time of `fn` on `device`, with L2 flushed before every launch.
+
+    The first call (compilation, autotuning caches, allocator growth) is never timed; then
+    roughly `warmup_ms` of untimed calls, then enough timed ones to fill `rep_ms`, within
+    [min_reps, max_reps].
+    """
+    flush = _flush_buffer(device)
+    with torch.cuda.device(device):
+        fn()
+        torch.cuda.synchronize()
+        estimate = _events(fn, flush, 3)
+        per_call = max(statistics.median(estimate), 1e-3)
+        for _ in range(max(1, int(warmup_ms / per_call))):
+            fn()
+        reps = min(max_reps, max(min_reps, int(rep_ms / per_call)))
+        return Timing.from_samples(_events(fn, flush, reps))
+
+
+def _events(fn: Callable[[], object], flush: torch.Tensor, reps: int) -> list[float]:
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for start, end in zip(starts, ends, strict=True):
+        # The flush also gives the CPU time to queue the launch, so Python overhead does not
+        # leak into the timed span (the GPU is busy while the next launch is prepared).
+        flush.zero_()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
+
+
+def time_cpu(fn: Callable[[], object], *, warmup: int = 1, reps: int = 3) -> Timing:
+    """Wall-clock time of `fn` (the interpreter: only the pipeline is tested, not speed)."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return Timing.from_samples(samples)
