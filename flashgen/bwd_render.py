@@ -1,0 +1,63 @@
+"""BwdVariant + problem -> the three backward kernels' Triton sources, and their loaded kernels.
+
+The forward's renderer does the work (same Jinja environment, same hash-named source files,
+same caches); this module only says which template each backward kernel comes from and what
+each one may read. `flashgen.render.template_hash` already covers these templates.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from flashgen.bwd_variant import BwdVariant
+from flashgen.problem import Problem
+from flashgen.render import _load_module, _render, source_hash
+
+BwdKernel = Literal["preprocess", "dkdv", "dq"]
+BWD_KERNELS: tuple[str, ...] = ("preprocess", "dkdv", "dq")
+
+#: Query rows per preprocessing program. It only streams O and dO once, so the tile size is a
+#: fixed choice rather than a search-space knob.
+PREPROCESS_BLOCK_M = 64
+
+
+def bwd_template_name(kernel: BwdKernel) -> str:
+    return f"attn_bwd_{kernel}.py.jinja"
+
+
+def bwd_render_context(kernel: BwdKernel, variant: BwdVariant, problem: Problem) -> dict[str, Any]:
+    """Everything the `kernel` template may depend on. Lengths, batch and heads stay runtime
+    arguments, so one compiled kernel serves every shape of the same head dim and dtype."""
+    context: dict[str, Any] = {
+        "head_dim": problem.head_dim,
+        "block_d": problem.padded_head_dim,
+    }
+    if kernel == "preprocess":
+        context["block_m"] = PREPROCESS_BLOCK_M
+        return context
+    context["causal"] = problem.causal
+    # fp32 inputs get true fp32 products: tf32 would lose ~3 decimal digits.
+    context["dot_precision"] = "ieee" if problem.dtype == "fp32" else "tf32"
+    if kernel == "dkdv":
+        context["block_m"] = variant.block_m
+        context["block_n"] = variant.block_n
+        context["atomic_dq"] = variant.dq_mode == "atomic"
+    elif kernel == "dq":
+        # The owned tile is block_n in both kernels (see BwdVariant), so the pair swaps here.
+        context["block_m"] = variant.block_n
+        context["block_n"] = variant.block_m
+    else:
+        raise ValueError(f"unknown backward kernel {kernel!r}; use one of {BWD_KERNELS}")
+    return context
+
+
+def render_bwd(kernel: BwdKernel, variant: BwdVariant, problem: Problem) -> str:
+    """The Triton source of one backward kernel (cached on what its template reads)."""
+    context = tuple(sorted(bwd_render_context(kernel, variant, problem).items()))
+    return _render(bwd_template_name(kernel), context)
+
+
+def load_bwd_kernel(kernel: BwdKernel, variant: BwdVariant, problem: Problem) -> Any:
+    """The Triton JIT function `attn_bwd_<kernel>` (compiled lazily by Triton at launch)."""
+    source = render_bwd(kernel, variant, problem)
+    return getattr(_load_module(source_hash(source), source), f"attn_bwd_{kernel}")

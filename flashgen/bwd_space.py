@@ -1,0 +1,164 @@
+"""The backward search space: every BwdVariant, and the named rules that drop unworkable ones.
+
+Same shape as `flashgen.space` for the forward: one grid, a tuple of named rules, and a
+hand-picked default that is valid for every problem.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+from flashgen.bwd_variant import DQ_MODES, BwdVariant
+from flashgen.hardware import DeviceInfo, device_info
+from flashgen.problem import Problem
+from flashgen.space import MAX_ACC_PER_THREAD
+
+#: 256-row tiles are left out: dK and dV of a 256-key tile alone would fill every register.
+BWD_BLOCK_SIZES = (16, 32, 64, 128)
+BWD_WARPS = (2, 4, 8)
+BWD_STAGES = (1, 2, 3, 4)
+
+
+def _pow2_at_least_16(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def bwd_shared_memory_bytes(v: BwdVariant, p: Problem) -> int:
+    """Estimate the shared memory of the bigger backward kernel.
+
+    Both kernels stage the owned pair of tiles (K and V, or Q and dO: 2 x block_n x D), the
+    streamed pair per pipeline stage (2 x block_m x D each), and one block_n x block_m
+    probability tile on its way into a dot, so one formula covers dK/dV and dQ.
+    """
+    elem = 4 if p.dtype == "fp32" else 2
+    d = p.padded_head_dim
+    stages = max(1, v.num_stages)
+    return elem * (d * (2 * v.block_n + 2 * v.block_m * stages) + v.block_n * v.block_m)
+
+
+BwdRule = Callable[[BwdVariant, Problem, DeviceInfo], str | None]
+
+
+def block_m_longer_than_needed(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:
+    # block_m steps over queries in dK/dV and over keys in the separate dQ kernel.
+    if v.block_m > _pow2_at_least_16(p.seq_q):
+        return f"block_m {v.block_m} is longer than the {p.seq_q} queries need"
+    if v.dq_mode == "separate" and v.block_m > _pow2_at_least_16(p.seq_k):
+        return f"block_m {v.block_m} is longer than the dQ kernel's {p.seq_k} keys need"
+    return None
+
+
+def block_n_longer_than_needed(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:
+    # block_n is the owned tile: keys in dK/dV, queries in the separate dQ kernel.
+    if v.block_n > _pow2_at_least_16(p.seq_k):
+        return f"block_n {v.block_n} is longer than the {p.seq_k} keys need"
+    if v.dq_mode == "separate" and v.block_n > _pow2_at_least_16(p.seq_q):
+        return f"block_n {v.block_n} is longer than the dQ kernel's {p.seq_q} queries need"
+    return None
+
+
+def shared_memory_overflow(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:
+    need = bwd_shared_memory_bytes(v, p)
+    if need > dev.shared_memory:
+        return f"needs ~{need} B of shared memory, device has {dev.shared_memory}"
+    return None
+
+
+def accumulators_too_large(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:
+    # dK/dV is the heavier kernel: dK and dV (2 x block_n x D fp32) plus two live
+    # block_n x block_m score tiles (P and dP, then dS) sit in registers across its threads.
+    threads = 32 * v.num_warps
+    per_thread = 2 * v.block_n * (p.padded_head_dim + v.block_m) // threads
+    if per_thread > 2 * MAX_ACC_PER_THREAD:
+        return (
+            f"{per_thread} accumulator registers per thread "
+            "(2 x block_n x (D + block_m) too big for the warps)"
+        )
+    return None
+
+
+def too_many_warps(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:
+    # The owned tile's rows are split across warps, at least 16 rows per warp's matrix
+    # instructions; more warps than that leave some idle or duplicate work.
+    if v.num_warps > max(1, v.block_n // 16) * 2:
+        return f"{v.num_warps} warps for a {v.block_n}-row owned tile"
+    return None
+
+
+BWD_RULES: tuple[BwdRule, ...] = (
+    block_m_longer_than_needed,
+    block_n_longer_than_needed,
+    shared_memory_overflow,
+    accumulators_too_large,
+    too_many_warps,
+)
+
+
+def why_invalid_bwd(
+    v: BwdVariant, p: Problem, device: DeviceInfo | str | None = None
+) -> str | None:
+    """The first rule `v` breaks for problem `p` on `device`, or None if the variant is valid."""
+    dev = device_info(device)
+    if v.dq_mode not in DQ_MODES:
+        return f"unknown dq_mode {v.dq_mode!r}; use one of {DQ_MODES}"
+    if v.block_m not in BWD_BLOCK_SIZES or v.block_n not in BWD_BLOCK_SIZES:
+        return f"block sizes must be among {BWD_BLOCK_SIZES}"
+    if v.num_warps not in BWD_WARPS and v.num_warps != 1:
+        return f"num_warps must be among {BWD_WARPS}"
+    if v.num_stages < 1:
+        return "num_stages must be at least 1"
+    for rule in BWD_RULES:
+        reason = rule(v, p, dev)
+        if reason:
+            return reason
+    return None
+
+
+def all_bwd_points() -> list[BwdVariant]:
+    """Every point before the validity rules: the full grid."""
+    return [
+        BwdVariant(bm, bn, w, s, mode)
+        for mode, bm, bn, w, s in itertools.product(
+            DQ_MODES, BWD_BLOCK_SIZES, BWD_BLOCK_SIZES, BWD_WARPS, BWD_STAGES
+        )
+    ]
+
+
+def bwd_search_space(problem: Problem, device: DeviceInfo | str | None = None) -> list[BwdVariant]:
+    """The valid backward variants for `problem` on `device`, in a stable order."""
+    dev = device_info(device)
+    return [v for v in all_bwd_points() if why_invalid_bwd(v, problem, dev) is None]
+
+
+def default_bwd_variant(problem: Problem, device: DeviceInfo | str | None = None) -> BwdVariant:
+    """A hand-picked backward variant valid for any problem: the answer when nothing was tuned.
+
+    Untimed guesses for H100/H200 in the spirit of FlashAttention 2's backward: a big owned
+    key tile (128) with a narrower query step, more warps as the head dim grows, smaller
+    tiles for D > 128 where dK and dV alone take half the registers. The separate dQ kernel
+    is preferred for being deterministic. Later entries step down to the 16 x 16 tile, which
+    every problem admits.
+    """
+    dev = device_info(device)
+    d = problem.padded_head_dim
+    deep = 3 if dev.is_hopper else 2
+    if d <= 64:
+        first = [BwdVariant(32, 128, 4, deep), BwdVariant(64, 128, 8, deep)]
+    elif d <= 128:
+        first = [BwdVariant(64, 128, 8, 2), BwdVariant(32, 128, 8, 2)]
+    else:
+        first = [BwdVariant(32, 64, 8, 2), BwdVariant(32, 64, 8, 1)]
+    prefs = [
+        *first,
+        BwdVariant(64, 64, 4, 2),
+        BwdVariant(32, 64, 4, 2),
+        BwdVariant(32, 32, 4, 1),
+        BwdVariant(16, 32, 4, 1),
+        BwdVariant(32, 16, 2, 1),
+        BwdVariant(16, 16, 2, 1),
+    ]
+    for v in prefs:
+        if why_invalid_bwd(v, problem, dev) is None:
+            return v
+    raise AssertionError(f"no default backward variant fits {problem}")

@@ -1,0 +1,65 @@
+"""One point of the backward kernels' search space."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Literal
+
+DqMode = Literal["separate", "atomic"]
+DQ_MODES: tuple[str, ...] = ("separate", "atomic")
+
+
+@dataclass(frozen=True)
+class BwdVariant:
+    """Everything that tells two generated backward passes apart.
+
+    The backward runs up to three kernels: preprocessing (delta = rowsum(dO * O)), dK/dV
+    (each program owns `block_n` keys and streams query blocks of `block_m` rows), and dQ.
+
+    block_n: the tile a program owns and accumulates in fp32 registers: keys in dK/dV, query
+        rows in the separate dQ kernel. block_m: the tile streamed past it per inner step:
+        query rows in dK/dV, keys in dQ. The dQ kernel takes the pair swapped rather than
+        having its own knobs because in both kernels the owned tile wants to be the big one
+        (it sets how often each streamed load is reused) and the streamed one the small one
+        (it sets the score tiles' register cost); two more independent knobs would square the
+        search space for little gain.
+    num_warps / num_stages: warps per program and pipelining depth of the streamed loads, for
+        the dK/dV and dQ kernels alike.
+    dq_mode: "separate" runs the dQ kernel (deterministic, recomputes S and dP); "atomic" adds
+        each K block's share of dQ with fp32 atomics inside the dK/dV kernel (no recompute,
+        but atomic traffic, an fp32 scratch buffer and a run-to-run nondeterministic sum order).
+    """
+
+    block_m: int = 64
+    block_n: int = 128
+    num_warps: int = 8
+    num_stages: int = 2
+    dq_mode: DqMode = "separate"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BwdVariant:
+        """Build from a dict; unknown keys are an error so a typo never silently tunes nothing."""
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(
+                f"unknown backward variant parameters {sorted(unknown)}; known: {sorted(known)}"
+            )
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> BwdVariant:
+        return cls.from_dict(json.loads(text))
+
+    def __str__(self) -> str:
+        return (
+            f"bwd-{self.dq_mode} m{self.block_m} n{self.block_n} "
+            f"w{self.num_warps} s{self.num_stages}"
+        )
