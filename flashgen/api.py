@@ -1,15 +1,21 @@
-"""The public call: `flashgen.attention`."""
+"""The public calls: `flashgen.attention` and `flashgen.explain`."""
 
 from __future__ import annotations
 
 import torch
 
-from flashgen.forward import run_forward
-from flashgen.hardware import device_info
-from flashgen.problem import Problem
-from flashgen.space import default_variant, why_invalid
-from flashgen.validate import check_inputs, check_runnable
+from flashgen import ops
+from flashgen.dispatch import Choice, Dispatcher, default_dispatcher
 from flashgen.variant import Variant
+
+
+def _needs_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """The registered op is needed under torch.compile and for autograd; eager inference
+    skips its few microseconds of overhead and calls the dispatcher directly."""
+    if torch.compiler.is_compiling():
+        return True
+    # getattr: non-tensors must reach the input checks and their TypeError, not fail here.
+    return torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v))
 
 
 def attention(
@@ -21,26 +27,37 @@ def attention(
     scale: float | None = None,
     return_lse: bool = False,
     variant: Variant | None = None,
+    dispatcher: Dispatcher | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention softmax(q k^T * scale) v with q (B, Hq, Nq, D) and k, v (B, Hkv, Nk, D).
 
     k and v may have fewer heads than q (GQA/MQA; Hq % Hkv == 0). Causal masking is aligned
     bottom-right when Nq != Nk. Any strides are accepted, e.g. a (B, N, H, D) tensor transposed
-    to (B, H, N, D). With `variant=` exactly that variant runs (an invalid one is an error,
-    never a silent fallback); without it, a default variant for the problem.
+    to (B, H, N, D). Without `variant=` the tuned winner for this GPU and shape runs (see
+    `explain`); with it exactly that variant runs (an invalid one is an error, never a silent
+    fallback). `dispatcher` picks the databases (default: user, then shipped); under
+    torch.compile the shared default dispatcher decides.
     Returns the output (like q), and with `return_lse` also the log-sum-exp (B, Hq, Nq) fp32.
     """
-    check_inputs(q, k, v)
-    problem = Problem.from_tensors(q, k, v, causal)
-    device = device_info(q.device)
-    if variant is None:
-        variant = default_variant(problem, device)
-    else:
-        if not isinstance(variant, Variant):
+    if _needs_op(q, k, v):
+        if variant is not None and not isinstance(variant, Variant):
             raise TypeError(f"variant must be a flashgen.Variant, got {type(variant).__name__}")
-        reason = why_invalid(variant, problem, device)
-        if reason:
-            raise ValueError(f"variant {variant} is invalid for {problem}: {reason}")
-    check_runnable(q.device)
-    out, lse = run_forward(q, k, v, variant, problem, scale)
+        text = variant.to_json() if variant is not None else ""
+        out, lse = ops.attention_fwd(q, k, v, causal, scale, text)
+    else:
+        out, lse = (dispatcher or default_dispatcher()).forward(q, k, v, causal, scale, variant)
     return (out, lse) if return_lse else out
+
+
+def explain(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    variant: Variant | None = None,
+    dispatcher: Dispatcher | None = None,
+) -> Choice:
+    """Which variant `attention` would run for these inputs, why (exact hit, nearest bucket,
+    fallback, explicit) and from which database row. `print()` it for a one-line answer."""
+    return (dispatcher or default_dispatcher()).explain(q, k, v, causal=causal, variant=variant)

@@ -190,7 +190,8 @@ class TuningDB:
     def open_readonly(cls, path: str | Path) -> TuningDB:
         """Open an existing file for reading only: no migrations, no journal-mode change, and
         nothing is created, so it works on a database installed in a read-only place (the
-        one shipped in the package). Writes raise sqlite3.OperationalError."""
+        one shipped in the package). An older file simply lacks newer columns; the winner
+        queries use those of the first schema. Writes raise sqlite3.OperationalError."""
         self = cls.__new__(cls)
         self.path = Path(path)
         if not self.path.is_file():
@@ -205,17 +206,6 @@ class TuningDB:
             conn.close()
             conn = sqlite3.connect(f"{uri}?mode=ro&immutable=1", uri=True)
         self.db = sqlite_utils.Database(conn)
-        return self
-
-    @classmethod
-    def open_readonly(cls, path: str | Path) -> TuningDB:
-        """Open an existing database for reading only (dispatch; the shipped file may sit in
-        a read-only site-packages). No migrations run: an older file simply lacks newer
-        columns, and the queries dispatch makes are those of the first schema."""
-        self = cls.__new__(cls)
-        self.path = Path(path)
-        uri = f"{self.path.resolve().as_uri()}?mode=ro"
-        self.db = sqlite_utils.Database(sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_S))
         return self
 
     def close(self) -> None:

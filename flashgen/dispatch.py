@@ -1,0 +1,233 @@
+"""Tuned dispatch: which variant runs for a call, decided once per shape and then cached.
+
+Winners are read from the tuning databases once per process and device into a dict; the call
+path does no SQL. Sources, highest precedence first: a user database ($FLASHGEN_DB or the
+default user path) and the database shipped in the package's `tuning_db/`. For a problem:
+1. exact: a winner for its (dtype, causal, head dim, GQA ratio, Nq bucket, Nk bucket);
+2. nearest: the closest tuned length bucket of the same (dtype, causal, head dim, GQA ratio)
+   whose variant is valid for this problem (resources, block vs length);
+3. fallback: `default_variant`; if this GPU has no entries at all, one log line says how to
+   tune it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from flashgen.db import TuningDB, WinnerRow, default_db_path
+from flashgen.forward import Launcher, default_scale, prepare_forward
+from flashgen.hardware import DeviceInfo, device_info
+from flashgen.problem import Problem
+from flashgen.resources import data_dir
+from flashgen.space import default_variant, why_invalid
+from flashgen.tuning_key import seq_bucket
+from flashgen.validate import check_inputs, check_runnable
+from flashgen.variant import Variant
+
+log = logging.getLogger("flashgen")
+
+SHIPPED_DB_NAME = "flashgen.db"
+How = Literal["explicit", "exact", "nearest", "fallback"]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The variant a call runs, how it was found, and the database row behind it."""
+
+    variant: Variant
+    how: How
+    reason: str
+    source: str | None = None  # "<database path> winners[<key id>] trial <id>"
+
+    def __str__(self) -> str:
+        where = f"\n  from: {self.source}" if self.source else ""
+        return f"{self.variant} ({self.how}): {self.reason}{where}"
+
+
+@dataclass(frozen=True)
+class _Entry:
+    winner: WinnerRow
+    path: Path
+
+    def source(self) -> str:
+        return f"{self.path} winners[{self.winner.key.id}] trial {self.winner.trial_id}"
+
+
+_Family = tuple[str, bool, int, int]  # dtype, causal, head dim, GQA ratio
+
+
+def shipped_db_path() -> Path:
+    return Path(str(data_dir("tuning_db") / SHIPPED_DB_NAME))
+
+
+class Dispatcher:
+    """Serves the best cached variant for each call.
+
+    `db` names the databases to read, highest precedence first (default: the user database,
+    then the shipped one). Instances are cheap until first used on a device; the module-level
+    `flashgen.attention` uses one shared default instance.
+    """
+
+    def __init__(self, db: str | Path | Sequence[str | Path] | None = None) -> None:
+        if db is None:
+            self.paths = [default_db_path(), shipped_db_path()]
+        elif isinstance(db, (str, Path)):
+            self.paths = [Path(db)]
+        else:
+            self.paths = [Path(p) for p in db]
+        self._tables: dict[str, dict[_Family, list[_Entry]]] = {}
+        self._plans: dict[tuple, tuple[Launcher, Choice]] = {}
+
+    # ---- choosing ------------------------------------------------------------------------
+
+    def _table(self, device: DeviceInfo) -> dict[_Family, list[_Entry]]:
+        table = self._tables.get(device.key)
+        if table is not None:
+            return table
+        table = {}
+        seen: set[tuple] = set()
+        for path in self.paths:
+            if not path.is_file():
+                continue
+            with TuningDB.open_readonly(path) as db:
+                rows = db.load_winners(device.key)
+            for row in rows:
+                k = row.key
+                bucket = (k.dtype, k.causal, k.head_dim, k.gqa, k.seq_q_bucket, k.seq_k_bucket)
+                if bucket in seen:  # an earlier (higher-precedence) database has this bucket
+                    continue
+                seen.add(bucket)
+                table.setdefault(bucket[:4], []).append(_Entry(row, path))
+        if not table:
+            log.warning(
+                "flashgen: no tuned kernels for %s in %s; using default variants. Run "
+                "`flashgen tune --gpu 0 --preset fa-bench` (or --shape ...) to tune this GPU.",
+                device.name,
+                ", ".join(str(p) for p in self.paths),
+            )
+        self._tables[device.key] = table
+        return table
+
+    def choose(self, problem: Problem, device: DeviceInfo | str | None = None) -> Choice:
+        """Pick the variant for `problem` on `device`: exact hit, nearest bucket, or default."""
+        dev = device_info(device)
+        family = (problem.dtype, problem.causal, problem.head_dim, problem.group)
+        entries = self._table(dev).get(family, [])
+        want_q, want_k = seq_bucket(problem.seq_q), seq_bucket(problem.seq_k)
+
+        def distance(e: _Entry) -> tuple[float, int]:
+            k = e.winner.key
+            d = abs(math.log2(k.seq_q_bucket / want_q)) + abs(math.log2(k.seq_k_bucket / want_k))
+            return d, -k.seq_q_bucket  # ties: the longer bucket (better tuned for big work)
+
+        skipped: list[str] = []
+        for entry in sorted(entries, key=distance):
+            key = entry.winner.key
+            reason = why_invalid(entry.winner.variant, problem, dev)
+            if reason:
+                skipped.append(f"bucket Nq{key.seq_q_bucket}/Nk{key.seq_k_bucket}: {reason}")
+                continue
+            if (key.seq_q_bucket, key.seq_k_bucket) == (want_q, want_k):
+                return Choice(
+                    entry.winner.variant,
+                    "exact",
+                    f"tuned winner for this bucket ({key.seq_q_bucket}, {key.seq_k_bucket})",
+                    entry.source(),
+                )
+            return Choice(
+                entry.winner.variant,
+                "nearest",
+                f"no winner for bucket ({want_q}, {want_k}); nearest tuned bucket "
+                f"({key.seq_q_bucket}, {key.seq_k_bucket}) is valid here",
+                entry.source(),
+            )
+        why = (
+            "tuned buckets of this kind are invalid here: " + "; ".join(skipped)
+            if skipped
+            else f"nothing tuned for {problem.dtype} causal={problem.causal} "
+            f"D={problem.head_dim} GQA={problem.group} on {dev.name}"
+        )
+        return Choice(default_variant(problem, dev), "fallback", why)
+
+    # ---- running -------------------------------------------------------------------------
+
+    def _plan(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool,
+        variant: Variant | None,
+    ) -> tuple[Launcher, Choice]:
+        check_inputs(q, k, v)
+        problem = Problem.from_tensors(q, k, v, causal)
+        dev = device_info(q.device)
+        if variant is None:
+            choice = self.choose(problem, dev)
+        else:
+            reason = why_invalid(variant, problem, dev)
+            if reason:
+                raise ValueError(f"variant {variant} is invalid for {problem}: {reason}")
+            choice = Choice(variant, "explicit", "variant= was given")
+        check_runnable(q.device)
+        return prepare_forward(choice.variant, problem), choice
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool = False,
+        scale: float | None = None,
+        variant: Variant | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output, log-sum-exp) of the chosen variant. The fast path: after the first call of
+        a shape, a call is one dict lookup, two allocations and the kernel launch."""
+        try:
+            key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device,
+                   v.device, causal, variant)  # fmt: skip
+            plan = self._plans.get(key)
+        except (AttributeError, TypeError):  # not tensors, or not a Variant: _plan says which
+            key, plan = None, None
+        if plan is None:
+            _check_variant_type(variant)
+            plan = self._plan(q, k, v, causal, variant)
+            if key is not None:
+                self._plans[key] = plan
+        return plan[0](q, k, v, default_scale(q.shape[-1]) if scale is None else scale)
+
+    def explain(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        causal: bool = False,
+        variant: Variant | None = None,
+    ) -> Choice:
+        """Which variant `attention(q, k, v, causal=...)` would run, why, and from which row."""
+        _check_variant_type(variant)
+        return self._plan(q, k, v, causal, variant)[1]
+
+
+def _check_variant_type(variant: object) -> None:
+    if variant is not None and not isinstance(variant, Variant):
+        raise TypeError(f"variant must be a flashgen.Variant, got {type(variant).__name__}")
+
+
+_default: Dispatcher | None = None
+
+
+def default_dispatcher() -> Dispatcher:
+    """The shared dispatcher behind `flashgen.attention` (databases read on first use)."""
+    global _default
+    if _default is None:
+        _default = Dispatcher()
+    return _default

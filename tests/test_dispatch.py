@@ -1,0 +1,157 @@
+"""Tuned dispatch on the CPU: lookup, buckets, fallback, explain, precedence, torch.compile."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+import flashgen
+from flashgen.check import compare, make_inputs
+from flashgen.db import TuningDB
+from flashgen.hardware import INTERPRETER
+from flashgen.timing import Timing
+from flashgen.tuning_key import TuningKey, Versions
+
+pytestmark = pytest.mark.interpreter
+
+
+def _store(
+    path: Path,
+    problem: flashgen.Problem,
+    variant: flashgen.Variant,
+    versions: Versions | None = None,
+    tflops: float = 1.0,
+) -> None:
+    with TuningDB(path) as db:
+        key = TuningKey.for_problem(problem, INTERPRETER, versions=versions)
+        db.record_trial(key, problem, variant, "ok", timing=Timing(1.0, 0.9, 1.1, 5), tflops=tflops)
+        db.update_winner(key)
+
+
+P64 = flashgen.Problem(1, 2, 1, 64, 64, 32, "fp32", True)
+WINNER = flashgen.Variant("fa1", 32, 16, 2, 1)
+
+
+def test_exact_hit_runs_the_winner(tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    _store(db, P64, WINNER)
+    d = flashgen.Dispatcher(db)
+    q, k, v = make_inputs(1, 2, 1, 50, 60, 32, torch.float32, seed=1)  # buckets (64, 64)
+    choice = d.explain(q, k, v, causal=True)
+    assert (choice.variant, choice.how) == (WINNER, "exact")
+    assert str(db) in choice.source and "trial" in choice.source
+    out = flashgen.attention(q, k, v, causal=True, dispatcher=d)
+    assert compare(out, q, k, v, causal=True).ok
+
+
+def test_nearest_bucket_if_valid_else_fallback(tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    _store(db, P64, WINNER)
+    d = flashgen.Dispatcher(db)
+    q, k, v = make_inputs(1, 2, 1, 100, 120, 32, torch.float32)  # buckets (128, 128)
+    choice = d.explain(q, k, v, causal=True)
+    assert (choice.variant, choice.how) == (WINNER, "nearest")
+    # block_m 32 is longer than 9 queries need: the tuned variant is invalid, so the default.
+    q, k, v = make_inputs(1, 2, 1, 9, 9, 32, torch.float32)
+    choice = d.explain(q, k, v, causal=True)
+    assert choice.how == "fallback" and "block_m 32" in choice.reason
+    assert choice.variant == flashgen.default_variant(
+        flashgen.Problem.from_tensors(q, k, v, True), INTERPRETER
+    )
+    # Another family (not causal) has nothing tuned.
+    q, k, v = make_inputs(1, 2, 1, 64, 64, 32, torch.float32)
+    assert d.explain(q, k, v, causal=False).how == "fallback"
+
+
+def test_stale_versions_are_never_served(tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    _store(db, P64, WINNER, Versions("0.0.1", "2.0", "deadbeefdeadbeef"))
+    q, k, v = make_inputs(1, 2, 1, 64, 64, 32, torch.float32)
+    assert flashgen.Dispatcher(db).explain(q, k, v, causal=True).how == "fallback"
+
+
+def test_user_database_takes_precedence(tmp_path: Path) -> None:
+    user, shipped = tmp_path / "user.db", tmp_path / "shipped.db"
+    _store(shipped, P64, flashgen.Variant("fa2", 16, 16, 2, 1))
+    _store(user, P64, WINNER)
+    q, k, v = make_inputs(1, 2, 1, 64, 64, 32, torch.float32)
+    assert flashgen.Dispatcher([user, shipped]).explain(q, k, v, causal=True).variant == WINNER
+    only_shipped = flashgen.Dispatcher([tmp_path / "missing.db", shipped])
+    assert only_shipped.explain(q, k, v, causal=True).source.startswith(str(shipped))
+
+
+def test_no_entries_logs_one_suggestion(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    d = flashgen.Dispatcher(tmp_path / "none.db")
+    q, k, v = make_inputs(1, 1, 1, 16, 16, 16, torch.float32)
+    with caplog.at_level(logging.WARNING, logger="flashgen"):
+        d.explain(q, k, v)
+        d.explain(q, k, v, causal=True)
+    assert sum("flashgen tune" in r.message for r in caplog.records) == 1
+
+
+def test_lookup_reads_sqlite_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    db = tmp_path / "t.db"
+    _store(db, P64, WINNER)
+    d = flashgen.Dispatcher(db)
+    q, k, v = make_inputs(1, 2, 1, 64, 64, 32, torch.float32)
+    flashgen.attention(q, k, v, causal=True, dispatcher=d)
+
+    def no_sql(*a: object, **kw: object) -> None:
+        raise AssertionError("SQL on the call path")
+
+    monkeypatch.setattr(TuningDB, "open_readonly", no_sql)
+    q2, k2, v2 = make_inputs(1, 2, 1, 40, 40, 32, torch.float32)  # new shape, same device
+    flashgen.attention(q2, k2, v2, causal=True, dispatcher=d)
+    assert d.explain(q2, k2, v2, causal=True).variant == WINNER
+
+
+def test_explicit_variant_is_reported() -> None:
+    q, k, v = make_inputs(1, 1, 1, 16, 16, 16, torch.float32)
+    choice = flashgen.explain(q, k, v, variant=flashgen.Variant("fa2", 16, 16, 2, 1))
+    assert choice.how == "explicit"
+
+
+def test_torch_compile_fullgraph() -> None:
+    q, k, v = make_inputs(1, 2, 1, 33, 33, 32, torch.float32, seed=2)
+
+    def f(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return flashgen.attention(q * 1.0, k, v, causal=True) + 0.0
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    out = compiled(q, k, v)
+    assert compare(out, q, k, v, causal=True).ok
+    explained = torch._dynamo.explain(f)(q, k, v)
+    assert explained.graph_break_count == 0
+
+
+def test_sdpa_drop_in_matches_torch() -> None:
+    q, k, v = make_inputs(2, 4, 2, 24, 24, 16, torch.float32, seed=4)
+    ours = flashgen.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    theirs = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=True, enable_gqa=True
+    )
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"attn_mask": torch.ones(8, 8, dtype=torch.bool)}, "attn_mask"),
+        ({"dropout_p": 0.1}, "dropout_p"),
+        ({"enable_gqa": False}, "enable_gqa"),
+    ],
+)
+def test_sdpa_refuses_what_it_cannot_do(kwargs: dict, match: str) -> None:
+    q, k, v = make_inputs(1, 2, 1, 8, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match=match):
+        flashgen.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+def test_sdpa_refuses_top_left_causal_with_unequal_lengths() -> None:
+    q, k, v = make_inputs(1, 2, 2, 8, 12, 16, torch.float32)
+    with pytest.raises(ValueError, match="is_causal"):
+        flashgen.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -1,0 +1,75 @@
+"""attn_implementation="flashgen" in a small randomly initialised Llama (no download)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from flashgen.integrations.transformers import register  # noqa: E402
+
+
+def _llama(attn: str, device: str, dtype: torch.dtype, size: dict) -> torch.nn.Module:
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        num_hidden_layers=2,
+        max_position_embeddings=256,
+        **size,
+        attn_implementation=attn,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
+
+
+def _compare(device: str, dtype: torch.dtype, size: dict, seq: int) -> None:
+    register()
+    ids = torch.randint(0, 128, (2, seq), generator=torch.Generator().manual_seed(1)).to(device)
+    with torch.no_grad():
+        ref = _llama("sdpa", device, torch.float64 if device == "cpu" else torch.float32, size)
+        truth = ref(ids).logits.double()
+        ours = _llama("flashgen", device, dtype, size)(ids).logits.double()
+        sdpa = _llama("sdpa", device, dtype, size)(ids).logits.double()
+    # flashgen must land as close to the high-precision logits as SDPA in the same dtype.
+    err, sdpa_err = (ours - truth).abs().max().item(), (sdpa - truth).abs().max().item()
+    assert err <= 4 * sdpa_err + 1e-5, (err, sdpa_err)
+
+
+@pytest.mark.interpreter
+def test_tiny_llama_on_the_interpreter() -> None:
+    size = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
+    _compare("cpu", torch.float32, size, seq=12)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_llama_on_the_gpu(dtype: torch.dtype) -> None:
+    size = {
+        "hidden_size": 512,
+        "intermediate_size": 1024,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+    }
+    _compare("cuda", dtype, size, seq=200)
+
+
+@pytest.mark.interpreter
+def test_padding_mask_is_refused() -> None:
+    register()
+    size = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
+    model = _llama("flashgen", "cpu", torch.float32, size)
+    ids = torch.randint(0, 128, (2, 8))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[0, :3] = 0
+    with pytest.raises(ValueError, match="attention_mask"):
+        model(ids, attention_mask=mask)
