@@ -72,6 +72,7 @@ def render_context(variant: Variant, problem: Problem) -> dict[str, Any]:
         "variant": variant,
         "head_dim": problem.head_dim,
         "block_d": problem.padded_head_dim,
+        "pad_d": problem.padded_head_dim != problem.head_dim,
         "causal": problem.causal,
         # fp32 inputs get true fp32 products: tf32 would lose ~3 decimal digits.
         "dot_precision": "ieee" if problem.dtype == "fp32" else "tf32",

@@ -81,6 +81,21 @@ def fa1_pipelining(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
     return None
 
 
+def fa1_has_no_fa2_knobs(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
+    # fa1 masks every step and has no separate main loop: one point per tile shape.
+    if v.loop_order == "fa1" and (not v.split_mask or v.warp_specialize):
+        return "split_mask/warp_specialize are fa2 knobs"
+    return None
+
+
+def warp_specialize_needs_hopper(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
+    # Triton's warp specialization targets Hopper (and newer); the interpreter ignores it,
+    # which lets CPU tests exercise the code path.
+    if v.warp_specialize and not (dev.is_hopper or dev.is_interpreter):
+        return "warp_specialize needs a Hopper GPU (compute capability 9.0+)"
+    return None
+
+
 RULES: tuple[Rule, ...] = (
     block_m_longer_than_queries,
     block_n_longer_than_keys,
@@ -88,6 +103,8 @@ RULES: tuple[Rule, ...] = (
     accumulator_too_large,
     too_many_warps,
     fa1_pipelining,
+    fa1_has_no_fa2_knobs,
+    warp_specialize_needs_hopper,
 )
 
 
@@ -112,9 +129,9 @@ def why_invalid(v: Variant, p: Problem, device: DeviceInfo | str | None = None) 
 def all_points() -> list[Variant]:
     """Every point before the validity rules: the full grid."""
     return [
-        Variant(order, bm, bn, w, s)
-        for order, bm, bn, w, s in itertools.product(
-            LOOP_ORDERS, BLOCK_SIZES, BLOCK_SIZES, WARPS, STAGES
+        Variant(order, bm, bn, w, s, split, ws)
+        for order, bm, bn, w, s, split, ws in itertools.product(
+            LOOP_ORDERS, BLOCK_SIZES, BLOCK_SIZES, WARPS, STAGES, (True, False), (False, True)
         )
     ]
 

@@ -20,6 +20,9 @@ class Variant:
     block_m / block_n: rows of Q / K-V per tile. Larger tiles reuse more data per load but need
         more registers and shared memory.
     num_warps: warps per program. num_stages: software-pipelining depth of the K/V loads.
+    split_mask (fa2): run K/V tiles that every row of the Q tile sees without masks, masking only
+        the causal diagonal stretch and the ragged last tile.
+    warp_specialize (fa2, Hopper): Triton's warp specialization of the unmasked main loop.
     """
 
     loop_order: LoopOrder = "fa2"
@@ -27,6 +30,8 @@ class Variant:
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    split_mask: bool = True
+    warp_specialize: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -50,7 +55,8 @@ class Variant:
         return cls.from_dict(json.loads(text))
 
     def __str__(self) -> str:
+        flags = ("" if self.split_mask else " nosplit") + (" ws" if self.warp_specialize else "")
         return (
             f"{self.loop_order} m{self.block_m} n{self.block_n} "
-            f"w{self.num_warps} s{self.num_stages}"
+            f"w{self.num_warps} s{self.num_stages}{flags}"
         )

@@ -25,6 +25,8 @@ CPU_VARIANTS = {
         flashgen.Variant("fa2", 32, 16, 4, 2),
         flashgen.Variant("fa2", 16, 32, 2, 3),
         flashgen.Variant("fa2", 64, 32, 4, 2),
+        flashgen.Variant("fa2", 16, 32, 2, 2, split_mask=False),
+        flashgen.Variant("fa2", 32, 16, 4, 3, warp_specialize=True),
     ],
     "fa1": [
         flashgen.Variant("fa1", 16, 16, 2, 1),
