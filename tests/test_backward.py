@@ -1,0 +1,340 @@
+"""The backward kernels against float64 autograd of the reference, on odd shapes.
+
+Gradients come from `run_backward` fed with the forward kernel's own output and LSE, as the
+autograd layer will feed it. CPU tests run through the Triton interpreter (tiny shapes; bf16 is
+left to the `gpu` tests because the 3.6 interpreter computes bf16 dots wrongly).
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+
+import pytest
+import torch
+
+import flashgen
+from flashgen.backward import run_backward
+from flashgen.bwd_render import BWD_KERNELS, render_bwd
+from flashgen.bwd_space import (
+    all_bwd_points,
+    bwd_search_space,
+    bwd_shared_memory_bytes,
+    default_bwd_variant,
+    why_invalid_bwd,
+)
+from flashgen.bwd_variant import BwdVariant
+from flashgen.check import CheckResult, make_inputs
+from flashgen.check_grads import compare_grads, reference_grads
+from flashgen.hardware import INTERPRETER, DeviceInfo
+from flashgen.problem import DTYPE_NAMES
+
+interpreter = pytest.mark.interpreter
+gpu = pytest.mark.gpu
+
+# Small tiles keep several programs, loop trips and the causal split in play on tiny shapes;
+# owned and streamed tiles of different sizes catch a swapped pair in the dQ kernel.
+CPU_VARIANTS = [
+    BwdVariant(16, 32, 4, 1),
+    BwdVariant(32, 16, 2, 2),
+    BwdVariant(16, 16, 2, 1, "atomic"),
+    BwdVariant(16, 64, 4, 2),
+    BwdVariant(32, 32, 4, 1, "atomic"),
+    BwdVariant(64, 32, 4, 3),
+]
+
+
+def _fitting(index: int, problem: flashgen.Problem) -> BwdVariant:
+    """The index-th sample variant that is valid for the problem."""
+    for shift in range(len(CPU_VARIANTS)):
+        v = CPU_VARIANTS[(index + shift) % len(CPU_VARIANTS)]
+        if why_invalid_bwd(v, problem, INTERPRETER) is None:
+            return v
+    raise AssertionError("the 16x16 sample fits every problem")
+
+
+def _upstream_grad(q: torch.Tensor, seed: int, layout: str) -> torch.Tensor:
+    """A seeded dO shaped like q, in the same memory layout as the inputs."""
+    gen = torch.Generator().manual_seed(seed + 1000)
+    b, h, n, d = q.shape
+    if layout == "bnhd":
+        return torch.randn(b, n, h, d, generator=gen).to(q.device, q.dtype).transpose(1, 2)
+    return torch.randn(b, h, n, d, generator=gen).to(q.device, q.dtype)
+
+
+def _backward(
+    index: int,
+    causal: bool,
+    nq: int,
+    nk: int,
+    d: int,
+    dtype: torch.dtype,
+    heads: tuple[int, int],
+    layout: str,
+    device: str = "cpu",
+    variant: BwdVariant | None = None,
+    batch: int = 1,
+    scale: float | None = None,
+) -> tuple[CheckResult, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], torch.Tensor]:
+    """Forward with flashgen, backward with `variant`; returns (check, grads, (q, k, v), do)."""
+    hq, hkv = heads
+    q, k, v = make_inputs(batch, hq, hkv, nq, nk, d, dtype, device, seed=index, layout=layout)
+    do = _upstream_grad(q, index, layout)
+    problem = flashgen.Problem.from_tensors(q, k, v, causal)
+    variant = variant or _fitting(index, problem)
+    out, lse = flashgen.attention(q, k, v, causal=causal, scale=scale, return_lse=True)
+    grads = run_backward(do, q, k, v, out, lse, variant, problem, scale)
+    for grad, like in zip(grads, (q, k, v), strict=True):
+        assert grad.shape == like.shape and grad.dtype == like.dtype
+        assert grad.stride() == like.stride(), "gradients keep their input's memory layout"
+    result = compare_grads(grads, q, k, v, do, causal, scale)
+    assert result.ok, f"{variant} on {problem} ({layout}): {result.reason}"
+    return result, grads, (q, k, v), do
+
+
+# Main grid: causal x odd lengths x odd head dims. dtype, GQA, layout and the sample variant
+# (including both dq modes) rotate with the case index so every combination appears without
+# multiplying the grid.
+GRID = list(itertools.product((False, True), (1, 33, 77), (40, 64, 80)))
+
+
+@interpreter
+@pytest.mark.parametrize(("causal", "n", "d"), GRID)
+def test_self_attention_grid(causal: bool, n: int, d: int) -> None:
+    index = GRID.index((causal, n, d))
+    dtype = (torch.float32, torch.float16)[index % 2]
+    heads = ((2, 2), (4, 2), (4, 1))[index % 3]
+    layout = ("bhnd", "bnhd")[(index // 2) % 2]
+    _backward(index, causal, n, n, d, dtype, heads, layout)
+
+
+CROSS = list(itertools.product((False, True), ((33, 77), (77, 33), (1, 77), (77, 1))))
+
+
+@interpreter
+@pytest.mark.parametrize(("causal", "lengths"), CROSS)
+def test_cross_attention(causal: bool, lengths: tuple[int, int]) -> None:
+    # Nq != Nk: with causal the diagonal is aligned bottom-right, and Nq > Nk leaves early
+    # queries with no visible key (LSE -inf), which must give zero gradient, never NaN.
+    index = CROSS.index((causal, lengths))
+    dtype = (torch.float32, torch.float16)[index % 2]
+    layout = ("bhnd", "bnhd")[(index // 2) % 2]
+    _backward(index, causal, *lengths, 40, dtype, (4, 2), layout)
+
+
+@interpreter
+@pytest.mark.parametrize("dq_mode", ["separate", "atomic"])
+def test_rows_without_keys_get_zero_gradient(dq_mode: str) -> None:
+    # Causal with Nq = 50 > Nk = 20: query i sees keys j <= i - 30, so rows 0..29 see nothing.
+    variant = BwdVariant(16, 16, 2, 1, dq_mode)  # type: ignore[arg-type]
+    _, (dq, dk, dv), _, _ = _backward(
+        3, True, 50, 20, 32, torch.float32, (2, 1), "bhnd", variant=variant
+    )
+    assert torch.count_nonzero(dq[:, :, :30]) == 0
+    assert torch.count_nonzero(dq[:, :, 30:]) > 0
+    assert torch.isfinite(dk).all() and torch.isfinite(dv).all()
+
+
+@interpreter
+@pytest.mark.parametrize("dq_mode", ["separate", "atomic"])
+def test_very_negative_scores_beside_padding_keys(dq_mode: str) -> None:
+    # Every score is -120 (so LSE ~ -119): a padding key's score of 0 would give
+    # P = exp(0 - LSE) = inf, which must never reach a stored gradient as inf * 0 = NaN.
+    q = torch.ones(1, 2, 5, 24)
+    k = -torch.ones(1, 1, 3, 24)
+    v = torch.randn(1, 1, 3, 24, generator=torch.Generator().manual_seed(0))
+    do = torch.randn(1, 2, 5, 24, generator=torch.Generator().manual_seed(1))
+    problem = flashgen.Problem.from_tensors(q, k, v)
+    out, lse = flashgen.attention(q, k, v, scale=5.0, return_lse=True)
+    variant = BwdVariant(16, 16, 2, 1, dq_mode)  # type: ignore[arg-type]
+    grads = run_backward(do, q, k, v, out, lse, variant, problem, 5.0)
+    result = compare_grads(grads, q, k, v, do, scale=5.0)
+    assert result.ok, result.reason
+
+
+@interpreter
+@pytest.mark.parametrize("index", range(len(CPU_VARIANTS)))
+def test_every_sample_variant(index: int) -> None:
+    # A batch of 2 and a custom scale here too: batch strides and the scale's placement.
+    _backward(
+        index, bool(index % 2), 70, 45, 32, torch.float32, (4, 2), "bnhd",
+        variant=CPU_VARIANTS[index], batch=2, scale=0.3,
+    )  # fmt: skip
+
+
+@interpreter
+@pytest.mark.parametrize("d", [16, 112])
+def test_head_dim_range(d: int) -> None:
+    _backward(d, d == 112, 20, 24, d, torch.float16, (2, 1), "bnhd")
+
+
+@interpreter
+def test_default_variant_on_the_interpreter() -> None:
+    q, k, v = make_inputs(1, 2, 2, 33, 33, 64, torch.float16, seed=5)
+    problem = flashgen.Problem.from_tensors(q, k, v, True)
+    _backward(5, True, 33, 33, 64, torch.float16, (2, 2), "bhnd", variant=default_bwd_variant(
+        problem, INTERPRETER
+    ))  # fmt: skip
+
+
+@interpreter
+@pytest.mark.parametrize(("dtype", "slip"), [(torch.float16, 0.02), (torch.float32, 1e-4)])
+def test_wrong_gradient_fails_the_check(dtype: torch.dtype, slip: float) -> None:
+    """The comparison is not vacuous: a small error in any one gradient is caught."""
+    result, grads, (q, k, v), do = _backward(7, True, 33, 33, 40, dtype, (4, 2), "bhnd")
+    assert result.ok
+    for which in range(3):
+        wrong = list(grads)
+        # One element off by `slip` of the gradient's scale: far above a dtype rounding.
+        wrong[which] = grads[which].clone()
+        wrong[which][0, 0, -1, 0] += slip * grads[which].abs().max()
+        bad = compare_grads(tuple(wrong), q, k, v, do, causal=True)
+        assert not bad.ok and ("dq", "dk", "dv")[which] in bad.reason
+    # A plausible bug: the forgotten softmax scale in dK.
+    bad = compare_grads((grads[0], grads[1] * 8.0, grads[2]), q, k, v, do, causal=True)
+    assert not bad.ok
+    # Wrong masking: the non-causal gradients are not the causal ones.
+    assert not compare_grads(grads, q, k, v, do, causal=False).ok
+    nan = grads[2].clone()
+    nan[0, 0, 0, 0] = float("nan")
+    assert "NaN" in compare_grads((grads[0], grads[1], nan), q, k, v, do, causal=True).reason
+
+
+def test_reference_grads_match_torch_sdpa() -> None:
+    """The oracle's gradients agree with PyTorch's own attention backward (float64, GQA)."""
+    q, k, v = make_inputs(1, 4, 2, 9, 13, 8, torch.float64, seed=1)
+    do = _upstream_grad(q, 1, "bhnd")
+    ours = reference_grads(q, k, v, do, causal=False)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = torch.nn.functional.scaled_dot_product_attention(*leaves, enable_gqa=True)
+    out.backward(do)
+    for mine, theirs in zip(ours, (t.grad for t in leaves), strict=True):
+        torch.testing.assert_close(mine, theirs)
+
+
+# ------------------------------------------------------------------- variants and space
+PROBLEMS = [
+    flashgen.Problem(1, 8, 2, 77, 130, 40, "fp16", True),
+    flashgen.Problem(2, 16, 16, 4096, 4096, 128, "bf16", False),
+    flashgen.Problem(1, 4, 4, 1, 33, 256, "fp32", True),
+    flashgen.Problem(1, 4, 1, 2048, 512, 64, "fp16", True),
+]
+SMALL_GPU = DeviceInfo("small-gpu", (8, 0), 108, 101376)
+
+
+def test_bwd_variant_is_frozen_hashable_and_round_trips() -> None:
+    v = BwdVariant(32, 64, 4, 2, "atomic")
+    assert hash(v) == hash(BwdVariant.from_dict(v.to_dict()))
+    assert BwdVariant.from_json(v.to_json()) == v
+    with pytest.raises(AttributeError):
+        v.block_m = 64  # type: ignore[misc]
+    with pytest.raises(ValueError, match="unknown backward variant parameters"):
+        BwdVariant.from_dict({**v.to_dict(), "dqmode": "atomic"})
+
+
+@pytest.mark.parametrize("problem", PROBLEMS, ids=str)
+@pytest.mark.parametrize("device", [INTERPRETER, SMALL_GPU], ids=lambda d: d.name)
+def test_space_holds_exactly_the_valid_points(
+    problem: flashgen.Problem, device: DeviceInfo
+) -> None:
+    space = bwd_search_space(problem, device)
+    assert space, "every problem has at least one valid backward variant"
+    excluded = [v for v in all_bwd_points() if v not in set(space)]
+    assert excluded, "the rules must exclude something on these problems"
+    for v in excluded:
+        assert why_invalid_bwd(v, problem, device)
+    for v in space:
+        assert bwd_shared_memory_bytes(v, problem) <= device.shared_memory
+        assert v.block_m <= max(16, 1 << (problem.seq_q - 1).bit_length())
+        assert v.block_n <= max(16, 1 << (problem.seq_k - 1).bit_length())
+    assert default_bwd_variant(problem, device) in space
+
+
+def test_bwd_rules_name_the_reason() -> None:
+    p = flashgen.Problem(1, 1, 1, 8, 300, 64, "fp16")
+    assert "queries need" in why_invalid_bwd(BwdVariant(64, 16, 2, 1), p)
+    # The separate dQ kernel owns block_n queries; the atomic mode has no such kernel.
+    assert "dQ kernel" in why_invalid_bwd(BwdVariant(16, 64, 4, 1), p)
+    assert why_invalid_bwd(BwdVariant(16, 64, 4, 1, "atomic"), p) is None
+    big = flashgen.Problem(1, 1, 1, 4096, 4096, 256, "fp16")
+    assert "shared memory" in why_invalid_bwd(BwdVariant(128, 128, 8, 4), big, SMALL_GPU)
+    assert "registers" in why_invalid_bwd(BwdVariant(32, 128, 4, 1), big)
+    assert "warps" in why_invalid_bwd(BwdVariant(16, 16, 8, 1), big)
+    assert "dq_mode" in why_invalid_bwd(BwdVariant(dq_mode="both"), big)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("problem", PROBLEMS, ids=str)
+def test_every_bwd_variant_renders_to_valid_python(problem: flashgen.Problem) -> None:
+    for v in bwd_search_space(problem, INTERPRETER):
+        for kernel in BWD_KERNELS:
+            source = render_bwd(kernel, v, problem)  # type: ignore[arg-type]
+            tree = ast.parse(source)
+            names = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+            assert f"attn_bwd_{kernel}" in names
+            assert "{%" not in source and "{{" not in source
+            if kernel == "dkdv":
+                assert f"BLOCK_M: tl.constexpr = {v.block_m}" in source
+                assert f"BLOCK_N: tl.constexpr = {v.block_n}" in source
+                assert f"ATOMIC_DQ: tl.constexpr = {v.dq_mode == 'atomic'}" in source
+            elif kernel == "dq":  # the owned/streamed pair swaps in the dQ kernel
+                assert f"BLOCK_M: tl.constexpr = {v.block_n}" in source
+                assert f"BLOCK_N: tl.constexpr = {v.block_m}" in source
+
+
+def test_bwd_render_ignores_lengths_and_is_covered_by_template_hash() -> None:
+    v, p = BwdVariant(32, 64, 4, 2), PROBLEMS[0]
+    for kernel in BWD_KERNELS:
+        first = render_bwd(kernel, v, p)  # type: ignore[arg-type]
+        same = render_bwd(kernel, v, p.with_(seq_q=999, seq_k=5, batch=7, heads_q=16))  # type: ignore[arg-type]
+        assert same == first
+    assert render_bwd("dq", v, p) != render_bwd("dq", v, p.with_(causal=False))
+    from flashgen.render import _templates
+
+    assert {f"attn_bwd_{k}.py.jinja" for k in BWD_KERNELS} <= set(_templates())
+
+
+# ---------------------------------------------------------------------------------- GPU
+GPU_SHAPES = [(128, 64), (1000, 64), (2048, 64), (1000, 128), (2048, 128)]
+
+
+def _problem_for(
+    n: int, d: int, dtype: torch.dtype, causal: bool, heads: tuple[int, int]
+) -> flashgen.Problem:
+    return flashgen.Problem(1, *heads, n, n, d, DTYPE_NAMES[dtype], causal)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("n", "d"), GPU_SHAPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_default_variant(dtype: torch.dtype, n: int, d: int, causal: bool) -> None:
+    heads = (8, 2) if n <= 1000 else (4, 4)
+    variant = default_bwd_variant(_problem_for(n, d, dtype, causal, heads), "cuda")
+    _backward(n + d, causal, n, n, d, dtype, heads, "bnhd", "cuda", variant)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_atomic_dq(dtype: torch.dtype, causal: bool) -> None:
+    variant = BwdVariant(32, 128, 4, 2, "atomic")
+    _backward(1, causal, 1500, 1500, 64, dtype, (8, 2), "bhnd", "cuda", variant, batch=2)
+
+
+@gpu
+@pytest.mark.parametrize("d", [40, 80, 96, 112, 160, 192, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_gpu_odd_head_dims_and_cross(d: int, dtype: torch.dtype) -> None:
+    problem = flashgen.Problem(1, 8, 2, 333, 517, d, DTYPE_NAMES[dtype], True)
+    variant = default_bwd_variant(problem, "cuda")
+    _backward(d, True, 333, 517, d, dtype, (8, 2), "bnhd", "cuda", variant)
+    _backward(d, True, 517, 333, d, dtype, (8, 2), "bnhd", "cuda", variant)
+
+
+@gpu
+def test_gpu_search_space_sample() -> None:
+    """A spread of the real backward space compiles and matches on the GPU."""
+    problem = flashgen.Problem(2, 4, 2, 777, 777, 64, "bf16", True)
+    space = bwd_search_space(problem, "cuda")
+    for variant in space[:: max(1, len(space) // 12)]:
+        _backward(11, True, 777, 777, 64, torch.bfloat16, (4, 2), "bhnd", "cuda", variant, 2)
