@@ -1,6 +1,7 @@
 """flashgen: generated, autotuned Triton flash-attention kernels."""
 
 from flashgen.api import attention, explain
+from flashgen.bwd_variant import BwdVariant
 from flashgen.dispatch import Choice, Dispatcher
 from flashgen.hardware import DeviceInfo, device_info
 from flashgen.problem import Problem
@@ -10,6 +11,7 @@ from flashgen.space import default_variant, search_space, why_invalid
 from flashgen.variant import Variant
 
 __all__ = [
+    "BwdVariant",
     "Choice",
     "DeviceInfo",
     "Dispatcher",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from flashgen import ops
+from flashgen.bwd_variant import BwdVariant
 from flashgen.dispatch import Choice, Dispatcher, default_dispatcher
 from flashgen.variant import Variant
 
@@ -27,6 +28,7 @@ def attention(
     scale: float | None = None,
     return_lse: bool = False,
     variant: Variant | None = None,
+    bwd_variant: BwdVariant | None = None,
     dispatcher: Dispatcher | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention softmax(q k^T * scale) v with q (B, Hq, Nq, D) and k, v (B, Hkv, Nk, D).
@@ -37,13 +39,21 @@ def attention(
     `explain`); with it exactly that variant runs (an invalid one is an error, never a silent
     fallback). `dispatcher` picks the databases (default: user, then shipped); under
     torch.compile the shared default dispatcher decides.
+    Differentiable: the backward recomputes attention block by block from the saved
+    log-sum-exp (`bwd_variant=` picks its kernels, else the tuned or default ones); no
+    gradient flows through the returned log-sum-exp.
     Returns the output (like q), and with `return_lse` also the log-sum-exp (B, Hq, Nq) fp32.
     """
     if _needs_op(q, k, v):
         if variant is not None and not isinstance(variant, Variant):
             raise TypeError(f"variant must be a flashgen.Variant, got {type(variant).__name__}")
+        if bwd_variant is not None and not isinstance(bwd_variant, BwdVariant):
+            raise TypeError(
+                f"bwd_variant must be a flashgen.BwdVariant, got {type(bwd_variant).__name__}"
+            )
         text = variant.to_json() if variant is not None else ""
-        out, lse = ops.attention_fwd(q, k, v, causal, scale, text)
+        bwd_text = bwd_variant.to_json() if bwd_variant is not None else ""
+        out, lse = ops.attention_fwd(q, k, v, causal, scale, text, bwd_text)
     else:
         out, lse = (dispatcher or default_dispatcher()).forward(q, k, v, causal, scale, variant)
     return (out, lse) if return_lse else out

@@ -21,6 +21,9 @@ from typing import Literal
 
 import torch
 
+from flashgen.backward import run_backward
+from flashgen.bwd_space import default_bwd_variant, why_invalid_bwd
+from flashgen.bwd_variant import BwdVariant
 from flashgen.db import TuningDB, WinnerRow, default_db_path
 from flashgen.forward import Launcher, default_scale, prepare_forward
 from flashgen.hardware import DeviceInfo, device_info
@@ -49,6 +52,16 @@ class Choice:
     def __str__(self) -> str:
         where = f"\n  from: {self.source}" if self.source else ""
         return f"{self.variant} ({self.how}): {self.reason}{where}"
+
+
+@dataclass(frozen=True)
+class BwdChoice:
+    """The backward variant a call runs and how it was found (see `Choice`)."""
+
+    variant: BwdVariant
+    how: How
+    reason: str
+    source: str | None = None
 
 
 @dataclass(frozen=True)
@@ -202,6 +215,33 @@ class Dispatcher:
             if key is not None:
                 self._plans[key] = plan
         return plan[0](q, k, v, default_scale(q.shape[-1]) if scale is None else scale)
+
+    def backward(
+        self,
+        grad_out: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        causal: bool = False,
+        scale: float | None = None,
+        variant: BwdVariant | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(dq, dk, dv) for the forward's saved tensors, with the chosen backward variant."""
+        problem = Problem.from_tensors(q, k, v, causal)
+        dev = device_info(q.device)
+        if variant is None:
+            variant = self.choose_bwd(problem, dev).variant
+        else:
+            reason = why_invalid_bwd(variant, problem, dev)
+            if reason:
+                raise ValueError(f"backward variant {variant} is invalid for {problem}: {reason}")
+        return run_backward(grad_out, q, k, v, out, lse, variant, problem, scale)
+
+    def choose_bwd(self, problem: Problem, device: DeviceInfo | str | None = None) -> BwdChoice:
+        """The backward variant for `problem` (the default until backward winners exist)."""
+        return BwdChoice(default_bwd_variant(problem, device), "fallback", "default backward")
 
     def explain(
         self,

@@ -1,15 +1,20 @@
 """flashgen's operators registered with torch.library, so torch.compile traces through them.
 
-`flashgen::attention_fwd` is opaque to the compiler: its fake implementation gives output
-shapes, strides and dtypes, and the real one dispatches at run time like eager calls do.
+`flashgen::attention_fwd` and `flashgen::attention_bwd` are opaque to the compiler: their
+fake implementations give output shapes, strides and dtypes, and the real ones dispatch at
+run time like eager calls do. Autograd is registered on the forward op, so gradients work in
+eager mode and under torch.compile alike. Only q, k, v, the output and the log-sum-exp are
+saved for the backward: memory is O(N), never O(N^2).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 
+from flashgen.bwd_variant import BwdVariant
 from flashgen.dispatch import default_dispatcher
 from flashgen.variant import Variant
 
@@ -17,6 +22,11 @@ from flashgen.variant import Variant
 @functools.lru_cache(maxsize=256)
 def _variant(text: str) -> Variant | None:
     return Variant.from_json(text) if text else None
+
+
+@functools.lru_cache(maxsize=256)
+def _bwd_variant(text: str) -> BwdVariant | None:
+    return BwdVariant.from_json(text) if text else None
 
 
 @torch.library.custom_op("flashgen::attention_fwd", mutates_args=())
@@ -27,11 +37,11 @@ def attention_fwd(
     causal: bool,
     scale: float | None,
     variant: str,
+    bwd_variant: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output, log-sum-exp); `variant` is a Variant's JSON, or "" for tuned dispatch."""
-    out, lse = default_dispatcher().forward(q, k, v, causal, scale, _variant(variant))
-    # A custom op's outputs must not alias its inputs (they never do) and must be fresh.
-    return out, lse
+    """(output, log-sum-exp). `variant` / `bwd_variant` are JSON, or "" for tuned dispatch;
+    the forward ignores `bwd_variant` and keeps it for its backward."""
+    return default_dispatcher().forward(q, k, v, causal, scale, _variant(variant))
 
 
 @attention_fwd.register_fake
@@ -42,6 +52,57 @@ def _attention_fwd_fake(
     causal: bool,
     scale: float | None,
     variant: str,
+    bwd_variant: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     b, h, n, _ = q.shape
     return torch.empty_like(q), q.new_empty((b, h, n), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashgen::attention_bwd", mutates_args=())
+def attention_bwd(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float | None,
+    variant: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) recomputed block by block from the saved log-sum-exp."""
+    return default_dispatcher().backward(
+        grad_out, q, k, v, out, lse, causal, scale, _bwd_variant(variant)
+    )
+
+
+@attention_bwd.register_fake
+def _attention_bwd_fake(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float | None,
+    variant: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+    q, k, v, causal, scale, _, bwd_variant = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal, ctx.scale, ctx.bwd_variant = causal, scale, bwd_variant
+
+
+def _backward(ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor | None) -> tuple:
+    # The log-sum-exp is an auxiliary output: gradients do not flow back through it.
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = attention_bwd(grad_out, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.bwd_variant)
+    return dq, dk, dv, None, None, None, None
+
+
+attention_fwd.register_autograd(_backward, setup_context=_setup_context)
