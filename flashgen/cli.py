@@ -18,6 +18,7 @@ import typer
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from flashgen.problem import Problem
     from flashgen.tuner import TuneResult
 
 app = typer.Typer(
@@ -113,7 +114,7 @@ def tune(
     _run_tuning(problems, device, gpu, trials, timeout, seed, compile_workers, db)
 
 
-def _run_tuning(problems: list, device_type: str, gpu: int, trials: int | None,
+def _run_tuning(problems: list[Problem], device_type: str, gpu: int, trials: int | None,
                 timeout: float | None, seed: int, compile_workers: int,
                 db_path: Path | None) -> None:
     import optuna

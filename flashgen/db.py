@@ -42,7 +42,7 @@ STATUSES: tuple[str, ...] = ("ok", "failed", "pruned")
 #: Knobs that get a column of their own for SQL queries; every knob is also in variant_json,
 #: so knobs added later are stored before a migration gives them a column.
 VARIANT_COLUMNS: tuple[str, ...] = ("loop_order", "block_m", "block_n", "num_warps",
-                                    "num_stages")
+                                    "num_stages", "split_mask", "warp_specialize")
 PROBLEM_COLUMNS: tuple[str, ...] = ("batch", "heads_q", "heads_kv", "seq_q", "seq_k")
 
 #: Seconds a writer waits for another process's transaction before giving up.
@@ -50,6 +50,8 @@ BUSY_TIMEOUT_S = 60.0
 
 migrations = Migrations("flashgen")
 
+# Column sets as the first migrations created them. Migrations are history: a later change
+# is a new migration, never an edit of these.
 _KEY_SCHEMA: dict[str, type] = {
     "key_id": str, "mode": str, "device_key": str, "gpu_name": str, "capability": str,
     "sm_count": int, "triton_version": str, "torch_version": str, "template_hash": str,
@@ -102,8 +104,17 @@ def m003_baselines(db: sqlite_utils.Database) -> None:
     db["baselines"].create_index(["device_key", "torch_version", "problem_json"])
 
 
+@migrations()
+def m004_variant_flags(db: sqlite_utils.Database) -> None:
+    """Columns for the fa2 knobs split_mask and warp_specialize (0/1; null in older rows,
+    whose variant_json predates them)."""
+    for table in ("trials", "winners"):
+        for column in ("split_mask", "warp_specialize"):
+            db[table].add_column(column, int)
+
+
 #: The number of migrations above; a test checks that a fresh file reaches it.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 
 def default_db_path() -> Path:
@@ -336,8 +347,8 @@ class TuningDB:
             sdpa = self.baseline(key.device_key, key.torch_version, problem)
             row = {
                 "key_id": key.id, **key.to_columns(),
-                **{c: trial[c] for c in (*PROBLEM_COLUMNS, "problem_json",
-                                         *_VARIANT_SCHEMA)},
+                **{c: trial[c] for c in (*PROBLEM_COLUMNS, "problem_json", "variant_json",
+                                         *VARIANT_COLUMNS)},
                 "trial_id": trial["id"], "median_ms": trial["median_ms"],
                 "tflops": trial["tflops"], "sdpa_backend": sdpa[0] if sdpa else None,
                 "sdpa_ms": sdpa[1] if sdpa else None, "updated_at": _now(),

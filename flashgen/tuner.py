@@ -20,7 +20,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import optuna
@@ -32,19 +32,22 @@ from flashgen.bench import Bench, Measurement, describe_failure
 from flashgen.db import TrialRow, TuningDB, WinnerRow
 from flashgen.hardware import DeviceInfo
 from flashgen.problem import Problem
-from flashgen.space import BLOCK_SIZES, STAGES, WARPS, default_variant, search_space, why_invalid
+from flashgen.space import default_variant, search_space, why_invalid
 from flashgen.tuning_key import TuningKey, Versions
-from flashgen.variant import LOOP_ORDERS, Variant
+from flashgen.variant import Variant
 
-#: The knobs Optuna samples, and their choices: the grid of `space.all_points`.
-KNOBS: dict[str, tuple[Any, ...]] = {
-    "loop_order": LOOP_ORDERS,
-    "block_m": BLOCK_SIZES,
-    "block_n": BLOCK_SIZES,
-    "num_warps": WARPS,
-    "num_stages": STAGES,
-}
-DISTRIBUTIONS = {name: CategoricalDistribution(choices) for name, choices in KNOBS.items()}
+
+def knob_choices(points: list[Variant]) -> dict[str, tuple[Any, ...]]:
+    """Every knob of `Variant` and the values it takes among `points`, in their order.
+
+    Given the problem's valid points, the sampler's grid shrinks to values that can work
+    (a 32-long sequence never samples 256-row tiles), while the rules of `space` still prune
+    the combinations that cannot. Knobs come from the dataclass, so a knob added to the
+    search space is searched without touching the tuner.
+    """
+    return {f.name: tuple(dict.fromkeys(getattr(v, f.name) for v in points))
+            for f in fields(Variant)}
+
 
 #: Asks in a row that bring nothing new (known, duplicate or invalid points) before an
 #: unmeasured valid variant is enqueued: TPE on a small categorical space keeps proposing
@@ -52,6 +55,10 @@ DISTRIBUTIONS = {name: CategoricalDistribution(choices) for name, choices in KNO
 MAX_STALE_ASKS = 32
 #: Earlier winners enqueued for a new problem, nearest keys first.
 MAX_ENQUEUED_WINNERS = 8
+#: A hard stop for one study: this many asks per point of its grid. Every stuck stretch
+#: enqueues a new valid point, so it is never reached unless something is broken; then the
+#: run ends instead of spinning.
+MAX_ASKS_PER_POINT = 4
 
 
 @dataclass(frozen=True)
@@ -122,21 +129,29 @@ def _outcome_of_row(row: TrialRow) -> Outcome:
     return Outcome(row.status, median, row.tflops, row.reason)
 
 
-def _resume(study: optuna.Study, result: TuneResult, rows: dict[str, TrialRow]) -> None:
+def _resume(study: optuna.Study, result: TuneResult, rows: dict[str, TrialRow],
+            problem: Problem, device: DeviceInfo, knobs: dict[str, tuple[Any, ...]]) -> None:
     """Tell the study what earlier runs measured, so it is neither measured nor sampled
-    blindly again."""
+    blindly again. Rows of variants this code cannot build or no longer allows (the
+    validity rules may have changed since) are left out."""
     for variant_json, row in rows.items():
         outcome = _outcome_of_row(row)
         if outcome.status == "ok" and outcome.median_ms is None:
             continue
+        try:
+            if why_invalid(Variant.from_dict(row.variant), problem, device) is not None:
+                continue
+        except (TypeError, ValueError):
+            continue
         result.note(variant_json, outcome)
         result.resumed += 1
         params = row.variant
-        if set(params) != set(KNOBS) or any(params[k] not in KNOBS[k] for k in KNOBS):
+        if set(params) != set(knobs) or any(params[k] not in knobs[k] for k in knobs):
             continue  # stored under an older grid: kept as a known outcome only
         state = TrialState.COMPLETE if outcome.status == "ok" else TrialState.FAIL
         study.add_trial(optuna.trial.create_trial(
-            params=params, distributions=DISTRIBUTIONS, state=state,
+            params=params, state=state,
+            distributions={k: CategoricalDistribution(c) for k, c in knobs.items()},
             value=outcome.median_ms if state == TrialState.COMPLETE else None))
 
 
@@ -193,12 +208,13 @@ def tune_problem(
     start = clock()
     study = optuna.create_study(direction="minimize", sampler=make_sampler(seed),
                                 study_name=key.id)
-    _resume(study, result, db.measured(key, problem))
+    valid = {v.to_json(): v for v in search_space(problem, device)}
+    knobs = knob_choices(list(valid.values()))
+    _resume(study, result, db.measured(key, problem), problem, device, knobs)
     for variant in _seeds(problem, device, db, versions):
         if variant.to_json() not in result.outcomes and why_invalid(variant, problem,
                                                                     device) is None:
             study.enqueue_trial(variant.to_dict())
-    valid = {v.to_json(): v for v in search_space(problem, device)}
     rng = random.Random(seed)
 
     def budget_left() -> bool:
@@ -211,14 +227,15 @@ def tune_problem(
                         error=m.error if m else None, bound=m.bound if m else None,
                         seed=seed, run_id=run_id)
 
-    stale = 0
-    while budget_left() and not valid.keys() <= result.outcomes.keys():
+    stale, asks, max_asks = 0, 0, MAX_ASKS_PER_POINT * math.prod(map(len, knobs.values()))
+    while budget_left() and not valid.keys() <= result.outcomes.keys() and asks < max_asks:
         want = max(1, min(batch, trials - result.measured if trials is not None else batch))
         pending: dict[str, tuple[Variant, list[Trial]]] = {}
-        while len(pending) < want and stale < MAX_STALE_ASKS:
+        while len(pending) < want and stale < MAX_STALE_ASKS and asks < max_asks:
             trial = study.ask()
+            asks += 1
             variant = Variant(**{name: trial.suggest_categorical(name, choices)
-                                 for name, choices in KNOBS.items()})
+                                 for name, choices in knobs.items()})
             variant_json = variant.to_json()
             if variant_json in pending:
                 pending[variant_json][1].append(trial)
@@ -237,10 +254,11 @@ def tune_problem(
                 pending[variant_json] = (variant, [trial])
                 stale = 0
         if not pending:
-            # The sampler is stuck on known points: hand it one it has not measured.
-            unmeasured = [v for j, v in valid.items() if j not in result.outcomes]
-            study.enqueue_trial(rng.choice(unmeasured).to_dict())
-            stale = 0
+            if asks < max_asks:
+                # The sampler is stuck on known points: hand it one it has not measured.
+                unmeasured = [v for j, v in valid.items() if j not in result.outcomes]
+                study.enqueue_trial(rng.choice(unmeasured).to_dict())
+                stale = 0
             continue
         _measure_batch(pending, bench, study, result, record, budget_left, on_progress)
         if any(j in result.outcomes and result.outcomes[j].status == "ok" for j in pending):
