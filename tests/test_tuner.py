@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Sequence
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from flashgen.presets import PRESETS, expand, parse_causal, preset_problems
 from flashgen.problem import Problem
 from flashgen.space import default_variant, search_space, why_invalid
 from flashgen.timing import Timing, tflops, time_cpu
-from flashgen.tuner import TuneResult, tune_problem
+from flashgen.tuner import TuneResult, knob_choices, tune_problem
 from flashgen.tuning_key import Versions
 from flashgen.variant import Variant
 
@@ -164,6 +165,14 @@ def test_a_plain_function_can_be_the_benchmark(db: TuningDB) -> None:
     fake = FakeBench()
     result = tune(FunctionBench(fake.measure), db, trials=4)  # type: ignore[arg-type]
     assert result.measured == 4 and result.best is not None and result.baseline is None
+
+
+def test_every_variant_knob_is_searched() -> None:
+    space = search_space(PROBLEM, INTERPRETER)
+    knobs = knob_choices(space)
+    assert set(knobs) == {f.name for f in fields(Variant)}
+    for name, choices in knobs.items():
+        assert set(choices) == {getattr(v, name) for v in space}
 
 
 # ---- budget, seed, resume --------------------------------------------------------------
