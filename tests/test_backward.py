@@ -163,7 +163,7 @@ def test_every_sample_variant(index: int) -> None:
 
 
 @interpreter
-@pytest.mark.parametrize("d", [16, 112])
+@pytest.mark.parametrize("d", [1, 16, 112, 256])
 def test_head_dim_range(d: int) -> None:
     _backward(d, d == 112, 20, 24, d, torch.float16, (2, 1), "bnhd")
 
