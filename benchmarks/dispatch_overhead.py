@@ -17,7 +17,7 @@ import flashgen
 from flashgen.render import load_kernel
 
 CALLS = 2000
-REPEATS = 7
+REPEATS = 5
 
 
 def per_call_us(fn) -> float:
@@ -52,16 +52,16 @@ def main() -> None:
         )
 
     dispatched = lambda: flashgen.attention(q, k, v)
-    t_direct, t_dispatch = per_call_us(direct), per_call_us(dispatched)
-    # Repeat in the other order: the difference must not be an ordering artefact.
-    t_dispatch2, t_direct2 = per_call_us(dispatched), per_call_us(direct)
-    direct_us = min(t_direct, t_direct2)
-    dispatch_us = min(t_dispatch, t_dispatch2)
+    # Interleave the two many times: drift in clocks or load hits both sides alike.
+    rounds = [(per_call_us(direct), per_call_us(dispatched)) for _ in range(5)]
+    direct_us = statistics.median(r[0] for r in rounds)
+    dispatch_us = statistics.median(r[1] for r in rounds)
+    overhead = statistics.median(r[1] - r[0] for r in rounds)
     print(f"device: {torch.cuda.get_device_name()}  variant {variant}")
-    print(f"direct Triton launch : {t_direct:7.2f} / {t_direct2:7.2f} us per call")
-    print(f"flashgen.attention   : {t_dispatch:7.2f} / {t_dispatch2:7.2f} us per call")
-    print(f"dispatch overhead    : {dispatch_us - direct_us:7.2f} us per call (target <= 3)")
-
+    print(f"direct Triton launch : {direct_us:7.2f} us per call (median of 5 rounds)")
+    print(f"flashgen.attention   : {dispatch_us:7.2f} us per call")
+    print(f"dispatch overhead    : {overhead:7.2f} us per call (median of paired rounds; "
+          "target <= 3)")
 
 if __name__ == "__main__":
     main()

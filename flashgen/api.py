@@ -15,8 +15,12 @@ def _needs_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     skips its few microseconds of overhead and calls the dispatcher directly."""
     if torch.compiler.is_compiling():
         return True
-    # getattr: non-tensors must reach the input checks and their TypeError, not fail here.
-    return torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v))
+    if not torch.is_grad_enabled():
+        return False
+    try:
+        return q.requires_grad or k.requires_grad or v.requires_grad
+    except AttributeError:  # not tensors: the input checks raise the TypeError
+        return False
 
 
 def attention(

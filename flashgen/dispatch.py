@@ -65,6 +65,15 @@ class BwdChoice:
 
 
 @dataclass(frozen=True)
+class _Plan:
+    """What a shape's calls reuse: the prepared launch, the choice, and the default scale."""
+
+    launch: Launcher
+    choice: Choice
+    scale: float
+
+
+@dataclass(frozen=True)
 class _Entry:
     winner: WinnerRow
     path: Path
@@ -96,7 +105,7 @@ class Dispatcher:
         else:
             self.paths = [Path(p) for p in db]
         self._tables: dict[str, dict[_Family, list[_Entry]]] = {}
-        self._plans: dict[tuple, tuple[Launcher, Choice]] = {}
+        self._plans: dict[tuple, _Plan] = {}
 
     # ---- choosing ------------------------------------------------------------------------
 
@@ -178,7 +187,7 @@ class Dispatcher:
         v: torch.Tensor,
         causal: bool,
         variant: Variant | None,
-    ) -> tuple[Launcher, Choice]:
+    ) -> _Plan:
         check_inputs(q, k, v)
         problem = Problem.from_tensors(q, k, v, causal)
         dev = device_info(q.device)
@@ -190,7 +199,8 @@ class Dispatcher:
                 raise ValueError(f"variant {variant} is invalid for {problem}: {reason}")
             choice = Choice(variant, "explicit", "variant= was given")
         check_runnable(q.device)
-        return prepare_forward(choice.variant, problem), choice
+        launch = prepare_forward(choice.variant, problem)
+        return _Plan(launch, choice, default_scale(problem.head_dim))
 
     def forward(
         self,
@@ -214,7 +224,7 @@ class Dispatcher:
             plan = self._plan(q, k, v, causal, variant)
             if key is not None:
                 self._plans[key] = plan
-        return plan[0](q, k, v, default_scale(q.shape[-1]) if scale is None else scale)
+        return plan.launch(q, k, v, plan.scale if scale is None else scale)
 
     def backward(
         self,
@@ -254,7 +264,7 @@ class Dispatcher:
     ) -> Choice:
         """Which variant `attention(q, k, v, causal=...)` would run, why, and from which row."""
         _check_variant_type(variant)
-        return self._plan(q, k, v, causal, variant)[1]
+        return self._plan(q, k, v, causal, variant).choice
 
 
 def _check_variant_type(variant: object) -> None:
