@@ -143,7 +143,11 @@ def default_bwd_variant(problem: Problem, device: DeviceInfo | str | None = None
     dev = device_info(device)
     d = problem.padded_head_dim
     deep = 3 if dev.is_hopper else 2
-    if d <= 64:
+    if problem.dtype == "fp32":
+        # fp32 dots run in exact ("ieee") precision on CUDA cores, unrolled per thread: big
+        # tiles make huge kernels that compile for minutes (seen on an H200, 2026-11-22).
+        first = [BwdVariant(32, 64, 4, 1), BwdVariant(32, 32, 4, 1)]
+    elif d <= 64:
         first = [BwdVariant(32, 128, 4, deep), BwdVariant(64, 128, 8, deep)]
     elif d <= 128:
         first = [BwdVariant(64, 128, 8, 2), BwdVariant(32, 128, 8, 2)]
