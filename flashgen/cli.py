@@ -217,5 +217,57 @@ def list_presets() -> None:
     _console().print(table)
 
 
+@app.command()
+def export(
+    out: Annotated[Path, typer.Option(
+        "--out", file_okay=False, help="Directory to write the package into.")],
+    db: DbOption = None,
+    gpu: Annotated[str | None, typer.Option(
+        metavar="NAME", help="Export only this GPU model's winners, e.g. 'NVIDIA H200' "
+                             "(default: every GPU in the database).")] = None,
+    name: Annotated[str, typer.Option(
+        help="Name of the written package (a Python identifier).")] = "flashgen_kernels",
+    fmt: Annotated[str, typer.Option(
+        "--format", metavar="python|aot",
+        help="python: a package needing only torch and triton; aot: cubins compiled for each "
+             "tuned GPU, with a manifest and a C header for C/C++ launchers.")] = "python",
+    force: Annotated[bool, typer.Option(
+        help="Replace an existing package of the same name.")] = False,
+) -> None:
+    """Write the tuned winners (and default variants for their kinds) as a self-contained
+    package DIR/NAME that runs without flashgen. Without --db: the user database, then the
+    shipped one."""
+    if fmt not in ("python", "aot"):
+        raise _fail(f"--format must be python or aot, got {fmt!r}")
+    from flashgen.db import default_db_path
+    from flashgen.dispatch import shipped_db_path
+    from flashgen.export_select import select_winners
+
+    paths = [db] if db else [default_db_path(), shipped_db_path()]
+    if db and not db.is_file():
+        raise _fail(f"no tuning database at {db}")
+    selection = select_winners(paths, gpu)
+    for note in selection.notes:
+        typer.echo(f"note: {note}", err=True)
+    if not selection.gpus:
+        where = f" for GPU {gpu!r}" if gpu else ""
+        raise _fail(f"no current winners{where} in {', '.join(map(str, paths))}")
+    try:
+        if fmt == "python":
+            from flashgen.export import write_package
+
+            report = write_package(selection, out, name, force)
+            typer.echo(f"wrote {report.path}: {report.tuned} tuned entries for "
+                       f"{', '.join(report.gpus)}; {report.kernels} kernel sources")
+        else:
+            from flashgen.aot import write_aot
+
+            aot = write_aot(selection, out, name, force)
+            typer.echo(f"wrote {aot.path}: {aot.kernels} cubins for {', '.join(aot.gpus)}; "
+                       f"{len(aot.skipped)} winner(s) skipped (see manifest.json)")
+    except (ValueError, FileExistsError) as exc:
+        raise _fail(str(exc)) from None
+
+
 if __name__ == "__main__":
     app()
