@@ -218,6 +218,87 @@ def list_presets() -> None:
 
 
 @app.command()
+def bench(
+    shape: Annotated[list[str] | None, typer.Option(
+        "--shape", metavar="B,Hq,Hkv,Nq,Nk,D",
+        help="A problem: batch, query heads, key/value heads, query and key lengths, head "
+             "dim. Repeatable.")] = None,
+    preset: Annotated[list[str] | None, typer.Option(
+        "--preset", metavar="NAME",
+        help="A named set of problems (see `flashgen presets`), e.g. fa-bench or llama3-8b. "
+             "Repeatable.")] = None,
+    dtype: Annotated[str | None, typer.Option(
+        metavar="LIST", help="Comma-separated input dtypes: fp16, bf16, fp32. Default "
+                             "fp16,bf16 on cuda, fp16 on cpu (the interpreter's bf16 dots "
+                             "are wrong).")] = None,
+    causal: Annotated[str, typer.Option(
+        metavar="yes|no|both", help="Masking: yes (causal), no (full), or both.")] = "both",
+    mode: Annotated[str, typer.Option(
+        metavar="fwd|bwd|both",
+        help="What is timed: fwd (forward), bwd (backward alone), both (forward+backward "
+             "in one call); a comma-separated list such as fwd,both times each.")] = "fwd",
+    competitors: Annotated[str | None, typer.Option(
+        metavar="LIST",
+        help="Comma-separated: flashgen, sdpa-flash, sdpa-cudnn, sdpa-efficient, sdpa-math, "
+             "flex. Default: all but sdpa-math on cuda; flashgen,sdpa-math on cpu.")] = None,
+    gpu: Annotated[int, typer.Option(min=0, help="Index of the CUDA GPU to run on.")] = 0,
+    device: Annotated[str, typer.Option(
+        metavar="cuda|cpu",
+        help="cuda, or cpu to run tiny problems through the Triton interpreter (tests the "
+             "pipeline; its timings say nothing about GPUs).")] = "cuda",
+    out: Annotated[Path, typer.Option(
+        file_okay=False, help="Folder for bench.csv, bench.png and memory.csv.")]
+        = Path("flashgen-bench"),
+    csv_path: Annotated[Path | None, typer.Option(
+        "--csv", dir_okay=False, help="Timing CSV (default: OUT/bench.csv).")] = None,
+    plot: Annotated[Path | None, typer.Option(
+        dir_okay=False, help="PNG plot of TFLOP/s against N (default: OUT/bench.png); "
+                             "needs matplotlib, else skipped with a note.")] = None,
+    no_plot: Annotated[bool, typer.Option("--no-plot", help="Write no plot.")] = False,
+    memory: Annotated[bool, typer.Option(
+        "--memory", help="Also measure peak memory of flashgen and sdpa-math at N = 32k, 64k "
+                         "and 128k (batch 1; fwd, and fwd+bwd when a backward is timed); "
+                         "cuda only.")] = False,
+    timing: Annotated[bool, typer.Option(
+        "--timing/--no-timing", help="Time the problems (--no-timing with --memory measures "
+                                     "memory only).")] = True,
+    seed: Annotated[int, typer.Option(help="Seed of all random inputs.")] = 0,
+) -> None:
+    """Compare flashgen's dispatched kernels with torch SDPA's backends and compiled
+    FlexAttention on the same inputs: each output (and gradient) checked against the
+    reference, then timed (median of repeats, CUDA events); prints TFLOP/s tables with
+    flashgen's ratio to the best competitor, writes a CSV and a PNG plot."""
+    if device not in ("cuda", "cpu"):
+        raise _fail(f"--device must be cuda or cpu, got {device!r}")
+    if device == "cpu":
+        _use_interpreter()
+        if memory:
+            raise _fail("--memory needs a CUDA GPU (it reads torch.cuda's allocator)")
+    if not shape and not preset:
+        raise _fail("give at least one --shape or --preset")
+    if not timing and not memory:
+        raise _fail("--no-timing leaves nothing to do without --memory")
+
+    from flashgen import presets
+    from flashgen.bench_run import Outputs, resolve_device, run_bench
+    from flashgen.benchmark import parse_modes
+    from flashgen.competitors import parse_names, resolve
+
+    try:
+        target = resolve_device(device, gpu)
+        dtypes = presets.parse_dtypes(dtype or ("fp16,bf16" if device == "cuda" else "fp16"))
+        problems = presets.expand(shape or [], preset or [], dtypes,
+                                  presets.parse_causal(causal))
+        modes = parse_modes(mode)
+        names = parse_names(competitors, target)
+        resolve(names)
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    run_bench(problems, modes, target, names, Outputs.under(out, csv_path, plot, no_plot),
+              timing=timing, memory=memory, seed=seed, console=_console())
+
+
+@app.command()
 def export(
     out: Annotated[Path, typer.Option(
         "--out", file_okay=False, help="Directory to write the package into.")],
