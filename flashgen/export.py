@@ -170,6 +170,7 @@ def write_package(selection: Selection, out: Path, name: str, force: bool = Fals
     out.mkdir(parents=True, exist_ok=True)
     # Build beside the target and swap it in, so a failed export leaves no half package.
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary directory
     try:
         (tmp / "kernels").mkdir()
         (tmp / "kernels" / "__init__.py").write_text('"""Rendered Triton kernels."""\n')
