@@ -30,7 +30,7 @@ from flashgen.bench_report import (
     unavailable_notes,
     write_csv,
 )
-from flashgen.benchmark import Mode, Row, run_suite
+from flashgen.benchmark import Mode, Row, default_timer, run_suite
 from flashgen.competitors import MEMORY_COMPETITORS, resolve
 from flashgen.hardware import CPU_INTERPRETER
 from flashgen.problem import Problem
@@ -91,10 +91,12 @@ def run_bench(
     timing: bool = True,
     memory: bool = False,
     seed: int = 0,
+    rep_ms: float = 100.0,
     console: Console | None = None,
     log: Console | None = None,
 ) -> list[Row]:
     """Time (and with `memory`, measure the peak memory of) the competitors; print and write.
+    `rep_ms`: milliseconds of timed calls per measurement on a GPU (see `default_timer`).
 
     Tables go to `console`, progress to `log` (stderr by default). Ctrl-C during timing keeps
     what was measured: it is printed and written like a finished run.
@@ -115,7 +117,8 @@ def run_bench(
                       highlight=False, markup=False)
 
         try:
-            run_suite(problems, modes, device, competitors, seed=seed, on_problem=keep)
+            run_suite(problems, modes, device, competitors, seed=seed,
+                      timer=default_timer(device, rep_ms), on_problem=keep)
         except KeyboardInterrupt:
             log.print("interrupted: reporting the problems finished so far")
         summaries = summarize(rows)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -47,8 +48,6 @@ MODES: tuple[Mode, ...] = ("fwd", "bwd", "both")
 FLOP_FACTOR: dict[Mode, float] = {"fwd": 1.0, "bwd": 2.5, "both": 3.5}
 Status = Literal["ok", "wrong", "n/a"]
 Timer = Callable[[Callable[[], object]], Timing]
-#: Mixed into the seed of the correctness inputs, so they differ from the timed ones.
-_CHECK_SALT = 0x5EED
 
 
 def mode_flops(problem: Problem, mode: Mode) -> float:
@@ -86,10 +85,11 @@ class Row:
         return None if self.timing is None else tflops(self.flops, self.timing.median_ms)
 
 
-def default_timer(device: torch.device) -> Timer:
-    """CUDA events with L2 flushed (median of repeats) on a GPU; wall clock on the CPU."""
+def default_timer(device: torch.device, rep_ms: float = 100.0) -> Timer:
+    """CUDA events with L2 flushed, the median of about `rep_ms` of calls (after a quarter of
+    that of warm-up) on a GPU; wall clock on the CPU."""
     if device.type == "cuda":
-        return lambda fn: time_cuda(fn, device)
+        return lambda fn: time_cuda(fn, device, warmup_ms=rep_ms / 4, rep_ms=rep_ms)
     return lambda fn: time_cpu(fn)
 
 
@@ -102,6 +102,9 @@ class _Inputs:
 
     @classmethod
     def make(cls, p: Problem, device: torch.device, seed: int) -> _Inputs:
+        """Inputs seeded by `seed` and the problem's shape and dtype (not its mask, nor its
+        place in the grid): a causal and a full problem of one shape share them."""
+        seed = (seed * 1_000_003 + zlib.crc32(str(p.with_(causal=False)).encode())) % 2**31
         q, k, v = make_inputs(p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim,
                               p.torch_dtype, device, seed)
         gen = torch.Generator(device="cpu").manual_seed(seed + 1)
@@ -230,24 +233,34 @@ def run_suite(
 ) -> list[Row]:
     """Check and time every competitor on every problem in every mode.
 
-    Problem i's inputs come from seed + i, the same for all competitors. `timer` defaults to
-    `default_timer(device)`; tests inject a fake one. `on_problem` sees each problem's rows as
-    soon as they exist (progress output). Nothing a competitor does stops the run: failures
-    become "n/a" rows with the reason, wrong answers "wrong" rows.
+    All competitors of a problem get the same inputs (see `_Inputs.make`); consecutive
+    problems that differ only in the mask reuse them rather than draw them again. `timer`
+    defaults to `default_timer(device)`; tests inject a fake one. `on_problem` sees each
+    problem's rows as soon as they exist (progress output). Nothing a competitor does stops
+    the run: failures become "n/a" rows with the reason, wrong answers "wrong" rows.
     """
     timer = timer or default_timer(device)
     rows: list[Row] = []
-    for index, problem in enumerate(problems):
-        timed = _Inputs.make(problem, device, seed + index)
+    made: dict[Problem, _Inputs] = {}  # the last problem's inputs, by unmasked problem
+
+    def inputs(p: Problem) -> _Inputs:
+        key = p.with_(causal=False)
+        if key not in made:
+            made.clear()
+            _free(device)
+            made[key] = _Inputs.make(p, device, seed)
+        return made[key]
+
+    for problem in problems:
         gate = gate_problem(problem)
-        checked = timed if gate == problem else _Inputs.make(gate, device,
-                                                             (seed + index) ^ _CHECK_SALT)
+        timed = inputs(problem)
+        # The gate's inputs are small: drawn afresh (they would evict the timed ones).
+        checked = timed if gate == problem else _Inputs.make(gate, device, seed)
         found: list[Row] = []
         for competitor in competitors:
             found += _run_competitor(competitor, problem, modes, device, timed, checked,
                                      None if gate == problem else gate, timer)
         del timed, checked
-        _free(device)
         rows += found
         if on_problem is not None:
             on_problem(problem, found)

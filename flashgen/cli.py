@@ -263,6 +263,9 @@ def bench(
         "--timing/--no-timing", help="Time the problems (--no-timing with --memory measures "
                                      "memory only).")] = True,
     seed: Annotated[int, typer.Option(help="Seed of all random inputs.")] = 0,
+    rep_ms: Annotated[float, typer.Option(
+        min=1, help="Milliseconds of timed calls per measurement on a GPU (10 to 200 calls, "
+                    "after a quarter of that of warm-up); the median is reported.")] = 100.0,
 ) -> None:
     """Compare flashgen's dispatched kernels with torch SDPA's backends and compiled
     FlexAttention on the same inputs: each output (and gradient) checked against the
@@ -295,7 +298,7 @@ def bench(
     except ValueError as exc:
         raise _fail(str(exc)) from None
     run_bench(problems, modes, target, names, Outputs.under(out, csv_path, plot, no_plot),
-              timing=timing, memory=memory, seed=seed, console=_console())
+              timing=timing, memory=memory, seed=seed, rep_ms=rep_ms, console=_console())
 
 
 @app.command()
