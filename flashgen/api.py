@@ -70,8 +70,11 @@ def explain(
     *,
     causal: bool = False,
     variant: Variant | None = None,
+    bwd_variant: BwdVariant | None = None,
     dispatcher: Dispatcher | None = None,
 ) -> Choice:
     """Which variant `attention` would run for these inputs, why (exact hit, nearest bucket,
-    fallback, explicit) and from which database row. `print()` it for a one-line answer."""
-    return (dispatcher or default_dispatcher()).explain(q, k, v, causal=causal, variant=variant)
+    fallback, explicit) and from which database row; its `backward` answers the same for the
+    backward pass. `print()` it for a short answer."""
+    return (dispatcher or default_dispatcher()).explain(q, k, v, causal=causal, variant=variant,
+                                                        bwd_variant=bwd_variant)

@@ -56,6 +56,28 @@ def sdpa_baseline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     call = _sdpa_call(q, k, v, causal)
     if q.device.type == "cpu":
         return Baseline("cpu", timer(call))
+    return _fastest(lambda: call, timer)
+
+
+def sdpa_backward_baseline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           do: torch.Tensor, causal: bool, timer: Timer) -> Baseline | None:
+    """The fastest SDPA backend's backward pass on q, k, v with upstream gradient `do`: only
+    the gradient computation is timed, from a forward run once per backend (as flashgen's
+    backward is timed from saved forward outputs)."""
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    forward = _sdpa_call(*leaves, causal)
+
+    def backward_call() -> Callable[[], object]:
+        out = forward()  # inside the backend's context, so its backward is that backend's
+        return lambda: torch.autograd.grad(out, leaves, do, retain_graph=True)
+
+    if q.device.type == "cpu":
+        return Baseline("cpu", timer(backward_call()))
+    return _fastest(backward_call, timer)
+
+
+def _fastest(make_call: Callable[[], Callable[[], object]], timer: Timer) -> Baseline | None:
+    """Time the call that `make_call` prepares under each SDPA backend; the fastest wins."""
     from torch.nn.attention import sdpa_kernel
 
     best: Baseline | None = None
@@ -65,6 +87,7 @@ def sdpa_baseline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
             # torch versions) after warning why; the warning is noise here, the skip is data.
             with warnings.catch_warnings(), sdpa_kernel([backend]):
                 warnings.simplefilter("ignore")
+                call = make_call()
                 call()
                 timing = timer(call)
         except Exception:

@@ -22,6 +22,7 @@ from flashgen.baseline import Baseline, sdpa_baseline
 from flashgen.check import compare, make_inputs
 from flashgen.forward import run_forward
 from flashgen.problem import Problem
+from flashgen.spaces import AnyVariant
 from flashgen.timing import Timing, tflops, time_cpu, time_cuda
 from flashgen.variant import Variant
 
@@ -53,13 +54,14 @@ class Measurement:
 
 
 class Bench(Protocol):
-    """What the tuner needs from a measuring back end, for one problem."""
+    """What the tuner needs from a measuring back end, for one problem and one mode: its
+    variants are `Variant`s (forward) or `BwdVariant`s (backward, see `bwd_bench`)."""
 
-    def compile(self, variants: Sequence[Variant]) -> dict[Variant, str]:
+    def compile(self, variants: Sequence[AnyVariant]) -> dict[AnyVariant, str]:
         """Prepare `variants` (in parallel where it can); returns the reasons of failures."""
         ...
 
-    def measure(self, variant: Variant) -> Measurement:
+    def measure(self, variant: AnyVariant) -> Measurement:
         """Check and time one variant; may raise, the tuner records that as a failure."""
         ...
 
@@ -71,15 +73,15 @@ class Bench(Protocol):
 class FunctionBench:
     """A `Bench` from a plain measuring function: nothing to compile, no baseline."""
 
-    def __init__(self, measure: Callable[[Variant], Measurement],
+    def __init__(self, measure: Callable[[AnyVariant], Measurement],
                  baseline: Baseline | None = None) -> None:
         self._measure = measure
         self._baseline = baseline
 
-    def compile(self, variants: Sequence[Variant]) -> dict[Variant, str]:
+    def compile(self, variants: Sequence[AnyVariant]) -> dict[AnyVariant, str]:
         return {}
 
-    def measure(self, variant: Variant) -> Measurement:
+    def measure(self, variant: AnyVariant) -> Measurement:
         return self._measure(variant)
 
     def baseline(self) -> Baseline | None:

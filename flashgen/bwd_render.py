@@ -2,7 +2,7 @@
 
 The forward's renderer does the work (same Jinja environment, same hash-named source files,
 same caches); this module only says which template each backward kernel comes from and what
-each one may read. `flashgen.render.template_hash` already covers these templates.
+each one may read. `flashgen.render.template_hash("bwd")` covers these templates.
 """
 
 from __future__ import annotations

@@ -16,8 +16,10 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 if TYPE_CHECKING:
+    import torch
     from rich.console import Console
 
+    from flashgen.bench import Bench
     from flashgen.problem import Problem
     from flashgen.tuner import TuneResult
 
@@ -91,12 +93,20 @@ def tune(
     compile_workers: Annotated[int, typer.Option(
         min=1, help="Threads compiling candidates ahead of timing; also how many trials are "
                     "asked of the sampler at once.")] = min(16, os.cpu_count() or 1),
+    mode: Annotated[str, typer.Option(
+        metavar="fwd|bwd|both",
+        help="What to tune: the forward kernel (fwd), the backward kernels (bwd: gradients "
+             "checked against the reference, the backward alone timed), or both, forward "
+             "first, for each problem.")] = "fwd",
     db: DbOption = None,
 ) -> None:
     """Tune every problem: search variants with Optuna, check each against the reference,
     time the correct ones, and store all trials and the winners in the database."""
     if device not in ("cuda", "cpu"):
         raise _fail(f"--device must be cuda or cpu, got {device!r}")
+    modes = {"fwd": ("fwd",), "bwd": ("bwd",), "both": ("fwd", "bwd")}.get(mode)
+    if modes is None:
+        raise _fail(f"--mode must be fwd, bwd or both, got {mode!r}")
     if device == "cpu":
         _use_interpreter()
     if not shape and not preset:
@@ -111,12 +121,28 @@ def tune(
                                   presets.parse_causal(causal))
     except ValueError as exc:
         raise _fail(str(exc)) from None
-    _run_tuning(problems, device, gpu, trials, timeout, seed, compile_workers, db)
+    _run_tuning(problems, device, gpu, trials, timeout, seed, compile_workers, db, modes)
+
+
+def _make_bench(mode: str, problem: Problem, target: torch.device, seed: int,
+                compile_workers: int, db_path: Path) -> Bench:
+    """The bench of one problem and mode. The backward's input comes from the forward that
+    dispatch serves from the database being tuned (then the shipped one), so `--mode both`
+    feeds it the forward just tuned."""
+    if mode == "fwd":
+        from flashgen.bench import KernelBench
+
+        return KernelBench(problem, target, seed=seed, compile_workers=compile_workers)
+    from flashgen.bwd_bench import BwdKernelBench
+    from flashgen.dispatch import Dispatcher, shipped_db_path
+
+    return BwdKernelBench(problem, target, seed=seed, compile_workers=compile_workers,
+                          dispatcher=Dispatcher([db_path, shipped_db_path()]))
 
 
 def _run_tuning(problems: list[Problem], device_type: str, gpu: int, trials: int | None,
                 timeout: float | None, seed: int, compile_workers: int,
-                db_path: Path | None) -> None:
+                db_path: Path | None, modes: tuple[str, ...] = ("fwd",)) -> None:
     import optuna
     import torch
     from rich.console import Console
@@ -128,7 +154,6 @@ def _run_tuning(problems: list[Problem], device_type: str, gpu: int, trials: int
         TimeElapsedColumn,
     )
 
-    from flashgen.bench import KernelBench
     from flashgen.db import TuningDB
     from flashgen.hardware import device_info
     from flashgen.report import results_table
@@ -156,17 +181,17 @@ def _run_tuning(problems: list[Problem], device_type: str, gpu: int, trials: int
         progress.console.print(f"tuning {len(problems)} problem(s) on {info.name} "
                                f"(db: {database.path})")
         try:
-            for problem in problems:
-                task = progress.add_task(str(problem), total=trials, best="-", last="")
+            for problem, mode in ((p, m) for p in problems for m in modes):
+                task = progress.add_task(f"{mode} {problem}", total=trials, best="-", last="")
 
                 def show(r: TuneResult, task: int = task) -> None:
                     best = f"{r.best_tflops:.3g} TFLOP/s" if r.best_tflops else "-"
                     progress.update(task, completed=r.measured, best=best, last=r.last[:50])
 
-                bench = KernelBench(problem, target, seed=seed, compile_workers=compile_workers)
+                bench = _make_bench(mode, problem, target, seed, compile_workers, database.path)
                 results.append(tune_problem(
-                    problem, bench, database, info, trials=trials, timeout=timeout,
-                    seed=seed, batch=batch, run_id=run_id, on_progress=show))
+                    problem, bench, database, info, mode=mode, trials=trials,
+                    timeout=timeout, seed=seed, batch=batch, run_id=run_id, on_progress=show))
         except KeyboardInterrupt:
             progress.console.print("interrupted: results so far are in the database")
     console.print(results_table(results))
@@ -184,20 +209,17 @@ def show(
     head dim, GQA ratio and sequence-length buckets)."""
     from flashgen.db import TuningDB, default_db_path
     from flashgen.report import is_current, winners_table
-    from flashgen.tuning_key import Versions
 
     path = db or default_db_path()
     if not path.exists():
         raise _fail(f"no tuning database at {path}")
-    versions = Versions.current()
     with TuningDB(path) as database:
-        winners = [w for w in database.all_winners()
-                   if not current or is_current(w, versions)]
+        winners = [w for w in database.all_winners() if not current or is_current(w)]
     if as_json:
-        typer.echo(json.dumps([{**w.to_dict(), "current": is_current(w, versions)}
-                               for w in winners], indent=2))
+        typer.echo(json.dumps([{**w.to_dict(), "current": is_current(w)} for w in winners],
+                              indent=2))
     else:
-        _console().print(winners_table(winners, versions))
+        _console().print(winners_table(winners))
 
 
 @app.command("presets")

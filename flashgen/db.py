@@ -32,17 +32,19 @@ import sqlite_utils
 from sqlite_utils.migrations import Migrations
 
 from flashgen.problem import Problem
+from flashgen.spaces import AnyVariant, space_of
 from flashgen.timing import Timing
 from flashgen.tuning_key import KEY_COLUMNS, TuningKey, Versions
-from flashgen.variant import Variant
 
 Status = Literal["ok", "failed", "pruned"]
 STATUSES: tuple[str, ...] = ("ok", "failed", "pruned")
 
 #: Knobs that get a column of their own for SQL queries; every knob is also in variant_json,
 #: so knobs added later are stored before a migration gives them a column.
+#: A knob that its mode's variant lacks (loop_order of a backward row, dq_mode of a forward
+#: one) stays NULL.
 VARIANT_COLUMNS: tuple[str, ...] = ("loop_order", "block_m", "block_n", "num_warps",
-                                    "num_stages", "split_mask", "warp_specialize")
+                                    "num_stages", "split_mask", "warp_specialize", "dq_mode")
 PROBLEM_COLUMNS: tuple[str, ...] = ("batch", "heads_q", "heads_kv", "seq_q", "seq_k")
 
 #: Seconds a writer waits for another process's transaction before giving up.
@@ -113,8 +115,19 @@ def m004_variant_flags(db: sqlite_utils.Database) -> None:
             db[table].add_column(column, int)
 
 
+@migrations()
+def m005_backward(db: sqlite_utils.Database) -> None:
+    """Backward tuning (mode 'bwd'): a column for the BwdVariant knob dq_mode, and the mode
+    of each SDPA baseline, since a backward winner is compared with SDPA's backward. Older
+    baselines were all forward timings."""
+    for table in ("trials", "winners"):
+        db[table].add_column("dq_mode", str)
+    db["baselines"].add_column("mode", str)
+    db.execute("UPDATE baselines SET mode = 'fwd'")
+
+
 #: The number of migrations above; a test checks that a fresh file reaches it.
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 
 def default_db_path() -> Path:
@@ -139,7 +152,7 @@ class TrialRow:
     """One stored trial. `variant` is the raw knob dict: it may hold knobs this code lacks."""
 
     id: int
-    key: TuningKey
+    key: TuningKey  # key.mode says whether `variant` holds Variant or BwdVariant knobs
     problem: Problem
     variant: dict[str, Any]
     status: Status
@@ -157,10 +170,11 @@ class TrialRow:
 
 @dataclass(frozen=True)
 class WinnerRow:
-    """The fastest correct variant stored for one key, and the problem it was timed on."""
+    """The fastest correct variant stored for one key, and the problem it was timed on.
+    `variant` is a `Variant` for key.mode 'fwd' and a `BwdVariant` for 'bwd'."""
 
     key: TuningKey
-    variant: Variant
+    variant: AnyVariant
     problem: Problem
     trial_id: int
     median_ms: float
@@ -253,7 +267,7 @@ class TuningDB:
     # ---- trials ------------------------------------------------------------------------
 
     def record_trial(
-        self, key: TuningKey, problem: Problem, variant: Variant, status: Status, *,
+        self, key: TuningKey, problem: Problem, variant: AnyVariant, status: Status, *,
         reason: str = "", timing: Timing | None = None, tflops: float | None = None,
         error: float | None = None, bound: float | None = None, seed: int | None = None,
         run_id: str | None = None,
@@ -261,6 +275,10 @@ class TuningDB:
         """Store one trial and return its id."""
         if status not in STATUSES:
             raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
+        wanted = space_of(key.mode).variant_type
+        if not isinstance(variant, wanted):
+            raise TypeError(f"a {key.mode} trial needs a {wanted.__name__}, "
+                            f"got {type(variant).__name__}")
         knobs = variant.to_dict()
         row: dict[str, Any] = {
             "key_id": key.id, **key.to_columns(),
@@ -305,10 +323,12 @@ class TuningDB:
     # ---- baselines ---------------------------------------------------------------------
 
     def record_baseline(self, device_key: str, problem: Problem, backend: str,
-                        timing: Timing, torch_version: str | None = None) -> None:
-        """Store a torch SDPA timing of `problem` on `device_key`."""
+                        timing: Timing, torch_version: str | None = None,
+                        mode: str = "fwd") -> None:
+        """Store a torch SDPA timing of `problem` on `device_key`: of its forward, or with
+        `mode="bwd"` of its backward."""
         row = {
-            "device_key": device_key,
+            "mode": mode, "device_key": device_key,
             "torch_version": torch_version or Versions.current().torch,
             **{c: getattr(problem, c) for c in PROBLEM_COLUMNS},
             "problem_json": _problem_json(problem), "dtype": problem.dtype,
@@ -319,12 +339,13 @@ class TuningDB:
         with self._write():
             self.db["baselines"].insert(row)
 
-    def baseline(self, device_key: str, torch_version: str,
-                 problem: Problem) -> tuple[str, float] | None:
-        """(backend, median ms) of the latest SDPA timing of `problem`, or None."""
+    def baseline(self, device_key: str, torch_version: str, problem: Problem,
+                 mode: str = "fwd") -> tuple[str, float] | None:
+        """(backend, median ms) of the latest SDPA timing of `problem`'s `mode` pass, or None."""
         rows = list(self.db["baselines"].rows_where(
-            "device_key = ? and torch_version = ? and problem_json = ?",
-            [device_key, torch_version, _problem_json(problem)], order_by="id desc", limit=1))
+            "mode = ? and device_key = ? and torch_version = ? and problem_json = ?",
+            [mode, device_key, torch_version, _problem_json(problem)], order_by="id desc",
+            limit=1))
         return (rows[0]["backend"], rows[0]["median_ms"]) if rows else None
 
     # ---- winners -----------------------------------------------------------------------
@@ -344,7 +365,7 @@ class TuningDB:
                 return None
             trial = best[0]
             problem = Problem.from_dict(json.loads(trial["problem_json"]))
-            sdpa = self.baseline(key.device_key, key.torch_version, problem)
+            sdpa = self.baseline(key.device_key, key.torch_version, problem, key.mode)
             row = {
                 "key_id": key.id, **key.to_columns(),
                 **{c: trial[c] for c in (*PROBLEM_COLUMNS, "problem_json", "variant_json",
@@ -368,11 +389,13 @@ class TuningDB:
     ) -> list[WinnerRow]:
         """Winners usable on `device_key` (a `DeviceInfo.key`) with this Triton and template.
 
-        Versions default to the running ones. `torch_version=None` accepts any torch (the
-        kernels are Triton's; torch only launches them); where the same bucket was tuned under
-        several torch versions, the row of the running torch wins, then the newest row.
+        Versions default to the running ones (the template hash of `mode`'s kernels: a
+        backward template edit keeps the forward winners). `torch_version=None` accepts any
+        torch (the kernels are Triton's; torch only launches them); where the same bucket was
+        tuned under several torch versions, the row of the running torch wins, then the newest
+        row.
         """
-        current = Versions.current()
+        current = Versions.current(mode)
         if not self.db["winners"].exists():
             return []
         rows = self.db["winners"].rows_where(
@@ -422,7 +445,7 @@ def _trial_row(row: dict[str, Any]) -> TrialRow:
 
 def _winner_row(row: dict[str, Any], strict: bool = True) -> WinnerRow | None:
     try:
-        variant = Variant.from_json(row["variant_json"])
+        variant = space_of(row["mode"]).from_json(row["variant_json"])
     except (TypeError, ValueError) as exc:
         # A row written by a newer flashgen with knobs this one lacks; its template hash
         # differs too, so it is never served, but `show` must not crash on it.

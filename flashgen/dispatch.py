@@ -8,6 +8,9 @@ default user path) and the database shipped in the package's `tuning_db/`. For a
    whose variant is valid for this problem (resources, block vs length);
 3. fallback: `default_variant`; if this GPU has no entries at all, one log line says how to
    tune it.
+The backward pass is served the same way from the backward winners (mode "bwd", a
+`BwdVariant` each; `choose_bwd`), read once per device from the same databases; its fallback
+is `default_bwd_variant`.
 """
 
 from __future__ import annotations
@@ -15,22 +18,23 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
 import torch
 
 from flashgen.backward import run_backward
-from flashgen.bwd_space import default_bwd_variant, why_invalid_bwd
+from flashgen.bwd_space import why_invalid_bwd
 from flashgen.bwd_variant import BwdVariant
 from flashgen.db import TuningDB, WinnerRow, default_db_path
 from flashgen.forward import Launcher, default_scale, prepare_forward
 from flashgen.hardware import DeviceInfo, device_info
 from flashgen.problem import Problem
 from flashgen.resources import data_dir
-from flashgen.space import default_variant, why_invalid
-from flashgen.tuning_key import seq_bucket
+from flashgen.space import why_invalid
+from flashgen.spaces import AnyVariant, space_of
+from flashgen.tuning_key import MODES, seq_bucket
 from flashgen.validate import check_inputs, check_runnable
 from flashgen.variant import Variant
 
@@ -41,20 +45,6 @@ How = Literal["explicit", "exact", "nearest", "fallback"]
 
 
 @dataclass(frozen=True)
-class Choice:
-    """The variant a call runs, how it was found, and the database row behind it."""
-
-    variant: Variant
-    how: How
-    reason: str
-    source: str | None = None  # "<database path> winners[<key id>] trial <id>"
-
-    def __str__(self) -> str:
-        where = f"\n  from: {self.source}" if self.source else ""
-        return f"{self.variant} ({self.how}): {self.reason}{where}"
-
-
-@dataclass(frozen=True)
 class BwdChoice:
     """The backward variant a call runs and how it was found (see `Choice`)."""
 
@@ -62,6 +52,27 @@ class BwdChoice:
     how: How
     reason: str
     source: str | None = None
+
+    def __str__(self) -> str:
+        where = f"\n  from: {self.source}" if self.source else ""
+        return f"{self.variant} ({self.how}): {self.reason}{where}"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The variant a call runs, how it was found, and the database row behind it.
+    `explain` also fills in `backward`: what the call's backward pass would run."""
+
+    variant: Variant
+    how: How
+    reason: str
+    source: str | None = None  # "<database path> winners[<key id>] trial <id>"
+    backward: BwdChoice | None = None
+
+    def __str__(self) -> str:
+        where = f"\n  from: {self.source}" if self.source else ""
+        text = f"{self.variant} ({self.how}): {self.reason}{where}"
+        return f"{text}\nbackward: {self.backward}" if self.backward else text
 
 
 @dataclass(frozen=True)
@@ -83,6 +94,8 @@ class _Entry:
 
 
 _Family = tuple[str, bool, int, int]  # dtype, causal, head dim, GQA ratio
+#: What `_pick` finds: the variant, how, why, and the row it came from.
+_Pick = tuple[AnyVariant, How, str, str | None]
 
 
 def shipped_db_path() -> Path:
@@ -104,44 +117,82 @@ class Dispatcher:
             self.paths = [Path(db)]
         else:
             self.paths = [Path(p) for p in db]
-        self._tables: dict[str, dict[_Family, list[_Entry]]] = {}
+        self._tables: dict[str, dict[str, dict[_Family, list[_Entry]]]] = {}  # device, mode
         self._plans: dict[tuple, _Plan] = {}
+        self._bwd_choices: dict[tuple[Problem, str], BwdChoice] = {}
+        self._warned: set[str] = set()
 
     # ---- choosing ------------------------------------------------------------------------
 
-    def _table(self, device: DeviceInfo) -> dict[_Family, list[_Entry]]:
-        table = self._tables.get(device.key)
-        if table is not None:
-            return table
-        table = {}
+    def _table(self, device: DeviceInfo, mode: str = "fwd") -> dict[_Family, list[_Entry]]:
+        tables = self._tables.get(device.key)
+        if tables is None:
+            tables = self._tables[device.key] = self._load(device)
+        table = tables[mode]
+        if not table and device.key not in self._warned:
+            self._warned.add(device.key)
+            self._warn_untuned(device, mode, tuned_fwd=bool(tables["fwd"]))
+        return table
+
+    def _load(self, device: DeviceInfo) -> dict[str, dict[_Family, list[_Entry]]]:
+        """Both modes' winners for `device`, from every database at once (one open each)."""
+        tables: dict[str, dict[_Family, list[_Entry]]] = {mode: {} for mode in MODES}
         seen: set[tuple] = set()
         for path in self.paths:
             if not path.is_file():
                 continue
             with TuningDB.open_readonly(path) as db:
-                rows = db.load_winners(device.key)
+                rows = [row for mode in MODES for row in db.load_winners(device.key, mode=mode)]
             for row in rows:
                 k = row.key
                 bucket = (k.dtype, k.causal, k.head_dim, k.gqa, k.seq_q_bucket, k.seq_k_bucket)
-                if bucket in seen:  # an earlier (higher-precedence) database has this bucket
+                if (k.mode, bucket) in seen:  # a higher-precedence database has this bucket
                     continue
-                seen.add(bucket)
-                table.setdefault(bucket[:4], []).append(_Entry(row, path))
-        if not table:
+                seen.add((k.mode, bucket))
+                tables[k.mode].setdefault(bucket[:4], []).append(_Entry(row, path))
+        return tables
+
+    def _warn_untuned(self, device: DeviceInfo, mode: str, tuned_fwd: bool) -> None:
+        """One log line per device on how to tune it: the whole GPU, or only the backward
+        where the forward has winners."""
+        where = ", ".join(str(p) for p in self.paths)
+        if mode == "bwd" and tuned_fwd:
+            log.warning(
+                "flashgen: no tuned backward kernels for %s in %s; using default backward "
+                "variants. Run `flashgen tune --mode bwd --gpu 0 --preset fa-bench` (or "
+                "--shape ...) to tune them.",
+                device.name, where,
+            )  # fmt: skip
+        else:
             log.warning(
                 "flashgen: no tuned kernels for %s in %s; using default variants. Run "
-                "`flashgen tune --gpu 0 --preset fa-bench` (or --shape ...) to tune this GPU.",
-                device.name,
-                ", ".join(str(p) for p in self.paths),
-            )
-        self._tables[device.key] = table
-        return table
+                "`flashgen tune --gpu 0 --preset fa-bench --mode both` (or --shape ...) to "
+                "tune this GPU.",
+                device.name, where,
+            )  # fmt: skip
 
     def choose(self, problem: Problem, device: DeviceInfo | str | None = None) -> Choice:
         """Pick the variant for `problem` on `device`: exact hit, nearest bucket, or default."""
+        variant, how, reason, source = self._pick(problem, device_info(device), "fwd")
+        assert isinstance(variant, Variant)
+        return Choice(variant, how, reason, source)
+
+    def choose_bwd(self, problem: Problem, device: DeviceInfo | str | None = None) -> BwdChoice:
+        """Pick the backward variant for `problem` on `device`, exactly as `choose` does for
+        the forward: exact hit, nearest valid bucket, or `default_bwd_variant`."""
         dev = device_info(device)
+        cached = self._bwd_choices.get((problem, dev.key))
+        if cached is None:
+            variant, how, reason, source = self._pick(problem, dev, "bwd")
+            assert isinstance(variant, BwdVariant)
+            cached = self._bwd_choices[(problem, dev.key)] = BwdChoice(variant, how, reason,
+                                                                        source)
+        return cached
+
+    def _pick(self, problem: Problem, dev: DeviceInfo, mode: str) -> _Pick:
+        space = space_of(mode)
         family = (problem.dtype, problem.causal, problem.head_dim, problem.group)
-        entries = self._table(dev).get(family, [])
+        entries = self._table(dev, mode).get(family, [])
         want_q, want_k = seq_bucket(problem.seq_q), seq_bucket(problem.seq_k)
 
         def distance(e: _Entry) -> tuple[float, int]:
@@ -152,18 +203,18 @@ class Dispatcher:
         skipped: list[str] = []
         for entry in sorted(entries, key=distance):
             key = entry.winner.key
-            reason = why_invalid(entry.winner.variant, problem, dev)
+            reason = space.why_invalid(entry.winner.variant, problem, dev)
             if reason:
                 skipped.append(f"bucket Nq{key.seq_q_bucket}/Nk{key.seq_k_bucket}: {reason}")
                 continue
             if (key.seq_q_bucket, key.seq_k_bucket) == (want_q, want_k):
-                return Choice(
+                return (
                     entry.winner.variant,
                     "exact",
                     f"tuned winner for this bucket ({key.seq_q_bucket}, {key.seq_k_bucket})",
                     entry.source(),
                 )
-            return Choice(
+            return (
                 entry.winner.variant,
                 "nearest",
                 f"no winner for bucket ({want_q}, {want_k}); nearest tuned bucket "
@@ -173,10 +224,10 @@ class Dispatcher:
         why = (
             "tuned buckets of this kind are invalid here: " + "; ".join(skipped)
             if skipped
-            else f"nothing tuned for {problem.dtype} causal={problem.causal} "
+            else f"nothing tuned ({mode}) for {problem.dtype} causal={problem.causal} "
             f"D={problem.head_dim} GQA={problem.group} on {dev.name}"
         )
-        return Choice(default_variant(problem, dev), "fallback", why)
+        return space.default(problem, dev), "fallback", why, None
 
     # ---- running -------------------------------------------------------------------------
 
@@ -249,10 +300,6 @@ class Dispatcher:
                 raise ValueError(f"backward variant {variant} is invalid for {problem}: {reason}")
         return run_backward(grad_out, q, k, v, out, lse, variant, problem, scale)
 
-    def choose_bwd(self, problem: Problem, device: DeviceInfo | str | None = None) -> BwdChoice:
-        """The backward variant for `problem` (the default until backward winners exist)."""
-        return BwdChoice(default_bwd_variant(problem, device), "fallback", "default backward")
-
     def explain(
         self,
         q: torch.Tensor,
@@ -261,10 +308,22 @@ class Dispatcher:
         *,
         causal: bool = False,
         variant: Variant | None = None,
+        bwd_variant: BwdVariant | None = None,
     ) -> Choice:
-        """Which variant `attention(q, k, v, causal=...)` would run, why, and from which row."""
+        """Which variant `attention(q, k, v, causal=...)` would run, why, and from which row;
+        its `backward` says the same of the backward pass (`bwd_variant`: an explicit one)."""
         _check_variant_type(variant)
-        return self._plan(q, k, v, causal, variant).choice
+        choice = self._plan(q, k, v, causal, variant).choice
+        problem = Problem.from_tensors(q, k, v, causal)
+        if bwd_variant is None:
+            backward = self.choose_bwd(problem, q.device)
+        else:
+            reason = why_invalid_bwd(bwd_variant, problem, q.device)
+            if reason:
+                raise ValueError(f"backward variant {bwd_variant} is invalid for {problem}: "
+                                 f"{reason}")
+            backward = BwdChoice(bwd_variant, "explicit", "bwd_variant= was given")
+        return replace(choice, backward=backward)
 
 
 def _check_variant_type(variant: object) -> None:

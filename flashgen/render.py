@@ -13,11 +13,13 @@ import hashlib
 import importlib.util
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import jinja2
+from jinja2 import meta
 
 from flashgen.problem import Problem
 from flashgen.resources import data_dir
@@ -38,16 +40,46 @@ def _templates() -> dict[str, str]:
     return _template_files()
 
 
-@functools.cache
-def template_hash() -> str:
-    """Hash of every template's text: a stored tuning result is only valid for this exact text."""
+#: Tuning modes whose kernels come from `attn_<mode>_*.py.jinja` templates.
+TEMPLATE_FAMILIES: tuple[str, ...] = ("fwd", "bwd")
+
+
+def family_templates(templates: Mapping[str, str], mode: str) -> list[str]:
+    """The templates `mode`'s kernels are made of: its `attn_<mode>_*` kernels and every
+    fragment they include, directly or through another fragment. A fragment included by both
+    families belongs to both, so editing it invalidates both families' results."""
+    if mode not in TEMPLATE_FAMILIES:
+        raise ValueError(f"unknown template family {mode!r}; use one of {TEMPLATE_FAMILIES}")
+    env = jinja2.Environment()
+    todo = [name for name in templates if name.startswith(f"attn_{mode}_")]
+    family: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name in family or name not in templates:
+            continue
+        family.add(name)
+        # Only literal include names can be followed; the templates use nothing else.
+        todo += [n for n in meta.find_referenced_templates(env.parse(templates[name])) if n]
+    return sorted(family)
+
+
+def family_hash(templates: Mapping[str, str], mode: str) -> str:
+    """Hash of the names and texts of `mode`'s templates (see `family_templates`)."""
     digest = hashlib.sha256()
-    for name, text in sorted(_templates().items()):
+    for name in family_templates(templates, mode):
         digest.update(name.encode())
         digest.update(b"\0")
-        digest.update(text.encode())
+        digest.update(templates[name].encode())
         digest.update(b"\0")
     return digest.hexdigest()[:16]
+
+
+@functools.cache
+def template_hash(mode: str = "fwd") -> str:
+    """Hash of the text of `mode`'s templates ("fwd" or "bwd"): a stored tuning result is only
+    valid for this exact text. Per family, so editing a backward template keeps the forward
+    winners, and the other way round."""
+    return family_hash(_templates(), mode)
 
 
 @functools.cache

@@ -16,9 +16,10 @@ def _num(value: float | None, fmt: str) -> str:
 
 
 def results_table(results: Iterable[TuneResult]) -> Table:
-    """One row per tuned problem: its best variant, throughput and cost of the search."""
+    """One row per tuned problem and mode: its best variant, throughput and search cost."""
     table = Table(title="flashgen tune", show_lines=False)
     table.add_column("problem")
+    table.add_column("mode")
     table.add_column("winner")
     table.add_column("TFLOP/s", justify="right")
     table.add_column("ms", justify="right")
@@ -33,21 +34,24 @@ def results_table(results: Iterable[TuneResult]) -> Table:
         if r.speedup is not None and r.baseline is not None:
             sdpa = f"{r.speedup:.2f}x ({r.baseline.backend})"
         table.add_row(
-            str(r.problem), str(r.best) if r.best else "none passed",
+            str(r.problem), r.mode, str(r.best) if r.best else "none passed",
             _num(r.best_tflops, ".3g"), _num(r.best_ms, ".4g"), sdpa, str(r.measured),
             str(r.failed), str(r.pruned), str(r.resumed), f"{r.seconds:.1f}s",
         )
     return table
 
 
-def is_current(winner: WinnerRow, versions: Versions) -> bool:
-    """Whether dispatch would serve this row: same Triton and template text."""
+def is_current(winner: WinnerRow, versions: Versions | None = None) -> bool:
+    """Whether dispatch would serve this row: same Triton and template text. `versions`
+    default to the running ones of the row's mode (each mode hashes its own templates)."""
+    versions = versions or Versions.current(winner.key.mode)
     return (winner.key.triton_version, winner.key.template_hash) == (versions.triton,
                                                                       versions.template_hash)
 
 
-def winners_table(winners: Iterable[WinnerRow], versions: Versions) -> Table:
-    """The database's winners, one per key; stale rows (other Triton or templates) marked."""
+def winners_table(winners: Iterable[WinnerRow], versions: Versions | None = None) -> Table:
+    """The database's winners, one per key; stale rows (other Triton or templates) marked.
+    `versions`: as for `is_current`."""
     table = Table(title="flashgen winners")
     for name in ("device", "kind", "buckets", "winner", "TFLOP/s", "vs SDPA", "tuned on",
                  "triton / templates"):

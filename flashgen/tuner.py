@@ -1,4 +1,7 @@
-"""The search: one Optuna study per (device, problem), fed by a `Bench`, recorded in the DB.
+"""The search: one Optuna study per (device, problem, mode), fed by a `Bench`, recorded in the DB.
+
+A mode is "fwd" (forward `Variant`s) or "bwd" (backward `BwdVariant`s); both are searched the
+same way, through `spaces.space_of(mode)`, and stored under keys of their own mode.
 
 Each study samples the categorical knobs with TPE (multivariate, grouped, seeded). Before
 anything is sampled, the study is told every result the database already holds for this
@@ -7,7 +10,7 @@ default variant plus earlier winners of similar keys are enqueued so they are al
 measured: the tuned result can then never be worse than what dispatch would pick untuned.
 
 Trials are asked in batches so a batch can be compiled in parallel, then checked and timed
-one at a time. An invalid point (a named rule of `space.why_invalid`) is told as pruned with
+one at a time. An invalid point (a named rule of the mode's `why_invalid`) is told as pruned with
 its reason; a variant that fails to compile, runs out of resources or gives a wrong answer
 is told as failed. Both are stored as trials, and neither stops the run.
 """
@@ -32,21 +35,23 @@ from flashgen.bench import Bench, Measurement, describe_failure
 from flashgen.db import TrialRow, TuningDB, WinnerRow
 from flashgen.hardware import DeviceInfo
 from flashgen.problem import Problem
-from flashgen.space import default_variant, search_space, why_invalid
+from flashgen.spaces import AnyVariant, ModeSpace, space_of
 from flashgen.tuning_key import TuningKey, Versions
-from flashgen.variant import Variant
 
 
-def knob_choices(points: list[Variant]) -> dict[str, tuple[Any, ...]]:
-    """Every knob of `Variant` and the values it takes among `points`, in their order.
+def knob_choices(points: list[AnyVariant],
+                 variant_type: type[AnyVariant] | None = None) -> dict[str, tuple[Any, ...]]:
+    """Every knob of `variant_type` (default: the type of the points) and the values it takes
+    among `points`, in their order.
 
     Given the problem's valid points, the sampler's grid shrinks to values that can work
     (a 32-long sequence never samples 256-row tiles), while the rules of `space` still prune
     the combinations that cannot. Knobs come from the dataclass, so a knob added to the
     search space is searched without touching the tuner.
     """
+    variant_type = variant_type or type(points[0])
     return {f.name: tuple(dict.fromkeys(getattr(v, f.name) for v in points))
-            for f in fields(Variant)}
+            for f in fields(variant_type)}
 
 
 #: Asks in a row that bring nothing new (known, duplicate or invalid points) before an
@@ -55,9 +60,11 @@ def knob_choices(points: list[Variant]) -> dict[str, tuple[Any, ...]]:
 MAX_STALE_ASKS = 32
 #: Earlier winners enqueued for a new problem, nearest keys first.
 MAX_ENQUEUED_WINNERS = 8
-#: A hard stop for one study: this many asks per point of its grid. Every stuck stretch
-#: enqueues a new valid point, so it is never reached unless something is broken; then the
-#: run ends instead of spinning.
+#: A hard stop for one study: this many asks per point of its grid, plus a full stale
+#: stretch per valid point. Every stuck stretch enqueues a new valid point, so it is never
+#: reached unless something is broken; then the run ends instead of spinning. (The stretches
+#: matter on small grids: 8 points, as the backward space of a 16-long problem has, would
+#: otherwise allow fewer asks than one stretch.)
 MAX_ASKS_PER_POINT = 4
 
 
@@ -78,7 +85,7 @@ class TuneResult:
     problem: Problem
     key: TuningKey
     trials_budget: int | None
-    best: Variant | None = None
+    best: AnyVariant | None = None
     best_ms: float | None = None
     best_tflops: float | None = None
     measured: int = 0  # variants checked and timed (or failed) in this run
@@ -98,12 +105,16 @@ class TuneResult:
             return None
         return self.baseline.timing.median_ms / self.best_ms
 
+    @property
+    def mode(self) -> str:
+        return self.key.mode
+
     def note(self, variant_json: str, outcome: Outcome) -> None:
         """Remember `outcome` and keep the best so far."""
         self.outcomes[variant_json] = outcome
         if outcome.status == "ok" and outcome.median_ms is not None and (
                 self.best_ms is None or outcome.median_ms < self.best_ms):
-            self.best = Variant.from_json(variant_json)
+            self.best = space_of(self.mode).from_json(variant_json)
             self.best_ms, self.best_tflops = outcome.median_ms, outcome.tflops
 
 
@@ -130,7 +141,8 @@ def _outcome_of_row(row: TrialRow) -> Outcome:
 
 
 def _resume(study: optuna.Study, result: TuneResult, rows: dict[str, TrialRow],
-            problem: Problem, device: DeviceInfo, knobs: dict[str, tuple[Any, ...]]) -> None:
+            problem: Problem, device: DeviceInfo, knobs: dict[str, tuple[Any, ...]],
+            space: ModeSpace) -> None:
     """Tell the study what earlier runs measured, so it is neither measured nor sampled
     blindly again. Rows of variants this code cannot build or no longer allows (the
     validity rules may have changed since) are left out."""
@@ -139,7 +151,8 @@ def _resume(study: optuna.Study, result: TuneResult, rows: dict[str, TrialRow],
         if outcome.status == "ok" and outcome.median_ms is None:
             continue
         try:
-            if why_invalid(Variant.from_dict(row.variant), problem, device) is not None:
+            variant = space.variant_type.from_dict(row.variant)
+            if space.why_invalid(variant, problem, device) is not None:
                 continue
         except (TypeError, ValueError):
             continue
@@ -155,13 +168,13 @@ def _resume(study: optuna.Study, result: TuneResult, rows: dict[str, TrialRow],
             value=outcome.median_ms if state == TrialState.COMPLETE else None))
 
 
-def _seeds(problem: Problem, device: DeviceInfo, db: TuningDB,
-           versions: Versions) -> list[Variant]:
-    """The default variant, then earlier winners of the same dtype, head dim and mask on this
-    device and versions, nearest sequence buckets and GQA ratio first."""
-    key = TuningKey.for_problem(problem, device, versions=versions)
+def _seeds(problem: Problem, device: DeviceInfo, db: TuningDB, versions: Versions,
+           space: ModeSpace) -> list[AnyVariant]:
+    """The default variant, then earlier winners of the same mode, dtype, head dim and mask on
+    this device and versions, nearest sequence buckets and GQA ratio first."""
+    key = TuningKey.for_problem(problem, device, space.mode, versions)
     similar = [w for w in db.load_winners(device.key, versions.triton, versions.template_hash,
-                                          torch_version=versions.torch)
+                                          mode=space.mode, torch_version=versions.torch)
                if (w.key.dtype, w.key.head_dim, w.key.causal)
                == (key.dtype, key.head_dim, key.causal)]
 
@@ -171,7 +184,7 @@ def _seeds(problem: Problem, device: DeviceInfo, db: TuningDB,
         return buckets, int(w.key.gqa != key.gqa)
 
     similar.sort(key=distance)
-    seeds = [default_variant(problem, device)]
+    seeds = [space.default(problem, device)]
     seeds += [w.variant for w in similar[:MAX_ENQUEUED_WINNERS]]
     return list(dict.fromkeys(seeds))
 
@@ -182,6 +195,7 @@ def tune_problem(
     db: TuningDB,
     device: DeviceInfo,
     *,
+    mode: str = "fwd",
     trials: int | None = None,
     timeout: float | None = None,
     seed: int = 0,
@@ -191,7 +205,10 @@ def tune_problem(
     on_progress: Callable[[TuneResult], None] | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> TuneResult:
-    """Search variants of `problem` on `device`; every trial goes to `db`.
+    """Search `mode`'s variants of `problem` on `device`; every trial goes to `db`.
+
+    `bench` measures that mode's variants: `KernelBench` for "fwd", `BwdKernelBench` for
+    "bwd". `versions` default to the running ones, with `mode`'s template hash.
 
     Budget: `trials` new measurements (pruned and resumed points are free) and/or `timeout`
     seconds; the search also ends when every valid variant has been measured. `batch`
@@ -201,19 +218,20 @@ def tune_problem(
         raise ValueError("give a budget: trials, timeout, or both")
     if trials is not None and trials < 0:
         raise ValueError(f"trials must be >= 0, got {trials}")
-    versions = versions or Versions.current()
+    space = space_of(mode)
+    versions = versions or Versions.current(mode)
     run_id = run_id or uuid.uuid4().hex[:12]
-    key = TuningKey.for_problem(problem, device, versions=versions)
+    key = TuningKey.for_problem(problem, device, mode, versions)
     result = TuneResult(problem, key, trials)
     start = clock()
     study = optuna.create_study(direction="minimize", sampler=make_sampler(seed),
                                 study_name=key.id)
-    valid = {v.to_json(): v for v in search_space(problem, device)}
-    knobs = knob_choices(list(valid.values()))
-    _resume(study, result, db.measured(key, problem), problem, device, knobs)
-    for variant in _seeds(problem, device, db, versions):
-        if variant.to_json() not in result.outcomes and why_invalid(variant, problem,
-                                                                    device) is None:
+    valid = {v.to_json(): v for v in space.points(problem, device)}
+    knobs = knob_choices(list(valid.values()), space.variant_type)
+    _resume(study, result, db.measured(key, problem), problem, device, knobs, space)
+    for variant in _seeds(problem, device, db, versions, space):
+        if variant.to_json() not in result.outcomes and space.why_invalid(
+                variant, problem, device) is None:
             study.enqueue_trial(variant.to_dict())
     rng = random.Random(seed)
 
@@ -221,21 +239,23 @@ def tune_problem(
         in_time = timeout is None or clock() - start < timeout
         return in_time and (trials is None or result.measured < trials)
 
-    def record(variant: Variant, outcome: Outcome, m: Measurement | None = None) -> None:
+    def record(variant: AnyVariant, outcome: Outcome, m: Measurement | None = None) -> None:
         db.record_trial(key, problem, variant, outcome.status, reason=outcome.reason,
                         timing=m.timing if m else None, tflops=outcome.tflops,
                         error=m.error if m else None, bound=m.bound if m else None,
                         seed=seed, run_id=run_id)
 
-    stale, asks, max_asks = 0, 0, MAX_ASKS_PER_POINT * math.prod(map(len, knobs.values()))
+    grid = math.prod(map(len, knobs.values()))
+    stale, asks = 0, 0
+    max_asks = MAX_ASKS_PER_POINT * grid + (MAX_STALE_ASKS + 1) * len(valid)
     while budget_left() and not valid.keys() <= result.outcomes.keys() and asks < max_asks:
         want = max(1, min(batch, trials - result.measured if trials is not None else batch))
-        pending: dict[str, tuple[Variant, list[Trial]]] = {}
+        pending: dict[str, tuple[AnyVariant, list[Trial]]] = {}
         while len(pending) < want and stale < MAX_STALE_ASKS and asks < max_asks:
             trial = study.ask()
             asks += 1
-            variant = Variant(**{name: trial.suggest_categorical(name, choices)
-                                 for name, choices in knobs.items()})
+            variant = space.variant_type(**{name: trial.suggest_categorical(name, choices)
+                                            for name, choices in knobs.items()})
             variant_json = variant.to_json()
             if variant_json in pending:
                 pending[variant_json][1].append(trial)
@@ -243,7 +263,7 @@ def tune_problem(
             elif variant_json in result.outcomes:
                 _tell(study, trial, result.outcomes[variant_json])
                 stale += 1
-            elif reason := why_invalid(variant, problem, device):
+            elif reason := space.why_invalid(variant, problem, device):
                 outcome = Outcome("pruned", reason=reason)
                 record(variant, outcome)
                 result.note(variant_json, outcome)
@@ -268,7 +288,7 @@ def tune_problem(
     result.baseline = _baseline(bench)
     if result.baseline is not None:
         db.record_baseline(device.key, problem, result.baseline.backend,
-                           result.baseline.timing, versions.torch)
+                           result.baseline.timing, versions.torch, mode)
     result.winner = db.update_winner(key)
     result.seconds = clock() - start
     if on_progress:
@@ -277,8 +297,8 @@ def tune_problem(
 
 
 def _measure_batch(
-    pending: dict[str, tuple[Variant, list[Trial]]], bench: Bench, study: optuna.Study,
-    result: TuneResult, record: Callable[[Variant, Outcome, Measurement | None], None],
+    pending: dict[str, tuple[AnyVariant, list[Trial]]], bench: Bench, study: optuna.Study,
+    result: TuneResult, record: Callable[[AnyVariant, Outcome, Measurement | None], None],
     budget_left: Callable[[], bool], on_progress: Callable[[TuneResult], None] | None,
 ) -> None:
     variants = [v for v, _ in pending.values()]

@@ -19,8 +19,8 @@ from flashgen.hardware import DeviceInfo
 from flashgen.problem import Problem
 from flashgen.render import template_hash
 
-#: Forward only for now; the backward pass will tune under its own mode.
-MODES: tuple[str, ...] = ("fwd",)
+#: The passes tuned separately: the forward kernel, and the backward kernels (a `BwdVariant`).
+MODES: tuple[str, ...] = ("fwd", "bwd")
 
 
 def seq_bucket(n: int) -> int:
@@ -49,8 +49,11 @@ class Versions:
     template_hash: str
 
     @classmethod
-    def current(cls) -> Versions:
-        return cls(_package_version("triton"), _package_version("torch"), template_hash())
+    def current(cls, mode: str = "fwd") -> Versions:
+        """The running versions, with the template hash of `mode`'s kernels only."""
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; use one of {MODES}")
+        return cls(_package_version("triton"), _package_version("torch"), template_hash(mode))
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,7 @@ class TuningKey:
     ) -> TuningKey:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; use one of {MODES}")
-        versions = versions or Versions.current()
+        versions = versions or Versions.current(mode)
         major, minor = device.capability
         return cls(
             mode=mode,

@@ -122,3 +122,37 @@ def test_tune_then_show_on_the_cpu_interpreter(tmp_path: Path) -> None:
     assert again.returncode == 0, again.stderr
     with TuningDB(db_path) as db:
         assert len([r for r in db.trials() if r.status != "pruned"]) == 5
+
+
+@pytest.mark.interpreter
+def test_tune_both_modes_then_show_lists_fwd_and_bwd(tmp_path: Path) -> None:
+    db_path = tmp_path / "tuning.db"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["FLASHGEN_CACHE_DIR"] = str(tmp_path / "cache")
+    env["COLUMNS"] = "200"
+    tuned = _flashgen("tune", "--device", "cpu", "--mode", "both", "--shape", "1,2,1,32,32,16",
+                      "--trials", "3", "--db", str(db_path), env=env)
+    assert tuned.returncode == 0, tuned.stderr + tuned.stdout
+    assert " fwd " in tuned.stdout and " bwd " in tuned.stdout  # the summary's mode column
+
+    with TuningDB(db_path) as db:
+        measured = [r for r in db.trials() if r.status != "pruned"]
+        assert sorted(r.key.mode for r in measured) == ["bwd"] * 3 + ["fwd"] * 3
+        assert all(r.status == "ok" and r.error <= r.bound for r in measured)
+
+    shown = _flashgen("show", "--json", "--db", str(db_path), env=env)
+    assert shown.returncode == 0, shown.stderr
+    winners = {w["mode"]: w for w in json.loads(shown.stdout)}
+    assert set(winners) == {"fwd", "bwd"}
+    assert all(w["current"] and w["tflops"] > 0 for w in winners.values())
+    assert winners["bwd"]["variant"]["dq_mode"] in ("separate", "atomic")
+    assert winners["fwd"]["template_hash"] != winners["bwd"]["template_hash"]
+
+    table = _flashgen("show", "--db", str(db_path), env=env)
+    assert "bwd fp16 full D16" in table.stdout and "fwd fp16 full D16" in table.stdout
+
+
+def test_unknown_mode_is_explained() -> None:
+    result = runner.invoke(app, ["tune", "--device", "cpu", "--shape", "1,2,1,8,8,16",
+                                 "--mode", "sideways"])
+    assert result.exit_code == 2 and "--mode" in result.output

@@ -1,0 +1,51 @@
+"""The forward and backward search spaces behind one interface, looked up by tuning mode.
+
+The tuner, the database and dispatch treat both passes alike: a frozen variant dataclass, the
+list of valid points, the named-rule check and the hand-picked default. This table is the one
+place that says which functions those are for each mode in `tuning_key.MODES`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from flashgen.bwd_space import bwd_search_space, default_bwd_variant, why_invalid_bwd
+from flashgen.bwd_variant import BwdVariant
+from flashgen.hardware import DeviceInfo
+from flashgen.problem import Problem
+from flashgen.space import default_variant, search_space, why_invalid
+from flashgen.variant import Variant
+
+#: A point of either space.
+AnyVariant = Variant | BwdVariant
+V = TypeVar("V", Variant, BwdVariant)
+
+
+@dataclass(frozen=True)
+class ModeSpace(Generic[V]):
+    """What tuning and dispatch need to know about one mode's variants."""
+
+    mode: str
+    variant_type: type[V]
+    points: Callable[[Problem, DeviceInfo], list[V]]
+    why_invalid: Callable[[V, Problem, DeviceInfo], str | None]
+    default: Callable[[Problem, DeviceInfo], V]
+
+    def from_json(self, text: str) -> V:
+        return self.variant_type.from_json(text)
+
+
+SPACES: dict[str, ModeSpace] = {
+    "fwd": ModeSpace("fwd", Variant, search_space, why_invalid, default_variant),
+    "bwd": ModeSpace("bwd", BwdVariant, bwd_search_space, why_invalid_bwd, default_bwd_variant),
+}
+
+
+def space_of(mode: str) -> ModeSpace:
+    """The search space of `mode` ("fwd" or "bwd"); anything else is a ValueError."""
+    try:
+        return SPACES[mode]
+    except KeyError:
+        raise ValueError(f"unknown mode {mode!r}; use one of {tuple(SPACES)}") from None

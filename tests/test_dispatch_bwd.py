@@ -1,0 +1,124 @@
+"""Backward dispatch on the CPU: stored backward winners are served like forward ones (exact,
+nearest valid bucket, fallback), autograd runs them, explain reports them, and the backward
+call path reads no SQL after the first call."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+import flashgen
+import flashgen.dispatch as dispatch
+from flashgen.bwd_space import default_bwd_variant
+from flashgen.bwd_variant import BwdVariant
+from flashgen.check import make_inputs
+from flashgen.check_grads import compare_grads
+from flashgen.db import TuningDB
+from flashgen.hardware import INTERPRETER
+from flashgen.spaces import AnyVariant
+from flashgen.timing import Timing
+from flashgen.tuning_key import TuningKey, Versions
+
+pytestmark = pytest.mark.interpreter
+
+P64 = flashgen.Problem(1, 2, 1, 64, 64, 32, "fp32", True)
+WINNER = BwdVariant(32, 32, 2, 1, "atomic")
+
+
+def _store(path: Path, problem: flashgen.Problem, variant: AnyVariant, mode: str = "bwd",
+           versions: Versions | None = None) -> None:
+    with TuningDB(path) as db:
+        key = TuningKey.for_problem(problem, INTERPRETER, mode, versions)
+        db.record_trial(key, problem, variant, "ok", timing=Timing(1.0, 0.9, 1.1, 5), tflops=1.0)
+        db.update_winner(key)
+
+
+def test_exact_nearest_and_fallback(tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    _store(db, P64, WINNER)
+    d = flashgen.Dispatcher(db)
+    exact = d.choose_bwd(P64.with_(seq_q=50, seq_k=60), INTERPRETER)
+    assert (exact.variant, exact.how) == (WINNER, "exact") and str(db) in exact.source
+    nearest = d.choose_bwd(P64.with_(seq_q=100, seq_k=120), INTERPRETER)
+    assert (nearest.variant, nearest.how) == (WINNER, "nearest")
+    short = P64.with_(seq_q=9, seq_k=9)  # block_m 32 is longer than 9 queries need
+    fallback = d.choose_bwd(short, INTERPRETER)
+    assert fallback.how == "fallback" and "block_m 32" in fallback.reason
+    assert fallback.variant == default_bwd_variant(short, INTERPRETER)
+    assert d.choose_bwd(P64.with_(causal=False), INTERPRETER).how == "fallback"
+    # Backward winners are not forward ones, and the other way round.
+    assert d.choose(P64, INTERPRETER).how == "fallback"
+
+
+def test_forward_winners_and_stale_backward_rows_are_not_served(tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    _store(db, P64, flashgen.Variant("fa1", 32, 16, 2, 1), mode="fwd")
+    _store(db, P64, WINNER, versions=Versions("0.0.1", "2.0", "deadbeefdeadbeef"))
+    d = flashgen.Dispatcher(db)
+    assert d.choose(P64, INTERPRETER).how == "exact"
+    assert d.choose_bwd(P64, INTERPRETER).how == "fallback"
+
+
+def test_autograd_runs_the_stored_winner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    db = tmp_path / "t.db"
+    _store(db, P64, WINNER)
+    monkeypatch.setattr(dispatch, "_default", flashgen.Dispatcher(db))
+    ran: list[BwdVariant] = []
+    real = dispatch.run_backward
+
+    def recording(*args: object) -> tuple[torch.Tensor, ...]:
+        ran.append(args[6])  # type: ignore[arg-type]
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(dispatch, "run_backward", recording)
+    q, k, v = make_inputs(1, 2, 1, 40, 64, 32, torch.float32, seed=5)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = flashgen.attention(*leaves, causal=True)
+    do = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    out.backward(do)
+    assert ran == [WINNER]
+    grads = tuple(t.grad for t in leaves)
+    result = compare_grads(grads, q, k, v, do, causal=True)  # type: ignore[arg-type]
+    assert result.ok, result.reason
+
+    # After the first call, the backward path reads no SQL, for new shapes too.
+    def no_sql(*a: object, **kw: object) -> None:
+        raise AssertionError("SQL on the call path")
+
+    monkeypatch.setattr(TuningDB, "open_readonly", no_sql)
+    leaves = [t.requires_grad_(True) for t in make_inputs(1, 2, 1, 33, 33, 32, torch.float32)]
+    flashgen.attention(*leaves, causal=True).sum().backward()
+    assert ran == [WINNER, WINNER]
+
+
+def test_explain_reports_the_backward_choice(tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    _store(db, P64, WINNER)
+    d = flashgen.Dispatcher(db)
+    q, k, v = make_inputs(1, 2, 1, 64, 64, 32, torch.float32)
+    choice = flashgen.explain(q, k, v, causal=True, dispatcher=d)
+    assert choice.how == "fallback"  # no forward winner stored
+    assert choice.backward is not None and choice.backward.variant == WINNER
+    assert choice.backward.how == "exact" and f"backward: {WINNER} (exact)" in str(choice)
+    explicit = BwdVariant(16, 16, 2, 1)
+    picked = flashgen.explain(q, k, v, causal=True, bwd_variant=explicit, dispatcher=d)
+    assert (picked.backward.variant, picked.backward.how) == (explicit, "explicit")
+    with pytest.raises(ValueError, match="invalid"):
+        d.explain(q[:, :, :9], k[:, :, :9], v[:, :, :9], causal=True,
+                  bwd_variant=BwdVariant(128, 128, 8, 1))
+
+
+def test_untuned_backward_logs_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    db = tmp_path / "t.db"
+    _store(db, P64, flashgen.Variant("fa1", 32, 16, 2, 1), mode="fwd")
+    d = flashgen.Dispatcher(db)
+    with caplog.at_level(logging.WARNING, logger="flashgen"):
+        d.choose(P64, INTERPRETER)
+        d.choose_bwd(P64, INTERPRETER)
+        d.choose_bwd(P64.with_(causal=False), INTERPRETER)
+    messages = [r.message for r in caplog.records]
+    assert len(messages) == 1 and "no tuned backward kernels" in messages[0]
+    assert "--mode bwd" in messages[0]

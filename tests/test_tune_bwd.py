@@ -1,0 +1,276 @@
+"""Backward tuning: the tuner over BwdVariants with a fake bench, the real backward bench on
+the interpreter, backward rows in the database, per-family template hashes, and re-keying a
+database from the old all-templates hash."""
+
+from __future__ import annotations
+
+import importlib
+import shutil
+import sqlite3
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from flashgen.bench import Measurement
+from flashgen.bwd_bench import BWD_FLOPS_RATIO, BwdKernelBench
+from flashgen.bwd_space import bwd_search_space, default_bwd_variant, why_invalid_bwd
+from flashgen.bwd_variant import BwdVariant
+from flashgen.db import TuningDB
+from flashgen.hardware import INTERPRETER
+from flashgen.problem import Problem
+from flashgen.spaces import SPACES
+from flashgen.timing import Timing, tflops
+from flashgen.tuner import TuneResult, knob_choices, tune_problem
+from flashgen.tuning_key import MODES, TuningKey, Versions
+from flashgen.variant import Variant
+
+PROBLEM = Problem(1, 2, 1, 256, 256, 64)
+VERSIONS = Versions("3.6.0", "2.13.0", "bwdtpl")
+ROOT = Path(__file__).resolve().parent.parent
+#: The module (the package's `flashgen.render` attribute is the `render` function).
+render = importlib.import_module("flashgen.render")
+
+
+def made_up_ms(v: BwdVariant) -> float:
+    """Deterministic, tie-free; the optimum is atomic m32 n128 w8 s2."""
+    return (1.0 + abs(v.block_m - 32) / 32 + abs(v.block_n - 128) / 64
+            + (v.dq_mode == "separate") * 0.5 + abs(v.num_stages - 2) * 0.01
+            + abs(v.num_warps - 8) * 0.001)
+
+
+class FakeBwdBench:
+    """Made-up backward timings; `wrong` variants fail the gradient gate."""
+
+    def __init__(self, problem: Problem = PROBLEM, wrong: Sequence[BwdVariant] = ()) -> None:
+        self.problem = problem
+        self.wrong = set(wrong)
+        self.measured: list[BwdVariant] = []
+
+    def compile(self, variants: Sequence[BwdVariant]) -> dict[BwdVariant, str]:
+        return {}
+
+    def measure(self, variant: BwdVariant) -> Measurement:
+        assert isinstance(variant, BwdVariant)
+        self.measured.append(variant)
+        if variant in self.wrong:
+            return Measurement.failed("wrong answer: dq: max error 1 over bound 0.01", 1.0, 0.01)
+        ms = made_up_ms(variant)
+        return Measurement("ok", timing=Timing(ms, ms, ms, 5),
+                           tflops=tflops(BWD_FLOPS_RATIO * self.problem.flops(), ms),
+                           error=1e-3, bound=1e-2)
+
+    def baseline(self) -> None:
+        return None
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> TuningDB:
+    with TuningDB(tmp_path / "tuning.db") as database:
+        yield database
+
+
+def tune_bwd(bench: FakeBwdBench, db: TuningDB, problem: Problem = PROBLEM,
+             **kw: object) -> TuneResult:
+    kw.setdefault("versions", VERSIONS)
+    return tune_problem(problem, bench, db, INTERPRETER, mode="bwd", **kw)  # type: ignore[arg-type]
+
+
+# ---- the tuner over BwdVariants ----------------------------------------------------------
+
+
+def test_modes_and_spaces_agree() -> None:
+    assert MODES == ("fwd", "bwd") and set(SPACES) == set(MODES)
+    knobs = knob_choices(bwd_search_space(PROBLEM, INTERPRETER))
+    assert set(knobs) == {f.name for f in fields(BwdVariant)}
+    assert set(knobs["dq_mode"]) == {"separate", "atomic"}
+
+
+def test_bwd_study_measures_the_default_first_and_stores_a_bwd_winner(db: TuningDB) -> None:
+    bench = FakeBwdBench()
+    result = tune_bwd(bench, db, trials=20, seed=2)
+    assert bench.measured[0] == default_bwd_variant(PROBLEM, INTERPRETER)
+    assert result.mode == "bwd" and result.measured == 20
+    assert result.best == min(bench.measured, key=made_up_ms)
+    assert result.winner is not None and result.winner.variant == result.best
+    assert isinstance(result.winner.variant, BwdVariant) and result.winner.key.mode == "bwd"
+    key = TuningKey.for_problem(PROBLEM, INTERPRETER, "bwd", VERSIONS)
+    assert db.winner(key) == result.winner
+    assert [w.variant for w in db.load_winners(INTERPRETER.key, "3.6.0", "bwdtpl",
+                                               mode="bwd")] == [result.best]
+    assert db.load_winners(INTERPRETER.key, "3.6.0", "bwdtpl") == []  # not a forward winner
+    for row in db.trials():
+        assert row.key.mode == "bwd"
+        if row.status == "pruned":
+            assert row.reason == why_invalid_bwd(BwdVariant.from_dict(row.variant), PROBLEM,
+                                                 INTERPRETER)
+    # The per-knob columns: dq_mode filled, the forward-only ones NULL.
+    cols = db.db.execute("SELECT DISTINCT loop_order, split_mask, dq_mode IS NOT NULL "
+                         "FROM trials").fetchall()
+    assert cols == [(None, None, 1)]
+
+
+def test_bwd_failures_never_win_and_the_search_exhausts_small_spaces(db: TuningDB) -> None:
+    tiny = Problem(1, 2, 1, 16, 16, 16)
+    space = bwd_search_space(tiny, INTERPRETER)
+    best = min(space, key=made_up_ms)
+    bench = FakeBwdBench(tiny, wrong=[best])
+    result = tune_bwd(bench, db, tiny, trials=10_000, batch=4)
+    assert sorted(map(str, bench.measured)) == sorted(map(str, space))
+    assert result.failed == 1 and result.best == min(set(space) - {best}, key=made_up_ms)
+
+
+def test_bwd_rerun_resumes_and_seeds_from_bwd_winners_only(db: TuningDB) -> None:
+    first_bench, again_bench = FakeBwdBench(), FakeBwdBench()
+    tune_bwd(first_bench, db, trials=8, seed=1)
+    again = tune_bwd(again_bench, db, trials=4, seed=1)
+    assert again.resumed == 8 and not set(first_bench.measured) & set(again_bench.measured)
+    assert again.best == min(first_bench.measured + again_bench.measured, key=made_up_ms)
+    assert again.best != default_bwd_variant(PROBLEM, INTERPRETER)
+    # A forward study of the same problem neither resumes nor seeds from backward rows.
+    fwd = tune_problem(PROBLEM, _FwdBench(), db, INTERPRETER, trials=2,
+                       versions=VERSIONS)
+    assert fwd.resumed == 0 and fwd.mode == "fwd" and isinstance(fwd.best, Variant)
+    longer = PROBLEM.with_(seq_q=512, seq_k=512)
+    seeded = FakeBwdBench(longer)
+    tune_bwd(seeded, db, longer, trials=2)
+    assert seeded.measured[1] == again.best  # the nearest backward winner comes second
+
+
+class _FwdBench:
+    def compile(self, variants: Sequence[Variant]) -> dict[Variant, str]:
+        return {}
+
+    def measure(self, variant: Variant) -> Measurement:
+        assert isinstance(variant, Variant)
+        return Measurement("ok", timing=Timing(1.0, 1.0, 1.0, 1), tflops=1.0)
+
+    def baseline(self) -> None:
+        return None
+
+
+def test_backward_rows_and_baselines_are_kept_apart(db: TuningDB) -> None:
+    key = TuningKey.for_problem(PROBLEM, INTERPRETER, "bwd", VERSIONS)
+    with pytest.raises(TypeError, match="BwdVariant"):
+        db.record_trial(key, PROBLEM, Variant(), "ok")
+    db.record_baseline(INTERPRETER.key, PROBLEM, "flash", Timing(1, 1, 1, 1), "2.13.0")
+    db.record_baseline(INTERPRETER.key, PROBLEM, "cudnn", Timing(3, 3, 3, 1), "2.13.0", "bwd")
+    assert db.baseline(INTERPRETER.key, "2.13.0", PROBLEM) == ("flash", 1)
+    assert db.baseline(INTERPRETER.key, "2.13.0", PROBLEM, "bwd") == ("cudnn", 3)
+    db.record_trial(key, PROBLEM, BwdVariant(), "ok", timing=Timing(2, 2, 2, 1), tflops=1.0)
+    winner = db.update_winner(key)
+    assert winner is not None and winner.speedup == pytest.approx(1.5)  # vs SDPA's backward
+
+
+# ---- the real backward bench on the interpreter -------------------------------------------
+
+
+@pytest.mark.interpreter
+def test_bwd_kernel_bench_checks_gradients_and_times_the_backward() -> None:
+    tiny = Problem(1, 2, 1, 24, 40, 16, causal=True)
+    bench = BwdKernelBench(tiny, "cpu", seed=0)
+    variant = BwdVariant(16, 16, 2, 1, "atomic")
+    assert bench.compile([variant]) == {}
+    m = bench.measure(variant)
+    assert m.status == "ok", m.reason
+    assert m.error is not None and m.bound is not None and m.error <= m.bound
+    assert m.tflops == pytest.approx(tflops(2.5 * tiny.flops(), m.timing.median_ms))
+    assert bench.baseline().backend == "cpu"
+
+
+@pytest.mark.interpreter
+def test_bwd_kernel_bench_fails_wrong_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    import flashgen.bwd_bench as bwd_bench
+
+    real = bwd_bench.run_backward
+
+    def off_by_a_bit(*args: object, **kw: object) -> tuple:
+        dq, dk, dv = real(*args, **kw)
+        return dq, dk * 1.1, dv
+
+    monkeypatch.setattr(bwd_bench, "run_backward", off_by_a_bit)
+    m = BwdKernelBench(Problem(1, 1, 1, 16, 16, 16, "fp32"), "cpu").measure(
+        BwdVariant(16, 16, 2, 1))
+    assert m.status == "failed" and m.reason.startswith("wrong answer: dk")
+
+
+# ---- per-family template hashes ----------------------------------------------------------
+
+
+def test_template_hash_is_per_family(monkeypatch: pytest.MonkeyPatch) -> None:
+    texts = dict(render._templates())
+    assert render.family_templates(texts, "fwd") == [
+        "_online_softmax.py.jinja", "attn_fwd_fa1.py.jinja", "attn_fwd_fa2.py.jinja"]
+    assert {"_bwd_rows.py.jinja", "attn_bwd_dq.py.jinja"} <= set(
+        render.family_templates(texts, "bwd"))
+    fwd, bwd = render.template_hash("fwd"), render.template_hash("bwd")
+    assert fwd != bwd and render.template_hash() == fwd
+    assert Versions.current("bwd").template_hash == bwd
+
+    def hashes_with(changes: dict[str, str]) -> tuple[str, str]:
+        monkeypatch.setattr(render, "_templates", lambda: {**texts, **changes})
+        render.template_hash.cache_clear()
+        try:
+            return render.template_hash("fwd"), render.template_hash("bwd")
+        finally:
+            monkeypatch.undo()
+            render.template_hash.cache_clear()
+
+    edited = texts["attn_bwd_dkdv.py.jinja"] + "\n# edited\n"
+    assert hashes_with({"attn_bwd_dkdv.py.jinja": edited})[0] == fwd  # forward keeps its key
+    assert hashes_with({"_bwd_rows.py.jinja": "x"})[0] == fwd
+    assert hashes_with({"_bwd_rows.py.jinja": "x"})[1] != bwd  # a fragment of the backward
+    assert hashes_with({"attn_fwd_fa2.py.jinja": "y"})[1] == bwd  # and the other way round
+    # A fragment included by both families belongs to both.
+    include = '{% include "_shared.py.jinja" %}'
+    shared = {"_shared.py.jinja": "s", "attn_fwd_fa1.py.jinja": include,
+              "attn_bwd_dq.py.jinja": include}
+    before = hashes_with(shared)
+    after = hashes_with({**shared, "_shared.py.jinja": "t"})
+    assert before[0] != after[0] and before[1] != after[1]
+    with pytest.raises(ValueError, match="family"):
+        render.family_hash(texts, "sideways")
+
+
+# ---- re-keying a database from the old all-templates hash --------------------------------
+
+
+def _load_rehash() -> object:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import rehash_db
+    finally:
+        sys.path.pop(0)
+    return rehash_db
+
+
+@pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(),
+                    reason="needs the git checkout")
+def test_rehash_moves_old_rows_to_their_family_hash(tmp_path: Path) -> None:
+    rehash_db = _load_rehash()
+    templates = rehash_db.templates_at("HEAD")
+    old = rehash_db.legacy_hash(templates)
+    path = tmp_path / "old.db"
+    stale = Versions("3.6.0", "2.13.0", "0123456789abcdef")  # another revision: left alone
+    with TuningDB(path) as db:
+        for versions, variant in ((Versions("3.6.0", "2.13.0", old), Variant()),
+                                  (stale, Variant(block_m=32))):
+            key = TuningKey.for_problem(PROBLEM, INTERPRETER, versions=versions)
+            db.record_trial(key, PROBLEM, variant, "ok", timing=Timing(1, 1, 1, 1), tflops=1.0)
+            db.update_winner(key)
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "rehash_db.py"), str(path)],
+                   check=True, capture_output=True, cwd=tmp_path)
+    new = Versions("3.6.0", "2.13.0", render.family_hash(templates, "fwd"))
+    with TuningDB.open_readonly(path) as db:
+        moved = db.load_winners(INTERPRETER.key, "3.6.0", new.template_hash)
+        assert [w.variant for w in moved] == [Variant()]
+        assert moved[0].key == TuningKey.for_problem(PROBLEM, INTERPRETER, versions=new)
+        assert db.trials(moved[0].key)[0].variant == Variant().to_dict()
+        assert [w.variant for w in db.load_winners(INTERPRETER.key, "3.6.0",
+                                                   stale.template_hash)] == [Variant(block_m=32)]
+    conn = sqlite3.connect(path)
+    assert conn.execute("SELECT count(*) FROM trials WHERE template_hash = ?",
+                        (old,)).fetchone() == (0,)
