@@ -64,13 +64,19 @@ def plot(records: Sequence[dict[str, str]], path: Path, title: str = "") -> None
     panels = series(records)
     if not panels:
         raise ValueError("no correct timings to plot")
+    # One colour per competitor in every panel (a panel may lack one, e.g. a GQA refusal).
+    names = sorted(dict.fromkeys(n for lines in panels.values() for n in lines),
+                   key=lambda n: n != FLASHGEN)
+    colours = {n: f"C{i % 10}" for i, n in enumerate(names)}
     cols = min(COLUMNS, len(panels))
     rows = math.ceil(len(panels) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False,
+                             layout="constrained")
     for ax, (family, lines) in zip(axes.flat, panels.items(), strict=False):
-        for name, points in sorted(lines.items(), key=lambda kv: kv[0] != FLASHGEN):
+        for name, points in sorted(lines.items(), key=lambda kv: names.index(kv[0])):
             xs, ys = zip(*points, strict=True)
-            ax.plot(xs, ys, marker="o", label=name, linewidth=2.5 if name == FLASHGEN else 1.2)
+            ax.plot(xs, ys, marker="o", label=name, color=colours[name],
+                    linewidth=2.5 if name == FLASHGEN else 1.2)
         ax.set_xscale("log", base=2)
         ticks = sorted({x for points in lines.values() for x, _ in points})
         ax.set_xticks(ticks, [f"{t // 1024}k" if t % 1024 == 0 else str(t) for t in ticks])
@@ -84,7 +90,6 @@ def plot(records: Sequence[dict[str, str]], path: Path, title: str = "") -> None
         ax.set_visible(False)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
