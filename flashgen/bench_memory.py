@@ -103,17 +103,25 @@ def _release(device: torch.device) -> None:
 
 def run_memory(problems: Sequence[Problem], modes: Sequence[Mode], device: torch.device,
                competitors: Sequence[Competitor], *, seed: int = 0,
-               measure: Measure = peak_memory) -> list[MemoryRow]:
-    """Peak memory of each competitor on each problem; OOM and other failures become rows."""
+               measure: Measure = peak_memory,
+               on_row: Callable[[MemoryRow], None] | None = None) -> list[MemoryRow]:
+    """Peak memory of each competitor on each problem; OOM and other failures become rows.
+    `on_row` sees each row as soon as it exists (progress, incremental CSV)."""
     rows: list[MemoryRow] = []
+
+    def add(row: MemoryRow) -> None:
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
     for index, problem in enumerate(problems):
         q, k, v, do = _inputs(problem, device, seed + index)
         for competitor in competitors:
             try:
                 fn = competitor.prepare(problem, device).fn
             except Exception as exc:
-                rows += [MemoryRow(problem, m, competitor.name, "n/a",
-                                   reason=describe_failure(exc)) for m in modes]
+                for m in modes:
+                    add(MemoryRow(problem, m, competitor.name, "n/a",
+                                  reason=describe_failure(exc)))
                 continue
             for mode in modes:
                 row: MemoryRow
@@ -126,7 +134,7 @@ def run_memory(problems: Sequence[Problem], modes: Sequence[Mode], device: torch
                 except Exception as exc:
                     row = MemoryRow(problem, mode, competitor.name, "n/a",
                                     reason=describe_failure(exc))
-                rows.append(row)
+                add(row)
                 _release(device)
         del q, k, v, do
         _release(device)

@@ -16,6 +16,7 @@ from rich.console import Console
 from flashgen import bench_plot
 from flashgen.bench_memory import (
     MEMORY_CSV_FIELDS,
+    MemoryRow,
     memory_modes,
     memory_problems,
     memory_records,
@@ -98,8 +99,9 @@ def run_bench(
     """Time (and with `memory`, measure the peak memory of) the competitors; print and write.
     `rep_ms`: milliseconds of timed calls per measurement on a GPU (see `default_timer`).
 
-    Tables go to `console`, progress to `log` (stderr by default). Ctrl-C during timing keeps
-    what was measured: it is printed and written like a finished run.
+    Tables go to `console`, progress to `log` (stderr by default). The CSV files are
+    rewritten after every problem, so a run killed by a time limit leaves what it measured;
+    Ctrl-C (SIGINT) keeps it too, printed and written like a finished run.
     """
     console = console or Console()
     log = log or Console(stderr=True)
@@ -112,6 +114,7 @@ def run_bench(
 
         def keep(problem: Problem, found: list[Row]) -> None:
             rows.extend(found)
+            write_csv(csv_records(summarize(rows), name), outputs.csv)
             done = len({r.problem for r in rows})
             log.print(f"[{done}/{len(problems)}] {_progress_line(problem, found)}",
                       highlight=False, markup=False)
@@ -142,9 +145,17 @@ def run_bench(
         mem_modes = memory_modes(modes)
         log.print(f"peak memory: {len(targets)} problem(s) x {', '.join(mem_modes)}",
                   highlight=False)
-        mem_rows = run_memory(targets, mem_modes, device, resolve(MEMORY_COMPETITORS),
-                              seed=seed)
+        mem_rows: list[MemoryRow] = []
+
+        def note(row: MemoryRow) -> None:
+            mem_rows.append(row)
+            write_csv(memory_records(mem_rows, name), outputs.memory_csv, MEMORY_CSV_FIELDS)
+
+        try:
+            run_memory(targets, mem_modes, device, resolve(MEMORY_COMPETITORS), seed=seed,
+                       on_row=note)
+        except KeyboardInterrupt:
+            log.print("interrupted: reporting the memory measured so far")
         console.print(memory_table(mem_rows, name))
-        write_csv(memory_records(mem_rows, name), outputs.memory_csv, MEMORY_CSV_FIELDS)
         console.print(f"memory CSV: {outputs.memory_csv}")
     return rows

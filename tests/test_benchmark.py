@@ -244,9 +244,12 @@ def test_memory_reports_oom_and_failures_as_rows() -> None:
         return 3 << 30
 
     problems = memory_problems([P], seq_lens=(32,))
+    seen: list[MemoryRow] = []
     rows = run_memory(problems, ["fwd", "both"], torch.device("cpu"), [
         _competitor("flashgen"), _competitor("sdpa-math", fn=_out_of_memory),
-        _competitor("gone", prepare_error=Unavailable("no"))], measure=measure)
+        _competitor("gone", prepare_error=Unavailable("no"))], measure=measure,
+        on_row=seen.append)
+    assert seen == rows
     status = {(r.competitor, r.mode): r.status for r in rows}
     assert status == {("flashgen", "fwd"): "ok", ("flashgen", "both"): "ok",
                       ("sdpa-math", "fwd"): "OOM", ("sdpa-math", "both"): "OOM",
