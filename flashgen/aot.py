@@ -332,8 +332,9 @@ def write_aot(selection: Selection, out: Path, name: str, force: bool = False,
     try:
         (tmp / "kernels").mkdir()
         comp = _Compiler(tmp)
+        families = Selection(gpus).families()  # the compiled GPUs' kinds only
         for gpu in gpus:
-            _plan_gpu(comp, gpu, selection.families(), manifest)
+            _plan_gpu(comp, gpu, families, manifest)
         _drop_failed(manifest, comp.compile(workers))
         for entry in manifest["kernels"]:
             (tmp / "kernels" / f"{entry['id']}.json").write_text(json.dumps(entry, indent=1) + "\n")

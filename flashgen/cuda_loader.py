@@ -87,6 +87,25 @@ def grid_dim(expr: str, values: Mapping[str, int]) -> int:
     return _value(expr, values)
 
 
+def check_args(entry: Mapping[str, Any], args: Mapping[str, int | float]) -> None:
+    """Raise ValueError if `args` break a promise the binary was compiled under."""
+    for name, fixed in entry["constexprs"].items():
+        if name in args and args[name] != fixed:
+            raise ValueError(f"{name} is compiled in as {fixed}, got {args[name]}")
+    for a in entry["arguments"]:
+        name, kind = a["name"], a["type"]
+        if name not in args:
+            raise ValueError(f"argument {name} is missing")
+        value = args[name]
+        if kind.startswith("*") and int(value) % a["align"]:
+            raise ValueError(f"{name} pointer {value:#x} is not {a['align']}-byte aligned")
+        bits = _INT_TYPES[kind][1] if kind in _INT_TYPES else None
+        if bits is not None and not -(2**bits) <= value < 2**bits:
+            raise ValueError(f"{name} = {value} does not fit {kind}")
+        if value % a.get("divisible_by", 1):
+            raise ValueError(f"{name} = {value} must be a multiple of {a['divisible_by']}")
+
+
 class Kernel:
     """One loaded cubin of an AOT export, described by its manifest entry."""
 
@@ -116,22 +135,7 @@ class Kernel:
         return x, y, z
 
     def check(self, args: Mapping[str, int | float]) -> None:
-        """Raise ValueError if `args` break a promise the binary was compiled under."""
-        for name, fixed in self.entry["constexprs"].items():
-            if name in args and args[name] != fixed:
-                raise ValueError(f"{name} is compiled in as {fixed}, got {args[name]}")
-        for a in self.entry["arguments"]:
-            name, kind = a["name"], a["type"]
-            if name not in args:
-                raise ValueError(f"argument {name} is missing")
-            value = args[name]
-            if kind.startswith("*") and int(value) % a["align"]:
-                raise ValueError(f"{name} pointer {value:#x} is not {a['align']}-byte aligned")
-            bits = _INT_TYPES[kind][1] if kind in _INT_TYPES else None
-            if bits is not None and not -(2**bits) <= value < 2**bits:
-                raise ValueError(f"{name} = {value} does not fit {kind}")
-            if value % a.get("divisible_by", 1):
-                raise ValueError(f"{name} = {value} must be a multiple of {a['divisible_by']}")
+        check_args(self.entry, args)
 
     def launch(self, grid: tuple[int, int, int], args: Mapping[str, int | float],
                stream: int = 0) -> None:

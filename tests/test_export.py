@@ -1,0 +1,444 @@
+"""`flashgen export`: the Python package runs with only torch and triton; the AOT cubins,
+manifest and header are produced without a GPU; on a GPU both run and match the reference."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import flashgen
+from flashgen.bwd_space import default_bwd_variant, why_invalid_bwd
+from flashgen.bwd_variant import BwdVariant
+from flashgen.check import compare, make_inputs
+from flashgen.check_grads import compare_grads
+from flashgen.cli import app
+from flashgen.db import TuningDB
+from flashgen.export_select import GENERIC, LENGTHS, select_winners, tile_needs
+from flashgen.hardware import INTERPRETER, DeviceInfo
+from flashgen.problem import DTYPES
+from flashgen.space import why_invalid
+from flashgen.timing import Timing
+from flashgen.tuning_key import TuningKey, Versions
+
+H200 = DeviceInfo("NVIDIA H200", (9, 0), 132, 232448)
+#: Interpreter winners: fp32 causal GQA (fa1, so the fa1 launch path is exported too) and
+#: fp16 full attention (fa2).
+P_FP32 = flashgen.Problem(1, 2, 1, 64, 64, 32, "fp32", True)
+V_FP32 = flashgen.Variant("fa1", 32, 16, 2, 1)
+P_FP16 = flashgen.Problem(1, 2, 2, 32, 32, 16, "fp16", False)
+V_FP16 = flashgen.Variant("fa2", 32, 32, 2, 1)
+
+
+def _store(path: Path, problem: flashgen.Problem, variant: Any, device: DeviceInfo,
+           mode: str = "fwd", versions: Versions | None = None) -> None:
+    with TuningDB(path) as db:
+        key = TuningKey.for_problem(problem, device, mode, versions=versions)
+        db.record_trial(key, problem, variant, "ok", timing=Timing(1.0, 0.9, 1.1, 5), tflops=1.0)
+        db.update_winner(key)
+
+
+def _export(*args: str) -> str:
+    result = CliRunner().invoke(app, ["export", *args])
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+# ---- the Python package, run where flashgen and its tuning stack cannot be imported --------
+
+#: Run in a fresh interpreter: blocks the tuning stack, imports three exported packages and
+#: saves what each computed for the parent to check against flashgen's reference.
+SCRIPT = r'''
+import sys, warnings
+BLOCKED = {"jinja2", "optuna", "sqlite_utils", "flashgen"}
+
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in BLOCKED:
+            raise ModuleNotFoundError(f"blocked for this test: {name}")
+
+sys.meta_path.insert(0, Block())
+import torch
+
+def imported(name):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = __import__(name)
+    return module, [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+
+def inputs(b, hq, hkv, nq, nk, d, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, h, n, d, generator=g).to(dtype)
+            for h, n in ((hq, nq), (hkv, nk), (hkv, nk))]
+
+res = {"warnings": {}, "runs": {}, "errors": {}}
+fgk, res["warnings"]["fgk"] = imported("fgk")
+cases = {  # name: (package, shape, dtype, causal, with gradients)
+    "hit": (fgk, (1, 2, 1, 50, 60, 32), torch.float32, True, True),
+    "nearest": (fgk, (1, 2, 1, 100, 120, 32), torch.float32, True, False),
+    "miss": (fgk, (1, 2, 1, 9, 9, 32), torch.float32, True, False),
+    "fp16_hit": (fgk, (1, 2, 2, 20, 30, 16), torch.float16, False, True),
+}
+stale, res["warnings"]["stale"] = imported("fgk_stale")
+other, res["warnings"]["other"] = imported("fgk_other")
+cases["stale"] = (stale, (1, 2, 1, 50, 60, 32), torch.float32, True, False)
+cases["other"] = (other, (1, 2, 1, 50, 60, 32), torch.float32, True, False)
+for i, (name, (pkg, shape, dtype, causal, grads)) in enumerate(cases.items()):
+    q, k, v = inputs(*shape, dtype, seed=i)
+    choice = pkg.explain(q, k, v, causal=causal)
+    run = {"q": q, "k": k, "v": v, "causal": causal, "how": choice.how,
+           "reason": choice.reason, "variant": choice.variant}
+    if grads:
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out, lse = pkg.attention(*leaves, causal=causal, return_lse=True)
+        do = torch.randn(out.shape, generator=torch.Generator().manual_seed(9)).to(dtype)
+        out.backward(do)
+        run.update(out=out.detach(), lse=lse, do=do, grads=[t.grad for t in leaves],
+                   bwd_how=pkg.explain(q, k, v, causal=causal, backward=True).how)
+    else:
+        run["out"], run["lse"] = pkg.attention(q, k, v, causal=causal, return_lse=True)
+    res["runs"][name] = run
+for name, call in {
+    "rank": lambda: fgk.attention(torch.zeros(2, 3, 4), torch.zeros(2, 3, 4), torch.zeros(2, 3, 4)),
+    "family": lambda: fgk.attention(*inputs(1, 1, 1, 8, 8, 24, torch.float32, 0)),
+}.items():
+    try:
+        call()
+    except (TypeError, ValueError) as exc:
+        res["errors"][name] = f"{type(exc).__name__}: {exc}"
+res["leaked"] = sorted(m for m in sys.modules if m.partition(".")[0] in BLOCKED)
+torch.save(res, sys.argv[1])
+'''
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Export the interpreter database, a copy tuned with 'another' Triton, and an H200-only
+    one, then run SCRIPT on them with only the export dir and site-packages importable."""
+    tmp = tmp_path_factory.mktemp("export")
+    db, h200_db = tmp / "cpu.db", tmp / "h200.db"
+    _store(db, P_FP32, V_FP32, INTERPRETER)
+    _store(db, P_FP16, V_FP16, INTERPRETER)
+    _store(h200_db, P_FP32, flashgen.Variant("fa2", 64, 32, 4, 2), H200)
+    out = tmp / "out"
+    _export("--db", str(db), "--out", str(out), "--name", "fgk")
+    _export("--db", str(h200_db), "--out", str(out), "--name", "fgk_other")
+    shutil.copytree(out / "fgk", out / "fgk_stale")
+    table = json.loads((out / "fgk_stale" / "table.json").read_text())
+    table["gpus"]["cpu-interpreter"]["triton_version"] = "0.0.1"
+    (out / "fgk_stale" / "table.json").write_text(json.dumps(table))
+
+    (tmp / "run.py").write_text(SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    # The export dir and the environment's site-packages only: not the repository.
+    env.update(PYTHONPATH=os.pathsep.join([str(out), sysconfig.get_paths()["purelib"]]),
+               TRITON_INTERPRET="1", PYTHONNOUSERSITE="1")
+    run = subprocess.run([sys.executable, str(tmp / "run.py"), str(tmp / "res.pt")], cwd=out,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return {"out": out, "res": torch.load(tmp / "res.pt", weights_only=False)}
+
+
+@pytest.mark.interpreter
+def test_package_layout(exported: dict[str, Any]) -> None:
+    pkg = exported["out"] / "fgk"
+    assert {p.name for p in pkg.iterdir()} == {"__init__.py", "table.json", "kernels",
+                                               "README.md"}
+    sources = list((pkg / "kernels").glob("*.py"))
+    assert any(p.name.startswith("fwd_") for p in sources)
+    assert {p.name.split("_")[1] for p in sources if p.name.startswith("bwd_")} == {
+        "preprocess", "dkdv", "dq"}
+    for path in sources:
+        assert "flashgen" not in path.read_text().replace("# flashgen generated", "")
+    table = json.loads((pkg / "table.json").read_text())
+    assert set(table["gpus"]) == {"cpu-interpreter"}
+    assert len(table["gpus"]["cpu-interpreter"]["fwd"]) == 2
+    # Defaults for both exported kinds over the 5 x 5 length buckets, per GPU and generic.
+    assert len(table["generic"]["fwd_defaults"]) == 2 * len(LENGTHS) ** 2
+
+
+@pytest.mark.interpreter
+def test_runs_without_the_tuning_stack(exported: dict[str, Any]) -> None:
+    res = exported["res"]
+    assert res["leaked"] == []
+    assert res["warnings"]["fgk"] == []
+    runs = res["runs"]
+    assert (runs["hit"]["how"], runs["hit"]["variant"]) == ("exact", V_FP32.to_dict())
+    assert (runs["fp16_hit"]["how"], runs["fp16_hit"]["variant"]) == ("exact", V_FP16.to_dict())
+    assert runs["nearest"]["how"] == "nearest"
+    assert runs["miss"]["how"] == "default"  # fa1's 32-row tile is too long for 9 queries
+    for name, r in runs.items():
+        result = compare(r["out"], r["q"], r["k"], r["v"], r["causal"], lse=r["lse"])
+        assert result.ok, (name, result.reason)
+
+
+@pytest.mark.interpreter
+def test_gradients_with_default_backward(exported: dict[str, Any]) -> None:
+    for name in ("hit", "fp16_hit"):
+        r = exported["res"]["runs"][name]
+        assert r["bwd_how"] == "default"  # no backward winners in the database
+        result = compare_grads(tuple(r["grads"]), r["q"], r["k"], r["v"], r["do"], r["causal"])
+        assert result.ok, (name, result.reason)
+
+
+@pytest.mark.interpreter
+def test_mismatch_warns_once_and_uses_generic_defaults(exported: dict[str, Any]) -> None:
+    res = exported["res"]
+    (stale,) = res["warnings"]["stale"]
+    assert "tuned with Triton 0.0.1" in stale and "generic default" in stale
+    (other,) = res["warnings"]["other"]
+    assert "NVIDIA H200" in other and "cpu-interpreter" in other
+    for name in ("stale", "other"):
+        assert res["runs"][name]["how"] == "default"
+        assert "generic default" in res["runs"][name]["reason"]
+
+
+@pytest.mark.interpreter
+def test_bad_inputs_are_named_errors(exported: dict[str, Any]) -> None:
+    errors = exported["res"]["errors"]
+    assert errors["rank"].startswith("ValueError: q must be 4-D")
+    assert "no fwd kernel for fp32 causal=False head dim 24" in errors["family"]
+
+
+# ---- what gets exported ---------------------------------------------------------------------
+
+
+def test_precomputed_rules_match_flashgen() -> None:
+    """The runtime's table lookups (default per clamped bucket, `need` per tile) give what
+    flashgen's own default_variant and validity rules give, at any length."""
+    lengths = (1, 9, 16, 17, 33, 100, 256, 300, 5000)
+    for dtype, d in (("fp16", 128), ("fp32", 24), ("bf16", 256)):
+        for nq in lengths:
+            for nk in lengths:
+                p = flashgen.Problem(1, 2, 1, nq, nk, d, dtype, True)
+                clamp = lambda n: min(LENGTHS[-1], max(LENGTHS[0], 1 << (n - 1).bit_length()))
+                grid_p = p.with_(seq_q=clamp(nq), seq_k=clamp(nk))
+                for dev in (H200, GENERIC):
+                    assert flashgen.default_variant(grid_p, dev) == flashgen.default_variant(p, dev)
+                    assert default_bwd_variant(grid_p, dev) == default_bwd_variant(p, dev)
+    p16 = lambda n: max(16, 1 << (n - 1).bit_length())
+    p = flashgen.Problem(1, 1, 1, 512, 512, 64)
+    for v in (flashgen.Variant("fa2", 128, 16), flashgen.Variant("fa1", 16, 64, 2, 1)):
+        need_q, need_k = tile_needs("fwd", v, p)
+        for nq in lengths:
+            for nk in lengths:
+                fits = p16(nq) >= need_q and p16(nk) >= need_k
+                assert fits == (why_invalid(v, p.with_(seq_q=nq, seq_k=nk), H200) is None)
+    for bv in (BwdVariant(32, 128, 4, 2), BwdVariant(64, 16, 2, 1, "atomic")):
+        need_q, need_k = tile_needs("bwd", bv, p)
+        for nq in lengths:
+            for nk in lengths:
+                fits = p16(nq) >= need_q and p16(nk) >= need_k
+                assert fits == (why_invalid_bwd(bv, p.with_(seq_q=nq, seq_k=nk), H200) is None)
+
+
+def test_selection_precedence_gpu_filter_and_stale_rows(tmp_path: Path) -> None:
+    first, second = tmp_path / "a.db", tmp_path / "b.db"
+    winner, loser = flashgen.Variant("fa2", 64, 32, 4, 2), flashgen.Variant("fa2", 32, 32, 4, 2)
+    _store(first, P_FP16, winner, H200)
+    _store(second, P_FP16, loser, H200)  # same bucket: the first database wins it
+    _store(second, P_FP16, loser, INTERPRETER)
+    _store(second, P_FP32, loser, H200, versions=Versions("3.6.0", "2.0", "old-templates"))
+    _store(second, P_FP32, BwdVariant(32, 64, 4, 1), H200, mode="bwd")
+    sel = select_winners([first, second])
+    assert [g.device.name for g in sel.gpus] == ["NVIDIA H200", "cpu-interpreter"]
+    h200 = sel.gpus[0]
+    assert [s.winner.variant for s in h200.fwd] == [winner]
+    assert [s.winner.variant for s in h200.bwd] == [BwdVariant(32, 64, 4, 1)]
+    assert h200.device.shared_memory == H200.shared_memory
+    assert any("other template text" in n for n in sel.notes)
+    only = select_winners([first, second], gpu="cpu-interpreter")
+    assert [g.device.name for g in only.gpus] == ["cpu-interpreter"]
+
+
+def test_cli_refusals(tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    _store(db, P_FP16, V_FP16, INTERPRETER)
+    runner = CliRunner()
+    miss = runner.invoke(app, ["export", "--db", str(db), "--out", str(tmp_path), "--gpu", "B200"])
+    assert miss.exit_code == 2 and "no current winners for GPU 'B200'" in miss.output
+    _export("--db", str(db), "--out", str(tmp_path), "--name", "pkg")
+    again = runner.invoke(app, ["export", "--db", str(db), "--out", str(tmp_path), "--name", "pkg"])
+    assert again.exit_code == 2 and "--force" in again.output
+    _export("--db", str(db), "--out", str(tmp_path), "--name", "pkg", "--force")
+    bad = runner.invoke(app, ["export", "--db", str(db), "--out", str(tmp_path), "--name", "a-b"])
+    assert bad.exit_code == 2 and "identifier" in bad.output
+    aot = runner.invoke(app, ["export", "--db", str(db), "--out", str(tmp_path), "--format", "aot"])
+    assert aot.exit_code == 2 and "only the CPU interpreter" in aot.output
+
+
+# ---- AOT: cubins for a GPU this machine does not have --------------------------------------
+
+
+def _load_module(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"exported_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def aot_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("aot")
+    db = tmp / "h200.db"
+    _store(db, flashgen.Problem(1, 2, 1, 256, 256, 16, "fp16", True),
+           flashgen.Variant("fa2", 64, 32, 4, 2), H200)
+    _store(db, flashgen.Problem(1, 2, 1, 512, 512, 16, "fp16", True),
+           flashgen.Variant("fa1", 64, 32, 4, 2), H200)
+    _store(db, P_FP16, V_FP16, INTERPRETER)
+    output = _export("--db", str(db), "--out", str(tmp), "--name", "fgaot", "--format", "aot")
+    assert "NVIDIA H200" in output
+    return tmp / "fgaot"
+
+
+def test_aot_manifest_and_cubins(aot_export: Path) -> None:
+    manifest = json.loads((aot_export / "manifest.json").read_text())
+    assert (manifest["format"], manifest["version"]) == ("flashgen-aot", 1)
+    assert manifest["gpus"]["NVIDIA H200"]["capability"] == "9.0"
+    (tuned,) = manifest["dispatch"]
+    assert (tuned["seq_q_bucket"], tuned["head_dim"], tuned["gqa"]) == (256, 16, 2)
+    reasons = [s["reason"] for s in manifest["skipped"]]
+    assert any("fa1" in r for r in reasons) and any("interpreter" in r for r in reasons)
+    assert len(manifest["defaults"]) == len(LENGTHS) ** 2
+    kernels = {k["id"]: k for k in manifest["kernels"]}
+    assert tuned["kernel"] in kernels and all(r["kernel"] in kernels for r in manifest["defaults"])
+    entry = kernels[tuned["kernel"]]
+    assert entry == json.loads((aot_export / "kernels" / f"{entry['id']}.json").read_text())
+    cubin = (aot_export / entry["cubin"]).read_bytes()
+    assert cubin[:4] == b"\x7fELF" and entry["kernel_name"].encode() in cubin
+    names = [a["name"] for a in entry["arguments"]]
+    assert names[:5] == ["Q", "K", "V", "O", "LSE"] and names[-5:] == [
+        "sm_scale", "N_Q", "N_K", "H_Q", "GROUP"]
+    assert not set(names) & {"stride_qd", "stride_kd", "stride_vd", "stride_od"}
+    types = {a["name"]: a for a in entry["arguments"]}
+    assert types["Q"] == {"name": "Q", "type": "*fp16", "align": 16}
+    assert types["stride_qn"] == {"name": "stride_qn", "type": "i32", "divisible_by": 16}
+    assert types["N_K"] == {"name": "N_K", "type": "i32"}
+    assert types["sm_scale"]["type"] == "fp32"
+    assert entry["constexprs"]["BLOCK_M"] == 64 and entry["constexprs"]["stride_qd"] == 1
+    assert entry["grid"] == ["cdiv(N_Q, 64)", "B * H_Q", "1"] and entry["block"] == [128, 1, 1]
+    assert entry["shared_bytes"] > 0 and entry["global_scratch_bytes"] == 0
+    assert [t["name"] for t in manifest["abi"]["trailing_arguments"]] == [
+        "global_scratch", "profile_scratch"]
+
+
+def test_aot_loader_checks_without_a_gpu(aot_export: Path) -> None:
+    loader = _load_module(aot_export / "cuda_loader.py")
+    entry = json.loads((aot_export / "manifest.json").read_text())["kernels"][0]
+    assert loader.grid_dim("cdiv(N_Q, 64)", {"N_Q": 130}) == 3
+    assert loader.grid_dim("B * H_Q", {"B": 2, "H_Q": 8}) == 16
+    args: dict[str, int | float] = {a["name"]: 16 for a in entry["arguments"]}
+    loader.check_args(entry, args)
+    for name, value, message in (("Q", 8, "aligned"), ("stride_qn", 24, "multiple of 16"),
+                                 ("N_Q", 2**31, "does not fit"), ("stride_qd", 2, "compiled")):
+        with pytest.raises(ValueError, match=message):
+            loader.check_args(entry, {**args, name: value})
+
+
+def test_aot_header_compiles(aot_export: Path) -> None:
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    import triton
+
+    include = Path(triton.__file__).parent / "backends" / "nvidia" / "include"
+    main = aot_export.parent / "main.c"
+    main.write_text('#include "fgaot.h"\nint main(void) { fgaot_fwd_args a = {0}; return '
+                    "fgaot_launch_fwd(0, &fgaot_kernels[0], &a, 1, 0) != CUDA_SUCCESS; }\n")
+    run = subprocess.run([compiler, "-std=c99", "-Wall", "-Werror", "-fsyntax-only",
+                          f"-I{aot_export}", f"-I{include}", str(main)],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+
+
+# ---- on a GPU -------------------------------------------------------------------------------
+
+
+def _fwd_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+              lse: torch.Tensor, scale: float) -> dict[str, int | float]:
+    """The kernel arguments by manifest name, from torch tensors (strides in elements)."""
+    args: dict[str, int | float] = {n: t.data_ptr() for n, t in
+                                    zip("QKVO", (q, k, v, out), strict=True)}
+    args["LSE"] = lse.data_ptr()
+    for letter, t in (("q", q), ("k", k), ("v", v), ("o", out)):
+        args.update(zip((f"stride_{letter}{s}" for s in "bhnd"), t.stride(), strict=True))
+    args.update(stride_lb=lse.stride(0), stride_lh=lse.stride(1), sm_scale=scale,
+                N_Q=q.shape[2], N_K=k.shape[2], H_Q=q.shape[1], GROUP=q.shape[1] // k.shape[1])
+    return args
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("dtype", "d", "causal", "variant", "layout"), [
+    ("fp16", 64, True, flashgen.Variant("fa2", 128, 64, 4, 3), "bhnd"),
+    ("bf16", 128, False, flashgen.Variant("fa2", 128, 64, 8, 3, True, True), "bnhd"),
+    ("fp32", 80, True, flashgen.Variant("fa2", 64, 32, 4, 2), "bhnd"),
+])
+def test_gpu_aot_cubin_through_the_driver_api(tmp_path: Path, dtype: str, d: int, causal: bool,
+                                              variant: flashgen.Variant, layout: str) -> None:
+    """Compile for this GPU as `export --format aot` does, then launch the cubin with ctypes
+    and the driver API only (no Triton on the launch path), tuned kernel and a default."""
+    dev = flashgen.device_info("cuda")
+    if variant.warp_specialize and not dev.is_hopper:
+        pytest.skip("warp specialization needs Hopper")
+    problem = flashgen.Problem(2, 4, 2, 512, 512, d, dtype, causal)
+    _store(tmp_path / "t.db", problem, variant, dev)
+    _export("--db", str(tmp_path / "t.db"), "--out", str(tmp_path), "--name", "fgaot",
+            "--format", "aot")
+    root = tmp_path / "fgaot"
+    manifest = json.loads((root / "manifest.json").read_text())
+    loader = _load_module(root / "cuda_loader.py")
+    (tuned,) = manifest["dispatch"]
+    short = next(r for r in manifest["defaults"]
+                 if (r["seq_q_bucket"], r["seq_k_bucket"]) == (32, 32))
+    torch_dtype = DTYPES[dtype]
+    for kid, (nq, nk) in ((tuned["kernel"], (300, 333)), (short["kernel"], (20, 27))):
+        q, k, v = make_inputs(2, 4, 2, nq, nk, d, torch_dtype, "cuda", seed=nq, layout=layout)
+        out = torch.empty_like(q)
+        lse = torch.empty((2, 4, nq), device="cuda", dtype=torch.float32)
+        kernel = loader.Kernel.load(root, kid, torch.cuda.current_device())
+        grid = kernel.grid(B=2, N_Q=nq, H_Q=4)
+        kernel.launch(grid, _fwd_args(q, k, v, out, lse, 1 / math.sqrt(d)),
+                      torch.cuda.current_stream().cuda_stream)
+        torch.cuda.synchronize()
+        result = compare(out, q, k, v, causal, lse=lse)
+        assert result.ok, (kid, result.reason)
+        kernel.unload()
+
+
+@pytest.mark.gpu
+def test_gpu_python_export_hit_miss_and_training(tmp_path: Path) -> None:
+    dev = flashgen.device_info("cuda")
+    problem = flashgen.Problem(2, 8, 2, 1024, 1024, 64, "fp16", True)
+    tuned = flashgen.Variant("fa2", 128, 32, 4, 2)
+    _store(tmp_path / "t.db", problem, tuned, dev)
+    _export("--db", str(tmp_path / "t.db"), "--out", str(tmp_path), "--name", "fgk_gpu")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import fgk_gpu  # type: ignore[import-not-found]
+    finally:
+        sys.path.remove(str(tmp_path))
+    for n, how in ((1000, "exact"), (3000, "nearest"), (40, "default")):
+        q, k, v = make_inputs(2, 8, 2, n, n, 64, torch.float16, "cuda", seed=n)
+        choice = fgk_gpu.explain(q, k, v, causal=True)
+        assert choice.how == how, choice
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out, lse = fgk_gpu.attention(*leaves, causal=True, return_lse=True)
+        result = compare(out.detach(), q, k, v, True, lse=lse)
+        assert result.ok, (n, result.reason)
+        do = torch.randn_like(out)
+        out.backward(do)
+        grads = compare_grads(tuple(t.grad for t in leaves), q, k, v, do, True)
+        assert grads.ok, (n, grads.reason)
