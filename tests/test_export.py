@@ -40,6 +40,7 @@ P_FP32 = flashgen.Problem(1, 2, 1, 64, 64, 32, "fp32", True)
 V_FP32 = flashgen.Variant("fa1", 32, 16, 2, 1)
 P_FP16 = flashgen.Problem(1, 2, 2, 32, 32, 16, "fp16", False)
 V_FP16 = flashgen.Variant("fa2", 32, 32, 2, 1)
+BWD_FP16 = BwdVariant(16, 32, 2, 1, "atomic")  # a backward winner, in the atomic-dQ mode
 
 
 def _store(path: Path, problem: flashgen.Problem, variant: Any, device: DeviceInfo,
@@ -131,6 +132,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     db, h200_db = tmp / "cpu.db", tmp / "h200.db"
     _store(db, P_FP32, V_FP32, INTERPRETER)
     _store(db, P_FP16, V_FP16, INTERPRETER)
+    _store(db, P_FP16, BWD_FP16, INTERPRETER, mode="bwd")
     _store(h200_db, P_FP32, flashgen.Variant("fa2", 64, 32, 4, 2), H200)
     out = tmp / "out"
     _export("--db", str(db), "--out", str(out), "--name", "fgk")
@@ -165,6 +167,8 @@ def test_package_layout(exported: dict[str, Any]) -> None:
     table = json.loads((pkg / "table.json").read_text())
     assert set(table["gpus"]) == {"cpu-interpreter"}
     assert len(table["gpus"]["cpu-interpreter"]["fwd"]) == 2
+    (bwd,) = table["gpus"]["cpu-interpreter"]["bwd"]
+    assert bwd["variant"] == BWD_FP16.to_dict() and "dq" not in bwd["kernels"]
     # Defaults for both exported kinds over the 5 x 5 length buckets, per GPU and generic.
     assert len(table["generic"]["fwd_defaults"]) == 2 * len(LENGTHS) ** 2
 
@@ -185,10 +189,10 @@ def test_runs_without_the_tuning_stack(exported: dict[str, Any]) -> None:
 
 
 @pytest.mark.interpreter
-def test_gradients_with_default_backward(exported: dict[str, Any]) -> None:
-    for name in ("hit", "fp16_hit"):
+def test_gradients_with_tuned_and_default_backward(exported: dict[str, Any]) -> None:
+    for name, how in (("hit", "default"), ("fp16_hit", "exact")):
         r = exported["res"]["runs"][name]
-        assert r["bwd_how"] == "default"  # no backward winners in the database
+        assert r["bwd_how"] == how
         result = compare_grads(tuple(r["grads"]), r["q"], r["k"], r["v"], r["do"], r["causal"])
         assert result.ok, (name, result.reason)
 
