@@ -392,14 +392,15 @@ static const {name}_kernel {name}_kernels[] = {{
 #define {name.upper()}_NUM_KERNELS {len(kernels)}
 
 /* Launch `k` (its CUfunction `f`, loaded from k->cubin, with the dynamic shared memory
- * attribute set when k->shared_bytes > 49152) on `batch` x H_Q x N_Q queries. */
+ * attribute set when k->shared_bytes > 49152) on `batch` x H_Q x N_Q queries.
+ * `global_scratch`: 0 when k->global_scratch_bytes is 0, else device memory of
+ * grid_x * grid_y * k->global_scratch_bytes bytes (grid as computed here; one CTA each). */
 static inline CUresult {name}_launch_fwd(CUfunction f, const {name}_kernel *k,
                                          const {name}_fwd_args *a, int batch,
-                                         CUstream stream) {{
-  CUdeviceptr global_scratch = 0, profile_scratch = 0;
+                                         CUdeviceptr global_scratch, CUstream stream) {{
+  CUdeviceptr profile_scratch = 0;
   void *params[] = {{{params},
                     &global_scratch, &profile_scratch}};
-  if (k->global_scratch_bytes != 0) return CUDA_ERROR_NOT_SUPPORTED;
   return cuLaunchKernel(f, (unsigned)((a->N_Q + k->block_m - 1) / k->block_m),
                         (unsigned)(batch * a->H_Q), 1, (unsigned)(32 * k->num_warps), 1, 1,
                         (unsigned)k->shared_bytes, stream, params, NULL);

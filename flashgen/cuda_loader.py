@@ -45,6 +45,8 @@ def _cuda() -> ctypes.CDLL:
         _lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
         _lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
         _lib.cuModuleUnload.argtypes = [ctypes.c_void_p]
+        _lib.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
+        _lib.cuMemFree_v2.argtypes = [ctypes.c_uint64]
         _lib.cuLaunchKernel.argtypes = [
             ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p,
             ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
@@ -111,6 +113,7 @@ class Kernel:
 
     def __init__(self, root: str | Path, entry: Mapping[str, Any], device: int = 0) -> None:
         self.entry = dict(entry)
+        self._scratch_ptr, self._scratch_size = 0, 0
         _ensure_context(device)
         lib = _cuda()
         image = (Path(root) / entry["cubin"]).read_bytes()
@@ -142,9 +145,8 @@ class Kernel:
         """Launch on `stream` (a CUstream handle; 0 is the legacy default stream)."""
         self.check(args)
         e = self.entry
-        if e["global_scratch_bytes"] or e["profile_scratch_bytes"]:
-            raise CudaError(f"{e['id']} needs scratch memory, which this loader does not "
-                            "allocate")
+        if e["profile_scratch_bytes"]:
+            raise CudaError(f"{e['id']} was compiled with profiling instrumentation")
         values: list[Any] = []
         for a in e["arguments"]:
             kind, value = a["type"], args[a["name"]]
@@ -156,13 +158,33 @@ class Kernel:
                 values.append(ctypes.c_float(float(value)))
             else:
                 raise ValueError(f"argument {a['name']} has unsupported type {kind}")
-        values += [ctypes.c_uint64(0), ctypes.c_uint64(0)]  # global and profile scratch
+        scratch = self._scratch(grid[0] * grid[1] * grid[2] * e["num_ctas"]
+                                * e["global_scratch_bytes"])
+        values += [ctypes.c_uint64(scratch), ctypes.c_uint64(0)]  # global, profile scratch
         params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
         _check(_cuda().cuLaunchKernel(
             self._function, *grid, *e["block"], e["shared_bytes"], ctypes.c_void_p(stream),
             params, None), "cuLaunchKernel")
 
+    def _scratch(self, size: int) -> int:
+        """Device memory for the kernel's global scratch (0 when it needs none), kept and
+        grown across launches. cuMemAlloc aligns to 256 bytes, more than Triton asks."""
+        if size > self._scratch_size:
+            self._free_scratch()
+            ptr = ctypes.c_uint64()
+            _check(_cuda().cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(size)),
+                   "cuMemAlloc")
+            self._scratch_ptr, self._scratch_size = ptr.value, size
+        return self._scratch_ptr
+
+    def _free_scratch(self) -> None:
+        if self._scratch_ptr:
+            _check(_cuda().cuMemFree_v2(ctypes.c_uint64(self._scratch_ptr)), "cuMemFree")
+            self._scratch_ptr, self._scratch_size = 0, 0
+
     def unload(self) -> None:
+        """Free the scratch memory and unload the module (after its launches finished)."""
+        self._free_scratch()
         if self._module.value:
             _check(_cuda().cuModuleUnload(self._module), "cuModuleUnload")
             self._module = ctypes.c_void_p()

@@ -361,7 +361,7 @@ def test_aot_header_compiles(aot_export: Path) -> None:
     include = Path(triton.__file__).parent / "backends" / "nvidia" / "include"
     main = aot_export.parent / "main.c"
     main.write_text('#include "fgaot.h"\nint main(void) { fgaot_fwd_args a = {0}; return '
-                    "fgaot_launch_fwd(0, &fgaot_kernels[0], &a, 1, 0) != CUDA_SUCCESS; }\n")
+                    "fgaot_launch_fwd(0, &fgaot_kernels[0], &a, 1, 0, 0) != CUDA_SUCCESS; }\n")
     run = subprocess.run([compiler, "-std=c99", "-Wall", "-Werror", "-fsyntax-only",
                           f"-I{aot_export}", f"-I{include}", str(main)],
                          capture_output=True, text=True)
