@@ -37,9 +37,9 @@ render = importlib.import_module("flashgen.render")
 
 def made_up_ms(v: BwdVariant) -> float:
     """Deterministic, tie-free; the optimum is atomic m32 n128 w8 s2."""
-    return (1.0 + abs(v.block_m - 32) / 32 + abs(v.block_n - 128) / 64
-            + (v.dq_mode == "separate") * 0.5 + abs(v.num_stages - 2) * 0.01
-            + abs(v.num_warps - 8) * 0.001)
+    return (1.0 + abs(v.block_m - 32) / 32 + abs(v.block_n - 128) / 61
+            + (v.dq_mode == "separate") * 0.37 + abs(v.num_stages - 2) * 0.01
+            + v.num_stages * 1e-4 + abs(v.num_warps - 8) * 0.001)
 
 
 class FakeBwdBench:
