@@ -250,7 +250,7 @@ class Dispatcher:
                 raise ValueError(f"variant {variant} is invalid for {problem}: {reason}")
             choice = Choice(variant, "explicit", "variant= was given")
         check_runnable(q.device)
-        launch = prepare_forward(choice.variant, problem)
+        launch = prepare_forward(choice.variant, problem, strict=choice.how == "explicit")
         return _Plan(launch, choice, default_scale(problem.head_dim))
 
     def forward(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -17,14 +18,39 @@ Launcher = Callable[
 ]
 
 
-def prepare_forward(variant: Variant, problem: Problem) -> Launcher:
+def tma_ready(*tensors: torch.Tensor) -> bool:
+    """Whether TMA descriptors can address these tensors: a unit last stride, other strides
+    and the base address multiples of 16 bytes (the copy engine's rules)."""
+    for t in tensors:
+        size = t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16:
+            return False
+        if any((s * size) % 16 for s in t.stride()[:-1]):
+            return False
+    return True
+
+
+def _descriptor(t: torch.Tensor, rows: int, cols: int) -> object:
+    """A TMA descriptor over the (B, H, N, D) view moving [1, 1, rows, cols] tiles."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, cols])
+
+
+def prepare_forward(variant: Variant, problem: Problem, strict: bool = True) -> Launcher:
     """Load `variant`'s kernel once and return a function that launches it on checked inputs.
 
     Everything that depends only on the variant and problem is settled here, so a launch does
     nothing but allocate the outputs and call the kernel: this is the dispatch fast path.
     Strides go to the kernel as they are, so (B, H, N, D) tensors and (B, N, H, D) memory
     viewed as (B, H, N, D) both run without a copy. The output keeps q's memory layout.
+
+    A `use_tma` variant needs 16-byte aligned rows (`tma_ready`). Given inputs that are not,
+    a strict launcher (an explicitly requested variant) raises; otherwise the same variant
+    without TMA runs, which computes the same function.
     """
+    if variant.use_tma:
+        return _prepare_tma(variant, problem, strict)
     kernel = load_kernel(variant, problem)
     launch = {"num_warps": variant.num_warps, "num_stages": variant.num_stages}
     group, block_m, fa1 = problem.group, variant.block_m, variant.loop_order == "fa1"
@@ -61,6 +87,38 @@ def prepare_forward(variant: Variant, problem: Problem) -> Launcher:
             group,
             **launch,
         )
+        return out, lse
+
+    return run
+
+
+def _prepare_tma(variant: Variant, problem: Problem, strict: bool) -> Launcher:
+    kernel = load_kernel(variant, problem)
+    launch = {"num_warps": variant.num_warps, "num_stages": variant.num_stages}
+    bm, bn, d = variant.block_m, variant.block_n, problem.padded_head_dim
+    plain: list[Launcher] = []  # the non-TMA twin, prepared on first need
+
+    def run(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out = torch.empty_like(q)
+        if not tma_ready(q, k, v, out):
+            if strict:
+                raise ValueError(
+                    f"variant {variant} uses TMA, which needs a unit last stride and 16-byte "
+                    "aligned rows and base addresses; these inputs are not"
+                )
+            if not plain:
+                plain.append(prepare_forward(replace(variant, use_tma=False), problem))
+            return plain[0](q, k, v, scale)
+        b, hq, nq, _ = q.shape
+        lse = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
+        kernel[(-(-nq // bm), b * hq)](
+            _descriptor(q, bm, d), _descriptor(k, bn, d), _descriptor(v, bn, d),
+            _descriptor(out, bm, d), lse,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride()[:2],
+            scale, nq, k.shape[2], hq, problem.group, **launch,
+        )  # fmt: skip
         return out, lse
 
     return run

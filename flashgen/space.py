@@ -83,8 +83,8 @@ def fa1_pipelining(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
 
 def fa1_has_no_fa2_knobs(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
     # fa1 masks every step and has no separate main loop: one point per tile shape.
-    if v.loop_order == "fa1" and (not v.split_mask or v.warp_specialize):
-        return "split_mask/warp_specialize are fa2 knobs"
+    if v.loop_order == "fa1" and (not v.split_mask or v.warp_specialize or v.use_tma):
+        return "split_mask/warp_specialize/use_tma are fa2 knobs"
     return None
 
 
@@ -93,6 +93,19 @@ def warp_specialize_needs_hopper(v: Variant, p: Problem, dev: DeviceInfo) -> str
     # which lets CPU tests exercise the code path.
     if v.warp_specialize and not (dev.is_hopper or dev.is_interpreter):
         return "warp_specialize needs a Hopper GPU (compute capability 9.0+)"
+    return None
+
+
+def tma_needs_hopper_and_aligned_rows(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
+    # TMA descriptors exist from Hopper on (the interpreter emulates them, for CPU tests), and
+    # every stride but the last must be a multiple of 16 bytes: rows of D elements must be.
+    if not v.use_tma:
+        return None
+    if not (dev.is_hopper or dev.is_interpreter):
+        return "use_tma needs a Hopper GPU (compute capability 9.0+)"
+    elem = 4 if p.dtype == "fp32" else 2
+    if (p.head_dim * elem) % 16:
+        return f"use_tma needs 16-byte rows; head dim {p.head_dim} x {elem} B is not"
     return None
 
 
@@ -105,6 +118,7 @@ RULES: tuple[Rule, ...] = (
     fa1_pipelining,
     fa1_has_no_fa2_knobs,
     warp_specialize_needs_hopper,
+    tma_needs_hopper_and_aligned_rows,
 )
 
 
@@ -129,9 +143,10 @@ def why_invalid(v: Variant, p: Problem, device: DeviceInfo | str | None = None) 
 def all_points() -> list[Variant]:
     """Every point before the validity rules: the full grid."""
     return [
-        Variant(order, bm, bn, w, s, split, ws)
-        for order, bm, bn, w, s, split, ws in itertools.product(
-            LOOP_ORDERS, BLOCK_SIZES, BLOCK_SIZES, WARPS, STAGES, (True, False), (False, True)
+        Variant(order, bm, bn, w, s, split, ws, tma)
+        for order, bm, bn, w, s, split, ws, tma in itertools.product(
+            LOOP_ORDERS, BLOCK_SIZES, BLOCK_SIZES, WARPS, STAGES,
+            (True, False), (False, True), (False, True),
         )
     ]
 

@@ -23,6 +23,8 @@ class Variant:
     split_mask (fa2): run K/V tiles that every row of the Q tile sees without masks, masking only
         the causal diagonal stretch and the ragged last tile.
     warp_specialize (fa2, Hopper): Triton's warp specialization of the unmasked main loop.
+    use_tma (fa2, Hopper): Q, K, V and O move through TMA tensor descriptors (the bulk tensor
+        copy engine) instead of pointer loads; needs 16-byte aligned rows.
     """
 
     loop_order: LoopOrder = "fa2"
@@ -32,6 +34,7 @@ class Variant:
     num_stages: int = 2
     split_mask: bool = True
     warp_specialize: bool = False
+    use_tma: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -55,7 +58,12 @@ class Variant:
         return cls.from_dict(json.loads(text))
 
     def __str__(self) -> str:
-        flags = ("" if self.split_mask else " nosplit") + (" ws" if self.warp_specialize else "")
+        flags = "".join(
+            name
+            for name, on in ((" nosplit", not self.split_mask), (" ws", self.warp_specialize),
+                             (" tma", self.use_tma))
+            if on
+        )  # fmt: skip
         return (
             f"{self.loop_order} m{self.block_m} n{self.block_n} "
             f"w{self.num_warps} s{self.num_stages}{flags}"

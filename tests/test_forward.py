@@ -27,6 +27,8 @@ CPU_VARIANTS = {
         flashgen.Variant("fa2", 64, 32, 4, 2),
         flashgen.Variant("fa2", 16, 32, 2, 2, split_mask=False),
         flashgen.Variant("fa2", 32, 16, 4, 3, warp_specialize=True),
+        flashgen.Variant("fa2", 16, 32, 2, 2, use_tma=True),
+        flashgen.Variant("fa2", 32, 16, 4, 2, split_mask=False, use_tma=True),
     ],
     "fa1": [
         flashgen.Variant("fa1", 16, 16, 2, 1),
@@ -207,6 +209,29 @@ def test_gpu_odd_head_dims(d: int, dtype: torch.dtype) -> None:
 
 
 @gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        flashgen.Variant("fa2", 128, 64, 8, 3, use_tma=True),
+        flashgen.Variant("fa2", 128, 64, 8, 3, warp_specialize=True, use_tma=True),
+        flashgen.Variant("fa2", 64, 128, 4, 2, split_mask=False, use_tma=True),
+    ],
+    ids=str,
+)
+def test_gpu_tma(variant: flashgen.Variant, layout: str, causal: bool) -> None:
+    q, k, v = make_inputs(2, 8, 2, 1000, 1100, 128, torch.bfloat16, "cuda", seed=7,
+                          layout=layout)
+    try:
+        out = flashgen.attention(q, k, v, causal=causal, variant=variant)
+    except RuntimeError as exc:  # a compile failure is data for the tuner, not a wrong result
+        pytest.skip(f"{variant} does not compile here: {exc}")
+    result = compare(out, q, k, v, causal)
+    assert result.ok, f"{variant}: {result.reason}"
+
+
+@gpu
 @pytest.mark.parametrize("order", ["fa2", "fa1"])
 def test_gpu_search_space_sample(order: str) -> None:
     """A spread of the real search space compiles and matches on the GPU."""
@@ -218,3 +243,23 @@ def test_gpu_search_space_sample(order: str) -> None:
         out = flashgen.attention(q, k, v, causal=True, variant=variant)
         result = compare(out, q, k, v, causal=True)
         assert result.ok, f"{variant}: {result.reason}"
+
+
+@interpreter
+def test_tma_needs_aligned_rows() -> None:
+    # D = 44 in fp16 is 88-byte rows: not a multiple of 16, so the rule excludes TMA.
+    p = flashgen.Problem(1, 2, 2, 32, 32, 44, "fp16")
+    assert "16-byte rows" in flashgen.why_invalid(flashgen.Variant("fa2", 16, 16, 2, 1,
+                                                                    use_tma=True), p, INTERPRETER)
+    # Aligned head dim, but a sliced (offset) view breaks the base alignment: an explicit
+    # TMA variant refuses, dispatch would run its pointer twin.
+    q, k, v = make_inputs(1, 2, 2, 33, 33, 40, torch.float16)
+    shifted = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape).copy_(q)
+    tma = flashgen.Variant("fa2", 16, 16, 2, 1, use_tma=True)
+    with pytest.raises(ValueError, match="uses TMA"):
+        flashgen.attention(shifted, k, v, variant=tma)
+    from flashgen.forward import prepare_forward
+
+    problem = flashgen.Problem.from_tensors(q, k, v)
+    out, _ = prepare_forward(tma, problem, strict=False)(shifted, k, v, 40**-0.5)
+    assert compare(out, q, k, v).ok
