@@ -97,6 +97,7 @@ def _table(gpu_name: str) -> _Table:
     return _Table(data)
 
 
+@functools.cache
 def _device_name(device: torch.device) -> str:
     if device.type == "cpu":
         return CPU_INTERPRETER
@@ -122,6 +123,7 @@ def _clamp(n: int) -> int:
     return min(_LENGTHS[-1], max(_LENGTHS[0], _bucket(n)))
 
 
+@functools.lru_cache(maxsize=4096)  # per shape: later calls skip the search
 def _choose(mode: str, table: _Table, dtype: str, causal: bool, d: int, group: int, nq: int,
             nk: int) -> Choice:
     want_q, want_k = _bucket(nq), _bucket(nk)
