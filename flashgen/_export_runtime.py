@@ -41,7 +41,9 @@ __all__ = ["Choice", "attention", "explain", "tuned_gpus"]
 class Choice(NamedTuple):
     """Which exported kernel a call runs and why (see `explain`)."""
 
-    kernels: dict[str, str]  # role ("fwd", or "preprocess"/"dkdv"/"dq") -> kernels/ module
+    #: role -> kernels/ module: "fwd" (and "fwd_plain", a use_tma kernel's pointer twin for
+    #: unaligned inputs), or "preprocess", "dkdv" and "dq" for the backward
+    kernels: dict[str, str]
     variant: dict[str, Any]
     how: str  # "exact", "nearest" or "default"
     reason: str
@@ -222,6 +224,24 @@ def _pick(mode: str, q: torch.Tensor, k: torch.Tensor, causal: bool) -> Choice:
     return _choose(mode, _table(_device_name(q.device)), *_problem(q, k, causal))
 
 
+def _tma_ready(*tensors: torch.Tensor) -> bool:
+    """TMA descriptors need a unit last stride and 16-byte aligned rows and base address."""
+    for t in tensors:
+        size = t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16:
+            return False
+        if any((s * size) % 16 for s in t.stride()[:-1]):
+            return False
+    return True
+
+
+def _descriptor(t: torch.Tensor, rows: int, cols: int) -> Any:
+    """A TMA descriptor over the (B, H, N, D) view moving [1, 1, rows, cols] tiles."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, cols])
+
+
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     choice = _pick("fwd", q, k, causal)
@@ -230,20 +250,30 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     nk, group = k.shape[2], hq // k.shape[1]
     out = torch.empty_like(q)
     lse = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
+    padded = max(16, 1 << (d - 1).bit_length())
+    tail = (*lse.stride()[:2], scale, nq, nk, hq, group)
+    launch = {"num_warps": var["num_warps"], "num_stages": var["num_stages"]}
+    if var.get("use_tma") and _tma_ready(q, k, v, out):
+        bm, bn = var["block_m"], var["block_n"]
+        _kernel(choice.kernels["fwd"], "attn_fwd")[(_cdiv(nq, bm), b * hq)](
+            _descriptor(q, bm, padded), _descriptor(k, bn, padded), _descriptor(v, bn, padded),
+            _descriptor(out, bm, padded), lse,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *tail, **launch,
+        )  # fmt: skip
+        return out, lse
     args: tuple = (q, k, v, out, lse)
     if var["loop_order"] == "fa1":
         # fa1 keeps the running output, max and sum in fp32 scratch between K/V tiles.
-        padded = max(16, 1 << (d - 1).bit_length())
         acc = torch.zeros((b * hq, nq, padded), device=q.device, dtype=torch.float32)
         m = torch.full((b * hq, nq), float("-inf"), device=q.device, dtype=torch.float32)
         lsum = torch.zeros((b * hq, nq), device=q.device, dtype=torch.float32)
         args, grid = (*args, acc, m, lsum), (b * hq,)
     else:
         grid = (_cdiv(nq, var["block_m"]), b * hq)
-    _kernel(choice.kernels["fwd"], "attn_fwd")[grid](
-        *args, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride()[:2],
-        scale, nq, nk, hq, group, num_warps=var["num_warps"], num_stages=var["num_stages"],
-    )
+    name = choice.kernels.get("fwd_plain", choice.kernels["fwd"])  # a TMA kernel's twin
+    _kernel(name, "attn_fwd")[grid](
+        *args, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *tail, **launch,
+    )  # fmt: skip
     return out, lse
 
 

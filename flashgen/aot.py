@@ -15,7 +15,8 @@ The signature is fixed and documented rather than specialised per call as Triton
 pointers 16-byte aligned; the head-dim strides compiled in as 1 (the last dim must be
 contiguous); the other Q/K/V/O strides divisible by 16 when the head dim is (so loads
 vectorise); every other integer a plain i32, so any length works. fa1 winners need scratch
-buffers and are recorded as skipped; backward kernels are not exported ahead of time.
+buffers and are recorded as skipped; a use_tma winner is compiled as its pointer twin (the
+ABI passes pointers, not CUtensorMaps); backward kernels are not exported ahead of time.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -272,11 +273,15 @@ def _plan_gpu(comp: _Compiler, gpu: GpuWinners, families: list[Family],
                 reason="fa1 needs scratch buffers; not compiled ahead of time (the defaults "
                        "serve this bucket)"))
             continue
+        note = {}
+        if variant.use_tma:
+            # The ABI passes pointers, not CUtensorMaps: the pointer twin computes the same.
+            variant, note = replace(variant, use_tma=False), {"compiled_without_tma": True}
         job = comp.kernel(variant, w.problem, gpu)
         job.serves.append(bucket)
         manifest["dispatch"].append(_bucket_row(
             gpu, **bucket, kernel=job.kid, need=list(tile_needs("fwd", variant, w.problem)),
-            tuned_triton_version=gpu.triton_version, source=row.source()))
+            tuned_triton_version=gpu.triton_version, source=row.source(), **note))
     for family in families:
         for nq, nk, variant, problem in default_grid("fwd", family, gpu.device):
             assert isinstance(variant, Variant)

@@ -8,7 +8,8 @@ dispatch table `table.json`, and a fixed runtime (`flashgen/_export_runtime.py`,
     PACKAGE/__init__.py      the runtime: attention(), explain(), tuned_gpus()
     PACKAGE/table.json       per GPU: tuned forward/backward entries and default grids;
                              plus generic defaults for GPUs or Tritons that were not tuned
-    PACKAGE/kernels/*.py     fwd_<hash>.py, bwd_{preprocess,dkdv,dq}_<hash>.py
+    PACKAGE/kernels/*.py     fwd_<hash>.py, bwd_{preprocess,dkdv,dq}_<hash>.py (a use_tma
+                             forward also gets its pointer twin, for unaligned inputs)
     PACKAGE/README.md        what was exported, from where
 
 Backward winners are exported where the database has them; the default backward grid is
@@ -20,7 +21,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +74,13 @@ class _Kernels:
         """The kernel modules that run `variant`, by role."""
         if mode == "fwd":
             assert isinstance(variant, Variant)
-            return {"fwd": self.add("fwd", render(variant, problem))}
+            kernels = {"fwd": self.add("fwd", render(variant, problem))}
+            if variant.use_tma:
+                # TMA needs 16-byte aligned rows; other inputs run the pointer twin, the
+                # same function (as flashgen's dispatch does).
+                twin = replace(variant, use_tma=False)
+                kernels["fwd_plain"] = self.add("fwd", render(twin, problem))
+            return kernels
         assert isinstance(variant, BwdVariant)
         roles = ("preprocess", "dkdv") + (("dq",) if variant.dq_mode == "separate" else ())
         return {r: self.add(f"bwd_{r}", render_bwd(r, variant, problem))  # type: ignore[arg-type]

@@ -100,7 +100,7 @@ def device_of(gpu_name: str, capability: str, sm_count: int) -> DeviceInfo:
 
 def _read(paths: Sequence[Path], gpu: str | None, notes: list[str]) -> dict[str, list[Sourced]]:
     found: dict[str, list[Sourced]] = {}
-    stale = tma = 0
+    stale = 0
     for path in paths:
         if not path.is_file():
             continue
@@ -112,16 +112,9 @@ def _read(paths: Sequence[Path], gpu: str | None, notes: list[str]) -> dict[str,
             if w.key.template_hash != template_hash(w.key.mode):
                 stale += 1
                 continue
-            if getattr(w.variant, "use_tma", False):
-                # Their launch passes host-built TMA descriptors, which the exported runtime
-                # and the AOT ABI do not make yet; the nearest bucket or a default serves.
-                tma += 1
-                continue
             found.setdefault(w.key.gpu_name, []).append(Sourced(w, path))
     if stale:
         notes.append(f"{stale} winner(s) tuned on other template text left out (re-tune them)")
-    if tma:
-        notes.append(f"{tma} use_tma winner(s) left out: exports do not build TMA descriptors")
     return found
 
 
