@@ -3,6 +3,7 @@ manifest and header are produced without a GPU; on a GPU both run and match the 
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import math
@@ -436,15 +437,20 @@ def test_gpu_aot_cubin_through_the_driver_api(tmp_path: Path, dtype: str, d: int
 
 
 @pytest.mark.gpu
-def test_gpu_python_export_hit_miss_and_training(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tuned", [flashgen.Variant("fa2", 128, 32, 4, 2),
+                                   flashgen.Variant("fa2", 128, 64, 4, 3, use_tma=True)])
+def test_gpu_python_export_hit_miss_and_training(tmp_path: Path,
+                                                 tuned: flashgen.Variant) -> None:
     dev = flashgen.device_info("cuda")
+    if tuned.use_tma and not dev.is_hopper:
+        pytest.skip("TMA needs Hopper")
     problem = flashgen.Problem(2, 8, 2, 1024, 1024, 64, "fp16", True)
-    tuned = flashgen.Variant("fa2", 128, 32, 4, 2)
     _store(tmp_path / "t.db", problem, tuned, dev)
-    _export("--db", str(tmp_path / "t.db"), "--out", str(tmp_path), "--name", "fgk_gpu")
+    name = f"fgk_gpu_{int(tuned.use_tma)}"
+    _export("--db", str(tmp_path / "t.db"), "--out", str(tmp_path), "--name", name)
     sys.path.insert(0, str(tmp_path))
     try:
-        import fgk_gpu  # type: ignore[import-not-found]
+        fgk_gpu = importlib.import_module(name)
     finally:
         sys.path.remove(str(tmp_path))
     for n, how in ((1000, "exact"), (3000, "nearest"), (40, "default")):
