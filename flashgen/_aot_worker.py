@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,10 @@ def compile_job(job: dict[str, Any]) -> None:
               "launch_cooperative_grid", "launch_pdl")
     meta = {f: getattr(md, f) for f in fields}
     meta["triton_version"] = triton.__version__
+    # The block size the binary demands; Triton launches 32 * num_warps threads, and the two
+    # must agree (warp specialization may add warps; the PTX says what was built).
+    threads = re.search(r"\.reqntid\s+(\d+)", kernel.asm["ptx"])
+    meta["threads"] = int(threads[1]) if threads else 32 * md.num_warps
     Path(job["metadata"]).write_text(json.dumps(meta))
 
 
