@@ -31,11 +31,11 @@ VERSIONS = Versions("3.6.0", "2.13.0", "tpl")
 
 def made_up_ms(v: Variant) -> float:
     """A smooth, deterministic landscape without ties whose optimum is fa2 m128 n64 w4 s2
-    (split mask, warp-specialized)."""
+    (split mask, warp-specialized, TMA)."""
     return (1.0 + abs(v.block_m - 128) / 64 + abs(v.block_n - 64) / 64
             + (v.loop_order == "fa1") + abs(v.num_stages - 2) * 0.01
             + abs(v.num_warps - 4) * 0.001 + (not v.split_mask) * 1e-4
-            + (not v.warp_specialize) * 1e-5)
+            + (not v.warp_specialize) * 1e-5 + (not v.use_tma) * 1e-6)
 
 
 class FakeBench:
