@@ -171,6 +171,11 @@ class KernelBench:
         return (self.seed * 1_000_003 + zlib.crc32(variant.to_json().encode())) % 2**31
 
     def _warm(self, variant: Variant) -> None:
+        # A new thread has no CUDA context bound until a runtime call binds the device's
+        # primary one; TMA descriptors are made through the driver API and fail without it
+        # ("invalid device context", seen on an H200, 2026-11-22).
+        torch.cuda.set_device(self.device)
+        torch.cuda.synchronize(self.device)
         with torch.cuda.device(self.device):
             run_forward(*self.inputs, variant, self.problem)
             if self.gate != self.problem:

@@ -104,7 +104,7 @@ def check_args(entry: Mapping[str, Any], args: Mapping[str, int | float]) -> Non
         bits = _INT_TYPES[kind][1] if kind in _INT_TYPES else None
         if bits is not None and not -(2**bits) <= value < 2**bits:
             raise ValueError(f"{name} = {value} does not fit {kind}")
-        if value % a.get("divisible_by", 1):
+        if "divisible_by" in a and int(value) % a["divisible_by"]:
             raise ValueError(f"{name} = {value} must be a multiple of {a['divisible_by']}")
 
 
