@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, fields
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Literal
+
+from flashgen.knobs import Knobs
 
 DqMode = Literal["separate", "atomic"]
 DQ_MODES: tuple[str, ...] = ("separate", "atomic")
 
 
 @dataclass(frozen=True)
-class BwdVariant:
+class BwdVariant(Knobs):
     """Everything that tells two generated backward passes apart.
 
     The backward runs up to three kernels: preprocessing (delta = rowsum(dO * O)), dK/dV
@@ -31,32 +32,12 @@ class BwdVariant:
         but atomic traffic, an fp32 scratch buffer and a run-to-run nondeterministic sum order).
     """
 
+    kind = "backward variant"
     block_m: int = 64
     block_n: int = 128
     num_warps: int = 8
     num_stages: int = 2
     dq_mode: DqMode = "separate"
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> BwdVariant:
-        """Build from a dict; unknown keys are an error so a typo never silently tunes nothing."""
-        known = {f.name for f in fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise ValueError(
-                f"unknown backward variant parameters {sorted(unknown)}; known: {sorted(known)}"
-            )
-        return cls(**data)
-
-    @classmethod
-    def from_json(cls, text: str) -> BwdVariant:
-        return cls.from_dict(json.loads(text))
 
     def __str__(self) -> str:
         return (

@@ -62,16 +62,21 @@ def _use_interpreter() -> None:
     os.environ["TRITON_INTERPRET"] = "1"
 
 
+#: Options that `tune` and `bench` share.
+ShapeOption = Annotated[list[str] | None, typer.Option(
+    "--shape", metavar="B,Hq,Hkv,Nq,Nk,D",
+    help="A problem: batch, query heads, key/value heads, query and key lengths, head "
+         "dim. Repeatable.")]
+PresetOption = Annotated[list[str] | None, typer.Option(
+    "--preset", metavar="NAME",
+    help="A named set of problems (see `flashgen presets`), e.g. fa-bench or llama3-8b. "
+         "Repeatable.")]
+
+
 @app.command()
 def tune(
-    shape: Annotated[list[str] | None, typer.Option(
-        "--shape", metavar="B,Hq,Hkv,Nq,Nk,D",
-        help="A problem: batch, query heads, key/value heads, query and key lengths, head "
-             "dim. Repeatable.")] = None,
-    preset: Annotated[list[str] | None, typer.Option(
-        "--preset", metavar="NAME",
-        help="A named set of problems (see `flashgen presets`), e.g. fa-bench or llama3-8b. "
-             "Repeatable.")] = None,
+    shape: ShapeOption = None,
+    preset: PresetOption = None,
     dtype: Annotated[str, typer.Option(
         metavar="LIST", help="Comma-separated input dtypes to tune: fp16, bf16, fp32.")] = "fp16",
     causal: Annotated[str, typer.Option(
@@ -241,14 +246,8 @@ def list_presets() -> None:
 
 @app.command()
 def bench(
-    shape: Annotated[list[str] | None, typer.Option(
-        "--shape", metavar="B,Hq,Hkv,Nq,Nk,D",
-        help="A problem: batch, query heads, key/value heads, query and key lengths, head "
-             "dim. Repeatable.")] = None,
-    preset: Annotated[list[str] | None, typer.Option(
-        "--preset", metavar="NAME",
-        help="A named set of problems (see `flashgen presets`), e.g. fa-bench or llama3-8b. "
-             "Repeatable.")] = None,
+    shape: ShapeOption = None,
+    preset: PresetOption = None,
     dtype: Annotated[str | None, typer.Option(
         metavar="LIST", help="Comma-separated input dtypes: fp16, bf16, fp32. Default "
                              "fp16,bf16 on cuda, fp16 on cpu (the interpreter's bf16 dots "

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, fields
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Literal
+
+from flashgen.knobs import Knobs
 
 LoopOrder = Literal["fa1", "fa2"]
 LOOP_ORDERS: tuple[str, ...] = ("fa2", "fa1")
 
 
 @dataclass(frozen=True)
-class Variant:
+class Variant(Knobs):
     """Everything that tells two generated forward kernels apart.
 
     loop_order: "fa2" gives each program one Q block and streams K/V blocks past it (FlashAttention
@@ -35,27 +36,6 @@ class Variant:
     split_mask: bool = True
     warp_specialize: bool = False
     use_tma: bool = False
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Variant:
-        """Build from a dict; unknown keys are an error so a typo never silently tunes nothing."""
-        known = {f.name for f in fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise ValueError(
-                f"unknown variant parameters {sorted(unknown)}; known: {sorted(known)}"
-            )
-        return cls(**data)
-
-    @classmethod
-    def from_json(cls, text: str) -> Variant:
-        return cls.from_dict(json.loads(text))
 
     def __str__(self) -> str:
         flags = "".join(
