@@ -12,7 +12,7 @@ from collections.abc import Callable
 from flashgen.bwd_variant import DQ_MODES, BwdVariant
 from flashgen.hardware import DeviceInfo, device_info
 from flashgen.problem import Problem
-from flashgen.space import MAX_ACC_PER_THREAD
+from flashgen.space import MAX_ACC_PER_THREAD, first_broken, tile_reason
 
 #: 256-row tiles are left out: dK and dV of a 256-key tile alone would fill every register.
 BWD_BLOCK_SIZES = (16, 32, 64, 128)
@@ -102,17 +102,7 @@ def why_invalid_bwd(
     dev = device_info(device)
     if v.dq_mode not in DQ_MODES:
         return f"unknown dq_mode {v.dq_mode!r}; use one of {DQ_MODES}"
-    if v.block_m not in BWD_BLOCK_SIZES or v.block_n not in BWD_BLOCK_SIZES:
-        return f"block sizes must be among {BWD_BLOCK_SIZES}"
-    if v.num_warps not in BWD_WARPS and v.num_warps != 1:
-        return f"num_warps must be among {BWD_WARPS}"
-    if v.num_stages < 1:
-        return "num_stages must be at least 1"
-    for rule in BWD_RULES:
-        reason = rule(v, p, dev)
-        if reason:
-            return reason
-    return None
+    return tile_reason(v, BWD_BLOCK_SIZES, BWD_WARPS) or first_broken(BWD_RULES, v, p, dev)
 
 
 def all_bwd_points() -> list[BwdVariant]:

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from flashgen.hardware import DeviceInfo, device_info
 from flashgen.problem import Problem
 from flashgen.variant import LOOP_ORDERS, Variant
+
+if TYPE_CHECKING:
+    from flashgen.bwd_variant import BwdVariant
 
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 WARPS = (2, 4, 8)
@@ -127,13 +131,25 @@ def why_invalid(v: Variant, p: Problem, device: DeviceInfo | str | None = None) 
     dev = device_info(device)
     if v.loop_order not in LOOP_ORDERS:
         return f"unknown loop_order {v.loop_order!r}; use one of {LOOP_ORDERS}"
-    if v.block_m not in BLOCK_SIZES or v.block_n not in BLOCK_SIZES:
-        return f"block sizes must be among {BLOCK_SIZES}"
-    if v.num_warps not in WARPS and v.num_warps != 1:
-        return f"num_warps must be among {WARPS}"
+    return tile_reason(v, BLOCK_SIZES, WARPS) or first_broken(RULES, v, p, dev)
+
+
+def tile_reason(v: Variant | BwdVariant, blocks: tuple[int, ...],
+                warps: tuple[int, ...]) -> str | None:
+    """Why the tile knobs every variant kind has are outside its grid, or None."""
+    if v.block_m not in blocks or v.block_n not in blocks:
+        return f"block sizes must be among {blocks}"
+    if v.num_warps not in warps and v.num_warps != 1:
+        return f"num_warps must be among {warps}"
     if v.num_stages < 1:
         return "num_stages must be at least 1"
-    for rule in RULES:
+    return None
+
+
+def first_broken(rules: tuple[Callable, ...], v: Variant | BwdVariant, p: Problem,
+                 dev: DeviceInfo) -> str | None:
+    """The reason of the first rule `v` breaks, or None."""
+    for rule in rules:
         reason = rule(v, p, dev)
         if reason:
             return reason
