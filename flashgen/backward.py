@@ -32,7 +32,6 @@ def run_backward(
 
     Inputs are not validated here (as for `run_forward`): the autograd layer checks them.
     """
-    check_supported(problem, q.device)
     scale = 1.0 / math.sqrt(problem.head_dim) if scale is None else float(scale)
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
@@ -72,27 +71,6 @@ def run_backward(
             **launch,
         )  # fmt: skip
     return dq, dk, dv
-
-
-def check_supported(problem: Problem, device: torch.device) -> None:
-    """Refuse, with a clear error, the one backward case known not to finish on GPUs.
-
-    On an H200 (Triton 3.6, 2026-11-22) the causal fp32 backward with a padded head dim of
-    128 or more did not return within minutes (twice, with two tile shapes), while the same
-    case non-causal, and causal in fp16/bf16 or at D <= 64, passed. Until that is understood
-    it is an error, never a hang.
-    """
-    if (
-        device.type == "cuda"
-        and problem.dtype == "fp32"
-        and problem.causal
-        and problem.padded_head_dim >= 128
-    ):
-        raise NotImplementedError(
-            f"flashgen's causal fp32 backward for head dim {problem.head_dim} (padded to "
-            f"{problem.padded_head_dim}) is not supported on GPUs yet; use fp16/bf16 inputs, "
-            "a head dim <= 64, or torch SDPA for this case"
-        )
 
 
 def _cdiv(a: int, b: int) -> int:

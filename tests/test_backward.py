@@ -310,10 +310,6 @@ def _problem_for(
 def test_gpu_default_variant(dtype: torch.dtype, n: int, d: int, causal: bool) -> None:
     heads = (8, 2) if n <= 1000 else (4, 4)
     variant = default_bwd_variant(_problem_for(n, d, dtype, causal, heads), "cuda")
-    if dtype == torch.float32 and causal and d >= 128:  # refused: see check_supported
-        with pytest.raises(NotImplementedError, match="causal fp32 backward"):
-            _backward(n + d, causal, n, n, d, dtype, heads, "bnhd", "cuda", variant)
-        return
     _backward(n + d, causal, n, n, d, dtype, heads, "bnhd", "cuda", variant)
 
 
@@ -331,10 +327,6 @@ def test_gpu_atomic_dq(dtype: torch.dtype, causal: bool) -> None:
 def test_gpu_odd_head_dims_and_cross(d: int, dtype: torch.dtype) -> None:
     problem = flashgen.Problem(1, 8, 2, 333, 517, d, DTYPE_NAMES[dtype], True)
     variant = default_bwd_variant(problem, "cuda")
-    if dtype == torch.float32 and problem.padded_head_dim >= 128:  # see check_supported
-        with pytest.raises(NotImplementedError, match="causal fp32 backward"):
-            _backward(d, True, 333, 517, d, dtype, (8, 2), "bnhd", "cuda", variant)
-        return
     _backward(d, True, 333, 517, d, dtype, (8, 2), "bnhd", "cuda", variant)
     _backward(d, True, 517, 333, d, dtype, (8, 2), "bnhd", "cuda", variant)
 
