@@ -215,6 +215,22 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter: one "SM", so persistent programs walk every tile
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _fa2_grid(var: dict[str, Any], nq: int, heads: int, device: torch.device) -> tuple:
+    """(Q-tile programs per head, heads); a persistent variant caps the first axis near
+    `persistent` programs per SM, and its programs walk several tiles each."""
+    tiles, per_sm = _cdiv(nq, var["block_m"]), var.get("persistent", 0)
+    if not per_sm:
+        return tiles, heads
+    return max(1, min(tiles, _cdiv(_sm_count(device) * per_sm, heads))), heads
+
+
 def _problem(q: torch.Tensor, k: torch.Tensor, causal: bool) -> tuple:
     return (_DTYPES[q.dtype], causal, q.shape[3], q.shape[1] // k.shape[1], q.shape[2],
             k.shape[2])
@@ -255,7 +271,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     launch = {"num_warps": var["num_warps"], "num_stages": var["num_stages"]}
     if var.get("use_tma") and _tma_ready(q, k, v, out):
         bm, bn = var["block_m"], var["block_n"]
-        _kernel(choice.kernels["fwd"], "attn_fwd")[(_cdiv(nq, bm), b * hq)](
+        _kernel(choice.kernels["fwd"], "attn_fwd")[_fa2_grid(var, nq, b * hq, q.device)](
             _descriptor(q, bm, padded), _descriptor(k, bn, padded), _descriptor(v, bn, padded),
             _descriptor(out, bm, padded), lse,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *tail, **launch,
@@ -269,7 +285,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
         lsum = torch.zeros((b * hq, nq), device=q.device, dtype=torch.float32)
         args, grid = (*args, acc, m, lsum), (b * hq,)
     else:
-        grid = (_cdiv(nq, var["block_m"]), b * hq)
+        grid = _fa2_grid(var, nq, b * hq, q.device)
     name = choice.kernels.get("fwd_plain", choice.kernels["fwd"])  # a TMA kernel's twin
     _kernel(name, "attn_fwd")[grid](
         *args, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *tail, **launch,

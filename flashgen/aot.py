@@ -237,6 +237,8 @@ def _entry(job: _Job, md: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any
         "head_dim": job.problem.head_dim, "variant": v.to_dict(),
         "constexprs": {**constexprs_of(job.source), **spec["constexprs"]},
         "arguments": arguments,
+        # A persistent variant's programs stride over Q tiles by the grid's width, so the
+        # full grid (one tile each) is correct for it too; C callers need no SM count.
         "grid": [f"cdiv(N_Q, {v.block_m})", "B * H_Q", "1"],
         "grid_rule": "(cdiv(N_Q, BLOCK_M), B * H_Q, 1)",
         "block": [md["threads"], 1, 1],

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import torch
 
+from flashgen.hardware import device_info
 from flashgen.problem import Problem
 from flashgen.render import load_kernel
 from flashgen.variant import Variant
@@ -37,6 +38,19 @@ def _descriptor(t: torch.Tensor, rows: int, cols: int) -> object:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, cols])
 
 
+def fa2_grid(variant: Variant, nq: int, heads: int, device: torch.device) -> tuple[int, int]:
+    """The fa2 launch grid (Q-tile programs per head, B * H_Q).
+
+    A persistent variant caps the first axis near `persistent` programs per SM in all (never
+    below one per head); its programs then walk several Q tiles each.
+    """
+    tiles = -(-nq // variant.block_m)
+    if not variant.persistent:
+        return tiles, heads
+    target = device_info(device).sm_count * variant.persistent
+    return max(1, min(tiles, -(-target // heads))), heads
+
+
 def prepare_forward(variant: Variant, problem: Problem, strict: bool = True) -> Launcher:
     """Load `variant`'s kernel once and return a function that launches it on checked inputs.
 
@@ -53,7 +67,7 @@ def prepare_forward(variant: Variant, problem: Problem, strict: bool = True) -> 
         return _prepare_tma(variant, problem, strict)
     kernel = load_kernel(variant, problem)
     launch = {"num_warps": variant.num_warps, "num_stages": variant.num_stages}
-    group, block_m, fa1 = problem.group, variant.block_m, variant.loop_order == "fa1"
+    group, fa1 = problem.group, variant.loop_order == "fa1"
     padded = problem.padded_head_dim
 
     def run(
@@ -72,7 +86,7 @@ def prepare_forward(variant: Variant, problem: Problem, strict: bool = True) -> 
             args = (*args, acc, m, lsum)
             grid: tuple[int, ...] = (b * hq,)
         else:
-            grid = (-(-nq // block_m), b * hq)
+            grid = fa2_grid(variant, nq, b * hq, q.device)
         kernel[grid](
             *args,
             *q.stride(),
@@ -113,7 +127,7 @@ def _prepare_tma(variant: Variant, problem: Problem, strict: bool) -> Launcher:
             return plain[0](q, k, v, scale)
         b, hq, nq, _ = q.shape
         lse = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
-        kernel[(-(-nq // bm), b * hq)](
+        kernel[fa2_grid(variant, nq, b * hq, q.device)](
             _descriptor(q, bm, d), _descriptor(k, bn, d), _descriptor(v, bn, d),
             _descriptor(out, bm, d), lse,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride()[:2],

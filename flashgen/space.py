@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 WARPS = (2, 4, 8)
 STAGES = (1, 2, 3, 4)
+#: Programs per SM a persistent grid aims for (0: not persistent).
+PERSISTENT = (0, 1, 2)
 
 #: Accumulator registers a thread may hold (fp32 values) before the compiler starts spilling.
 MAX_ACC_PER_THREAD = 128
@@ -87,8 +89,10 @@ def fa1_pipelining(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
 
 def fa1_has_no_fa2_knobs(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
     # fa1 masks every step and has no separate main loop: one point per tile shape.
-    if v.loop_order == "fa1" and (not v.split_mask or v.warp_specialize or v.use_tma):
-        return "split_mask/warp_specialize/use_tma are fa2 knobs"
+    if v.loop_order == "fa1" and (
+        not v.split_mask or v.warp_specialize or v.use_tma or v.persistent
+    ):
+        return "split_mask/warp_specialize/use_tma/persistent are fa2 knobs"
     return None
 
 
@@ -113,7 +117,14 @@ def tma_needs_hopper_and_aligned_rows(v: Variant, p: Problem, dev: DeviceInfo) -
     return None
 
 
+def persistent_out_of_range(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
+    if v.persistent not in PERSISTENT:
+        return f"persistent must be among {PERSISTENT} (programs per SM; 0 is off)"
+    return None
+
+
 RULES: tuple[Rule, ...] = (
+    persistent_out_of_range,
     block_m_longer_than_queries,
     block_n_longer_than_keys,
     shared_memory_overflow,
@@ -159,10 +170,10 @@ def first_broken(rules: tuple[Callable, ...], v: Variant | BwdVariant, p: Proble
 def all_points() -> list[Variant]:
     """Every point before the validity rules: the full grid."""
     return [
-        Variant(order, bm, bn, w, s, split, ws, tma)
-        for order, bm, bn, w, s, split, ws, tma in itertools.product(
+        Variant(order, bm, bn, w, s, split, ws, tma, persist)
+        for order, bm, bn, w, s, split, ws, tma, persist in itertools.product(
             LOOP_ORDERS, BLOCK_SIZES, BLOCK_SIZES, WARPS, STAGES,
-            (True, False), (False, True), (False, True),
+            (True, False), (False, True), (False, True), PERSISTENT,
         )
     ]
 

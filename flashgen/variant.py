@@ -26,6 +26,9 @@ class Variant(Knobs):
     warp_specialize (fa2, Hopper): Triton's warp specialization of the unmasked main loop.
     use_tma (fa2, Hopper): Q, K, V and O move through TMA tensor descriptors (the bulk tensor
         copy engine) instead of pointer loads; needs 16-byte aligned rows.
+    persistent (fa2): 0 launches one program per Q tile; k > 0 caps the grid near k programs
+        per SM, each walking several Q tiles of its head (longest first under a causal mask),
+        which trims the last wave's idle SMs and the per-program setup.
     """
 
     loop_order: LoopOrder = "fa2"
@@ -36,12 +39,13 @@ class Variant(Knobs):
     split_mask: bool = True
     warp_specialize: bool = False
     use_tma: bool = False
+    persistent: int = 0
 
     def __str__(self) -> str:
         flags = "".join(
             name
             for name, on in ((" nosplit", not self.split_mask), (" ws", self.warp_specialize),
-                             (" tma", self.use_tma))
+                             (" tma", self.use_tma), (f" p{self.persistent}", self.persistent))
             if on
         )  # fmt: skip
         return (

@@ -5,7 +5,7 @@
 #   source .device-kit/install.sh && bash scripts/gpu-bwd-check.sh
 set -u
 out="${OUT:-gpu-out}"; mkdir -p "$out/t"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 echo "== diag $(date -u +%H:%M:%S)"
 i=0

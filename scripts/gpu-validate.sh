@@ -2,7 +2,9 @@
 # GPU validation on the device machine, from the repo root, with the device kit copied to
 # .device-kit/ (git-ignored). Each stage has its own time limit so one slow stage cannot eat
 # the lease; logs and the tuning database land in $OUT (or ./gpu-out).
-#   source .device-kit/install.sh && bash scripts/gpu-validate.sh [tests|tune|bench]...
+#   source .device-kit/install.sh && bash scripts/gpu-validate.sh [tests|quick|tune|tune-all|bench]...
+# tune-all tunes fa-bench and llama3-8b, fp16 and bf16, causal and not, into $DB (default
+# $out/tuning.db): the recipe of the shipped tuning_db/flashgen.db. TUNE_S caps that stage.
 set -u
 out="${OUT:-gpu-out}"
 mkdir -p "$out/t"
@@ -20,6 +22,23 @@ for what in "${@:-tests}"; do
       stage "TMA forward gpu tests"
       timeout 60 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_forward.py -k tma \
         >"$out/t/tma.log" 2>&1; tail -3 "$out/t/tma.log"
+      ;;
+    quick)
+      stage "persistent forward and fp32 backward gpu tests (in parallel)"
+      timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_forward.py \
+        -k "gpu_tma and (p1 or p2)" >"$out/t/quick.log" 2>&1 &
+      timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_backward.py \
+        -k "dtype2 and (True or odd_head)" >"$out/t/fp32bwd.log" 2>&1 &
+      wait; tail -3 "$out/t/quick.log" "$out/t/fp32bwd.log"
+      ;;
+    tune-all)
+      for preset in ${PRESETS:-fa-bench llama3-8b}; do
+        stage "tune $preset fp16,bf16, causal and not"
+        timeout -s INT "${TUNE_S:-540}" python3 -m flashgen tune --gpu 0 --preset "$preset" \
+          --dtype fp16,bf16 --causal both --trials "${TRIALS:-14}" --timeout "${PER_PROBLEM_S:-7}" \
+          --compile-workers 14 --db "${DB:-$out/tuning.db}" >"$out/t/tune-$preset.log" 2>&1
+        tail -52 "$out/t/tune-$preset.log"
+      done
       ;;
     tune)
       stage "tune fa-bench fp16, causal and not"

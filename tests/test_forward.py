@@ -7,6 +7,7 @@ CPU tests run through the Triton interpreter (tiny shapes; bf16 is excluded ther
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -29,6 +30,8 @@ CPU_VARIANTS = {
         flashgen.Variant("fa2", 32, 16, 4, 3, warp_specialize=True),
         flashgen.Variant("fa2", 16, 32, 2, 2, use_tma=True),
         flashgen.Variant("fa2", 32, 16, 4, 2, split_mask=False, use_tma=True),
+        flashgen.Variant("fa2", 16, 16, 2, 2, persistent=1),
+        flashgen.Variant("fa2", 16, 32, 2, 1, use_tma=True, persistent=2),
     ],
     "fa1": [
         flashgen.Variant("fa1", 16, 16, 2, 1),
@@ -217,6 +220,9 @@ def test_gpu_odd_head_dims(d: int, dtype: torch.dtype) -> None:
         flashgen.Variant("fa2", 128, 64, 8, 3, use_tma=True),
         flashgen.Variant("fa2", 128, 64, 8, 3, warp_specialize=True, use_tma=True),
         flashgen.Variant("fa2", 64, 128, 4, 2, split_mask=False, use_tma=True),
+        flashgen.Variant("fa2", 128, 64, 8, 3, persistent=1),
+        flashgen.Variant("fa2", 128, 128, 8, 2, warp_specialize=True, use_tma=True,
+                         persistent=2),
     ],
     ids=str,
 )
@@ -243,6 +249,22 @@ def test_gpu_search_space_sample(order: str) -> None:
         out = flashgen.attention(q, k, v, causal=True, variant=variant)
         result = compare(out, q, k, v, causal=True)
         assert result.ok, f"{variant}: {result.reason}"
+
+
+@interpreter
+def test_persistent_grid_caps_programs() -> None:
+    from flashgen.forward import fa2_grid
+
+    cpu = torch.device("cpu")  # the interpreter counts as one SM
+    plain = flashgen.Variant("fa2", 16, 16, 2, 1)
+    assert fa2_grid(plain, 100, 6, cpu) == (7, 6)
+    assert fa2_grid(replace(plain, persistent=1), 100, 6, cpu) == (1, 6)
+    # Every program walks its head's tiles; the result is the same as one program per tile.
+    q, k, v = make_inputs(1, 3, 1, 70, 90, 32, torch.float32, seed=5)
+    for causal in (False, True):
+        want = flashgen.attention(q, k, v, causal=causal, variant=plain)
+        got = flashgen.attention(q, k, v, causal=causal, variant=replace(plain, persistent=2))
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 @interpreter
