@@ -58,6 +58,8 @@ def knob_choices(points: list[AnyVariant],
 #: unmeasured valid variant is enqueued: TPE on a small categorical space keeps proposing
 #: its favourites once it has seen most of them.
 MAX_STALE_ASKS = 32
+#: How far past `timeout` a problem may run while none of its variants has passed yet.
+OVERTIME = 4
 #: Earlier winners enqueued for a new problem, nearest keys first.
 MAX_ENQUEUED_WINNERS = 8
 #: A hard stop for one study: this many asks per point of its grid, plus a full stale
@@ -236,8 +238,15 @@ def tune_problem(
     rng = random.Random(seed)
 
     def budget_left() -> bool:
-        in_time = timeout is None or clock() - start < timeout
-        return in_time and (trials is None or result.measured < trials)
+        if trials is not None and result.measured >= trials:
+            return False
+        if timeout is None:
+            return True
+        # A cold compile cache can spend a short budget on the first batch alone: until a
+        # variant has passed, the timeout stretches (up to OVERTIME x) rather than leave the
+        # problem with no winner after compiling candidates it never measured.
+        has_ok = any(o.status == "ok" for o in result.outcomes.values())
+        return clock() - start < (timeout if has_ok else OVERTIME * timeout)
 
     def record(variant: AnyVariant, outcome: Outcome, m: Measurement | None = None) -> None:
         db.record_trial(key, problem, variant, outcome.status, reason=outcome.reason,

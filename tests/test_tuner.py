@@ -196,6 +196,18 @@ def test_timeout_stops_the_search(db: TuningDB) -> None:
     assert 0 < result.measured < len(search_space(PROBLEM, INTERPRETER))
 
 
+def test_a_cold_first_batch_is_still_measured(db: TuningDB) -> None:
+    now = [0.0]
+
+    class SlowCompile(FakeBench):
+        def compile(self, variants: Sequence[Variant]) -> dict[Variant, str]:
+            now[0] += 15.0  # a cold cache: the first batch's compiles outlast the budget
+            return super().compile(variants)
+
+    result = tune(SlowCompile(), db, timeout=10, batch=4, clock=lambda: now[0])
+    assert result.measured == 1 and result.best is not None and result.winner is not None
+
+
 def test_a_budget_is_required(db: TuningDB) -> None:
     with pytest.raises(ValueError):
         tune(FakeBench(), db)
