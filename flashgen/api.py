@@ -11,8 +11,8 @@ from flashgen.variant import Variant
 
 
 def _needs_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """The registered op is needed under torch.compile and for autograd; eager inference
-    skips its few microseconds of overhead and calls the dispatcher directly."""
+    """Autograd is needed (under torch.compile always: the registered op; in eager mode when
+    an input requires grad: `ops.EagerAttention`); eager inference calls the dispatcher."""
     if torch.compiler.is_compiling():
         return True
     if not torch.is_grad_enabled():
@@ -55,6 +55,10 @@ def attention(
             raise TypeError(
                 f"bwd_variant must be a flashgen.BwdVariant, got {type(bwd_variant).__name__}"
             )
+        if not torch.compiler.is_compiling():
+            out, lse = ops.EagerAttention.apply(q, k, v, causal, scale, variant, bwd_variant,
+                                                dispatcher or default_dispatcher())
+            return (out, lse) if return_lse else out
         text = variant.to_json() if variant is not None else ""
         bwd_text = bwd_variant.to_json() if bwd_variant is not None else ""
         out, lse = ops.attention_fwd(q, k, v, causal, scale, text, bwd_text)

@@ -7,6 +7,7 @@ each one may read. `flashgen.render.template_hash("bwd")` covers these templates
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal
 
 from flashgen.bwd_variant import BwdVariant
@@ -57,7 +58,11 @@ def render_bwd(kernel: BwdKernel, variant: BwdVariant, problem: Problem) -> str:
     return _render(bwd_template_name(kernel), context)
 
 
+@functools.lru_cache(maxsize=1024)
 def load_bwd_kernel(kernel: BwdKernel, variant: BwdVariant, problem: Problem) -> Any:
-    """The Triton JIT function `attn_bwd_<kernel>` (compiled lazily by Triton at launch)."""
+    """The Triton JIT function `attn_bwd_<kernel>` (compiled lazily by Triton at launch).
+
+    Memoised: every backward call looks up three kernels, and rendering plus hashing their
+    sources each time was about a quarter of a training step's host overhead."""
     source = render_bwd(kernel, variant, problem)
     return getattr(_load_module(source_hash(source), source), f"attn_bwd_{kernel}")

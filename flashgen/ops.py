@@ -106,3 +106,30 @@ def _backward(ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor | None) -
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class EagerAttention(torch.autograd.Function):
+    """The same autograd as the registered op, for eager calls, without the op's dispatch
+    layers: those cost a few hundred microseconds of host time per training step, which
+    bounds small problems (measured on an H100, 2026-11-22: 1.2 ms of host per fwd+bwd
+    call at B32 N512 against 0.9 ms of GPU work). torch.compile still takes the op."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+        scale: float | None, variant: Variant | None, bwd_variant: BwdVariant | None,
+        dispatcher: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = dispatcher.forward(q, k, v, causal, scale, variant)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.scale, ctx.bwd_variant, ctx.dispatcher = (causal, scale, bwd_variant,
+                                                                  dispatcher)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor | None) -> tuple:  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.dispatcher.backward(grad_out, q, k, v, out, lse, ctx.causal, ctx.scale,
+                                             ctx.bwd_variant)
+        return dq, dk, dv, None, None, None, None, None
