@@ -1,0 +1,52 @@
+"""Resource report and profiling target for one forward problem: flashgen's dispatched
+kernel next to SDPA's cuDNN backend.
+
+Prints the dispatched variant and its compiled kernel's registers, spills and shared memory,
+then runs each backend a few times, so Nsight Compute can profile both in one process:
+  ncu --clock-control none -k regex:"attn_fwd|fprop" -c 2 --launch-skip 3 \\
+      --section SpeedOfLight --section Occupancy \\
+      python3 scripts/profile_fwd.py 1,16,16,16384,16384,128
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flashgen
+from flashgen.render import load_kernel
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("shape", help="B,Hq,Hkv,Nq,Nk,D")
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--calls", type=int, default=4)
+    a = ap.parse_args()
+    b, hq, hkv, nq, nk, d = (int(x) for x in a.shape.split(","))
+    q = torch.randn(b, hq, nq, d, device="cuda", dtype=torch.float16)
+    k = torch.randn(b, hkv, nk, d, device="cuda", dtype=torch.float16)
+    v = torch.randn(b, hkv, nk, d, device="cuda", dtype=torch.float16)
+    choice = flashgen.explain(q, k, v, causal=a.causal)
+    print(choice)
+    for _ in range(a.calls):
+        flashgen.attention(q, k, v, causal=a.causal)
+    torch.cuda.synchronize()
+    problem = flashgen.Problem.from_tensors(q, k, v, a.causal)
+    jit = load_kernel(choice.variant, problem)
+    for cache in jit.device_caches.values():
+        for compiled in cache[0].values():
+            print(f"{choice.variant}: {compiled.n_regs} registers/thread, "
+                  f"{compiled.n_spills} spills, {compiled.metadata.shared} B shared, "
+                  f"{compiled.metadata.num_warps} warps")
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        for _ in range(a.calls):
+            F.scaled_dot_product_attention(q, k, v, is_causal=a.causal)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
