@@ -35,7 +35,7 @@ from flashgen.variant import Variant
 
 def candidates(problem: Problem, blocks_m: list[int], blocks_n: list[int],
                warps: list[int]) -> list[Variant]:
-    dev = device_info(torch.device("cuda"))
+    dev = device_info(torch.device("cuda:0"))
     out = []
     for bm, bn, w, s, ws, tma in itertools.product(
             blocks_m, blocks_n, warps, (2, 3, 4), (False, True), (False, True)):
@@ -93,7 +93,7 @@ def main() -> None:
     ints = lambda s: [int(x) for x in s.split(",") if x]
     b, hq, hkv, nq, nk, d = ints(a.shape)
     problem = Problem(b, hq, hkv, nq, nk, d, a.dtype, a.causal)
-    bench = KernelBench(problem, "cuda")
+    bench = KernelBench(problem, "cuda:0")
     q, k, v = bench.inputs
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         cudnn = time_cuda(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=a.causal),
