@@ -184,6 +184,43 @@ def search_space(problem: Problem, device: DeviceInfo | str | None = None) -> li
     return [v for v in all_points() if why_invalid(v, problem, dev) is None]
 
 
+def _fa2(bm: int, bn: int, warps: int, stages: int, *, ws: bool = False,
+         tma: bool = True) -> Variant:
+    return Variant("fa2", bm, bn, warps, stages, split_mask=True, warp_specialize=ws,
+                   use_tma=tma)
+
+
+#: Hopper points that measured fastest when whole blocks of the fa2 space were swept
+#: (`scripts/sweep_fwd.py` on an H100, 2026-11-22, fp16, N = 2k..16k, causal and not; NOTES.md):
+#: by padded head dim, fastest first. A tuner sampling a few points of a space this size
+#: rarely lands on them (the shipped D128 winners had missed the 128x128 TMA tiles, ~10%
+#: faster), so they are measured first and the sampler explores from there.
+HOPPER_PORTFOLIO: dict[str, tuple[Variant, ...]] = {
+    "d<=64": (
+        _fa2(64, 128, 4, 2), _fa2(128, 64, 8, 4), _fa2(128, 128, 4, 3), _fa2(128, 64, 4, 3),
+        _fa2(128, 64, 8, 3, ws=True, tma=False), _fa2(128, 64, 8, 4, tma=False),
+        _fa2(64, 64, 4, 3, tma=False),
+    ),
+    "d>=128": (
+        _fa2(128, 128, 8, 3, ws=True), _fa2(128, 128, 8, 3), _fa2(256, 64, 8, 4, ws=True),
+        _fa2(128, 64, 4, 2), _fa2(64, 64, 4, 3), _fa2(256, 64, 8, 3),
+    ),
+}
+
+
+def portfolio(problem: Problem, device: DeviceInfo | str | None = None) -> list[Variant]:
+    """The valid points of the Hopper portfolio for `problem` (none on other devices).
+
+    Head dims between 64 and 128 (80, 96) pad to 128 and take the d>=128 list; points that a
+    rule excludes (shared memory at D=256, TMA on rows that are not 16-byte multiples) drop.
+    """
+    dev = device_info(device)
+    if not dev.is_hopper:
+        return []
+    picks = HOPPER_PORTFOLIO["d>=128" if problem.padded_head_dim >= 128 else "d<=64"]
+    return [v for v in picks if why_invalid(v, problem, dev) is None]
+
+
 def default_variant(problem: Problem, device: DeviceInfo | str | None = None) -> Variant:
     """A hand-picked variant that is valid for any problem: the answer when nothing was tuned.
 

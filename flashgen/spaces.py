@@ -15,7 +15,7 @@ from flashgen.bwd_space import bwd_search_space, default_bwd_variant, why_invali
 from flashgen.bwd_variant import BwdVariant
 from flashgen.hardware import DeviceInfo
 from flashgen.problem import Problem
-from flashgen.space import default_variant, search_space, why_invalid
+from flashgen.space import default_variant, portfolio, search_space, why_invalid
 from flashgen.variant import Variant
 
 #: A point of either space.
@@ -32,14 +32,17 @@ class ModeSpace(Generic[V]):
     points: Callable[[Problem, DeviceInfo], list[V]]
     why_invalid: Callable[[V, Problem, DeviceInfo], str | None]
     default: Callable[[Problem, DeviceInfo], V]
+    #: Points known to do well on this device kind, measured before the sampler's.
+    portfolio: Callable[[Problem, DeviceInfo], list[V]]
 
     def from_json(self, text: str) -> V:
         return self.variant_type.from_json(text)
 
 
 SPACES: dict[str, ModeSpace] = {
-    "fwd": ModeSpace("fwd", Variant, search_space, why_invalid, default_variant),
-    "bwd": ModeSpace("bwd", BwdVariant, bwd_search_space, why_invalid_bwd, default_bwd_variant),
+    "fwd": ModeSpace("fwd", Variant, search_space, why_invalid, default_variant, portfolio),
+    "bwd": ModeSpace("bwd", BwdVariant, bwd_search_space, why_invalid_bwd, default_bwd_variant,
+                     lambda problem, device: []),
 }
 
 

@@ -6,7 +6,8 @@ same way, through `spaces.space_of(mode)`, and stored under keys of their own mo
 Each study samples the categorical knobs with TPE (multivariate, grouped, seeded). Before
 anything is sampled, the study is told every result the database already holds for this
 problem under the current key (so a re-run resumes instead of measuring again), and the
-default variant plus earlier winners of similar keys are enqueued so they are always
+default variant, the mode's portfolio of points known to do well on this kind of
+device, and earlier winners of similar keys are enqueued so they are always
 measured: the tuned result can then never be worse than what dispatch would pick untuned.
 
 Trials are asked in batches so a batch can be compiled in parallel, then checked and timed
@@ -172,8 +173,9 @@ def _resume(study: optuna.Study, result: TuneResult, rows: dict[str, TrialRow],
 
 def _seeds(problem: Problem, device: DeviceInfo, db: TuningDB, versions: Versions,
            space: ModeSpace) -> list[AnyVariant]:
-    """The default variant, then earlier winners of the same mode, dtype, head dim and mask on
-    this device and versions, nearest sequence buckets and GQA ratio first."""
+    """The default variant, the mode's portfolio for this device, then earlier winners of the
+    same mode, dtype, head dim and mask on this device and versions, nearest sequence buckets
+    and GQA ratio first."""
     key = TuningKey.for_problem(problem, device, space.mode, versions)
     similar = [w for w in db.load_winners(device.key, versions.triton, versions.template_hash,
                                           mode=space.mode, torch_version=versions.torch)
@@ -186,7 +188,7 @@ def _seeds(problem: Problem, device: DeviceInfo, db: TuningDB, versions: Version
         return buckets, int(w.key.gqa != key.gqa)
 
     similar.sort(key=distance)
-    seeds = [space.default(problem, device)]
+    seeds = [space.default(problem, device), *space.portfolio(problem, device)]
     seeds += [w.variant for w in similar[:MAX_ENQUEUED_WINNERS]]
     return list(dict.fromkeys(seeds))
 

@@ -12,7 +12,7 @@ import pytest
 
 import flashgen
 from flashgen.hardware import INTERPRETER, DeviceInfo
-from flashgen.space import all_points, shared_memory_bytes
+from flashgen.space import all_points, portfolio, shared_memory_bytes
 
 PROBLEMS = [
     flashgen.Problem(1, 8, 2, 77, 130, 40, "fp16", True),
@@ -49,6 +49,18 @@ def test_space_holds_exactly_the_valid_points(
         assert v.block_m <= max(16, 1 << (problem.seq_q - 1).bit_length())
         assert v.block_n <= max(16, 1 << (problem.seq_k - 1).bit_length())
     assert flashgen.default_variant(problem, device) in space
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 128, 256])
+def test_hopper_portfolio_holds_only_valid_points(head_dim: int) -> None:
+    hopper = DeviceInfo("H-test", (9, 0), 132, 232448)
+    problem = flashgen.Problem(2, 8, 8, 4096, 4096, head_dim, "bf16", True)
+    picks = portfolio(problem, hopper)
+    assert all(flashgen.why_invalid(v, problem, hopper) is None for v in picks)
+    assert len(set(picks)) == len(picks)
+    if head_dim <= 128:
+        assert picks, "the portfolio covers the common head dims"
+    assert portfolio(problem, SMALL_GPU) == [] and portfolio(problem, INTERPRETER) == []
 
 
 def test_rules_name_the_reason() -> None:

@@ -14,10 +14,10 @@ import pytest
 from flashgen.baseline import Baseline
 from flashgen.bench import FunctionBench, KernelBench, Measurement, gate_problem
 from flashgen.db import TuningDB
-from flashgen.hardware import INTERPRETER
+from flashgen.hardware import INTERPRETER, DeviceInfo
 from flashgen.presets import PRESETS, expand, parse_causal, preset_problems
 from flashgen.problem import Problem
-from flashgen.space import default_variant, search_space, why_invalid
+from flashgen.space import default_variant, portfolio, search_space, why_invalid
 from flashgen.timing import Timing, tflops, time_cpu
 from flashgen.tuner import TuneResult, knob_choices, tune_problem
 from flashgen.tuning_key import Versions
@@ -240,6 +240,17 @@ def test_earlier_winners_are_enqueued_for_similar_problems(db: TuningDB) -> None
     bench = FakeBench(longer)
     tune(bench, db, longer, trials=3, seed=5)
     assert bench.measured[:2] == [default, first.best]
+
+
+def test_the_hopper_portfolio_is_measured_right_after_the_default(db: TuningDB) -> None:
+    hopper = DeviceInfo("H-test", (9, 0), 132, 232448)
+    problem = Problem(2, 8, 8, 2048, 2048, 128)
+    picks = portfolio(problem, hopper)
+    assert picks and all(why_invalid(v, problem, hopper) is None for v in picks)
+    bench = FakeBench(problem)
+    tune_problem(problem, bench, db, hopper, trials=len(picks) + 3, versions=VERSIONS)
+    assert bench.measured[:len(picks) + 1] == [default_variant(problem, hopper), *picks]
+    assert portfolio(problem, INTERPRETER) == []  # other devices sample from scratch
 
 
 def test_progress_is_reported(db: TuningDB) -> None:
