@@ -20,6 +20,11 @@ from flashgen.problem import Problem
 
 MODE_TITLES: dict[str, str] = {"fwd": "forward", "bwd": "backward",
                                "both": "forward + backward"}
+#: A cell whose p20..p80 range is wider than this fraction of its median is marked "~": its
+#: median may move from run to run, so re-time it alone before drawing conclusions.
+UNSTEADY_SPREAD = 0.10
+UNSTEADY_NOTE = (f"~: the repeats spread over more than {UNSTEADY_SPREAD:.0%} of the median "
+                 "(p20..p80), typically a host-bound call; re-time that cell alone")
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,8 @@ def _cell(r: Row | None) -> str:
     if r.status == "n/a" or r.tflops is None:
         return "n/a"
     text = f"{r.tflops:.3g}"
+    if r.timing is not None and r.timing.spread > UNSTEADY_SPREAD:
+        text = f"~{text}"
     return text if r.status == "ok" else f"[red]{text} wrong[/red]"
 
 
@@ -91,12 +98,15 @@ def timing_table(summaries: Iterable[Summary], mode: Mode, competitors: Sequence
 
 
 def unavailable_notes(rows: Iterable[Row], limit: int = 160) -> list[str]:
-    """Distinct reasons for n/a and wrong cells, one line each (the CSV has them all)."""
+    """Distinct reasons for n/a and wrong cells, one line each (the CSV has them all), and
+    the legend of "~" when a cell has it."""
     seen: dict[str, None] = {}
+    unsteady = False
     for r in rows:
         if r.status != "ok" and r.reason:
             seen[f"{r.competitor} {r.status}: {r.reason[:limit]}"] = None
-    return list(seen)
+        unsteady |= r.timing is not None and r.timing.spread > UNSTEADY_SPREAD
+    return [*seen, UNSTEADY_NOTE] if unsteady else list(seen)
 
 
 CSV_FIELDS = (

@@ -38,6 +38,13 @@ class Timing:
                    _percentile(ordered, 0.8), len(ordered))
 
 
+    @property
+    def spread(self) -> float:
+        """(p80 - p20) / median: how unsteady the repeats were. Host-bound calls that the GPU
+        sometimes waits on show up as a wide spread (seen at 0.5 on an H100, 2026-11-22)."""
+        return (self.p80_ms - self.p20_ms) / self.median_ms if self.median_ms > 0 else 0.0
+
+
 def _percentile(ordered: list[float], q: float) -> float:
     # Linear interpolation between closest ranks (numpy's default method).
     pos = q * (len(ordered) - 1)

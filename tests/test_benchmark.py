@@ -8,6 +8,7 @@ import csv
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,14 @@ from flashgen.bench_memory import (
     run_memory,
 )
 from flashgen.bench_plot import series
-from flashgen.bench_report import csv_records, summarize, timing_table, write_csv
+from flashgen.bench_report import (
+    UNSTEADY_NOTE,
+    csv_records,
+    summarize,
+    timing_table,
+    unavailable_notes,
+    write_csv,
+)
 from flashgen.benchmark import FLOP_FACTOR, Row, mode_flops, parse_modes, run_suite
 from flashgen.cli import app
 from flashgen.competitors import Competitor, Prepared, Unavailable, parse_names, resolve
@@ -85,6 +93,16 @@ def test_table_marks_wrong_and_unavailable_cells() -> None:
                               ["flashgen", "sdpa-flash", "sdpa-cudnn", "flex"], "test-gpu"))
     assert "wrong" in text and "n/a" in text and "2.00x" in text and "test-gpu" in text
     assert "sdpa-flash" in text.splitlines()[-2]  # the best other, in the problem's row
+
+
+def test_unsteady_cells_are_marked_and_explained() -> None:
+    steady = _row("sdpa-flash", 4.0)
+    wobbly = replace(_row("flashgen", 2.0), timing=Timing(2.0, 1.7, 2.6, 30))  # spread 0.45
+    text = _text(timing_table(summarize([wobbly, steady]), "fwd", ["flashgen", "sdpa-flash"],
+                              "test-gpu"))
+    assert "~0.5" in text and "~0.25" not in text
+    assert unavailable_notes([wobbly, steady]) == [UNSTEADY_NOTE]
+    assert unavailable_notes([steady]) == []
 
 
 def test_csv_repeats_the_ratio_and_keeps_reasons(tmp_path: Path) -> None:
