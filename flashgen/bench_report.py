@@ -67,13 +67,17 @@ def short_problem(p: Problem) -> str:
     return f"B{p.batch} {heads} {seq} D{p.head_dim} {p.dtype}{' causal' if p.causal else ''}"
 
 
+def _unsteady(r: Row) -> bool:
+    return r.timing is not None and r.timing.spread > UNSTEADY_SPREAD
+
+
 def _cell(r: Row | None) -> str:
     if r is None:
         return "-"
     if r.status == "n/a" or r.tflops is None:
         return "n/a"
     text = f"{r.tflops:.3g}"
-    if r.timing is not None and r.timing.spread > UNSTEADY_SPREAD:
+    if _unsteady(r):
         text = f"~{text}"
     return text if r.status == "ok" else f"[red]{text} wrong[/red]"
 
@@ -105,7 +109,7 @@ def unavailable_notes(rows: Iterable[Row], limit: int = 160) -> list[str]:
     for r in rows:
         if r.status != "ok" and r.reason:
             seen[f"{r.competitor} {r.status}: {r.reason[:limit]}"] = None
-        unsteady |= r.timing is not None and r.timing.spread > UNSTEADY_SPREAD
+        unsteady |= _unsteady(r)
     return [*seen, UNSTEADY_NOTE] if unsteady else list(seen)
 
 

@@ -37,7 +37,6 @@ class Timing:
         return cls(statistics.median(ordered), _percentile(ordered, 0.2),
                    _percentile(ordered, 0.8), len(ordered))
 
-
     @property
     def spread(self) -> float:
         """(p80 - p20) / median: how unsteady the repeats were. Host-bound calls that the GPU

@@ -29,7 +29,7 @@ from flashgen.hardware import device_info
 from flashgen.problem import Problem
 from flashgen.render import load_kernel
 from flashgen.space import why_invalid
-from flashgen.timing import time_cuda
+from flashgen.timing import tflops, time_cuda
 from flashgen.variant import Variant
 
 
@@ -74,7 +74,7 @@ def capped(bench: KernelBench, variant: Variant, maxnreg: int) -> Measurement:
     q, k, v = bench.inputs
     timing = time_cuda(lambda: launch(q, k, v, bench.problem), bench.device)
     return Measurement("ok", timing=timing,
-                       tflops=bench.problem.flops() / timing.median_ms / 1e9)
+                       tflops=tflops(bench.problem.flops(), timing.median_ms))
 
 
 def main() -> None:
@@ -96,43 +96,44 @@ def main() -> None:
     bench = KernelBench(problem, "cuda:0")
     q, k, v = bench.inputs
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        cudnn = time_cuda(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=a.causal),
-                          bench.device).median_ms
+        cudnn_ms = time_cuda(
+            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=a.causal), bench.device
+        ).median_ms
+    cudnn = tflops(problem.flops(), cudnn_ms)
     choice = flashgen.explain(q, k, v, causal=a.causal)
     points = candidates(problem, ints(a.block_m), ints(a.block_n), ints(a.warps))
     t0 = time.time()
     failures = bench.compile(points)
     print(f"{problem}: {len(points)} points compiled in {time.time() - t0:.0f} s, "
-          f"{len(failures)} failed; cuDNN {problem.flops() / cudnn / 1e9:.0f} TFLOP/s; "
-          f"dispatch: {choice.variant}", flush=True)
-    rows = []
+          f"{len(failures)} failed; cuDNN {cudnn:.0f} TFLOP/s; dispatch: {choice.variant}",
+          flush=True)
+    rows: list[tuple[Variant, str, Measurement]] = []
+
+    def keep(v: Variant, cap: str, m: Measurement) -> None:
+        rows.append((v, cap, m))
+        print(f"    {v}{f' maxnreg={cap}' if cap else ''}: {m.status} {m.tflops or 0:.0f} "
+              f"{m.reason[:80]}", flush=True)
+
     for v in points:
-        m = (Measurement.failed(failures[v]) if v in failures else bench.measure(v))
-        rows.append((str(v), "", m))
-        print(f"    {v}: {m.status} {m.tflops or 0:.0f} {m.reason[:80]}", flush=True)
-    ranked = sorted(((m.tflops or 0, v) for v, (_, _, m) in zip(points, rows, strict=False)
-                     if m.status == "ok" and not v.use_tma), key=lambda t: -t[0])
+        keep(v, "", Measurement.failed(failures[v]) if v in failures else bench.measure(v))
+    ranked = sorted((r for r in rows if r[2].status == "ok" and not r[0].use_tma),
+                    key=lambda r: -(r[2].tflops or 0))
     for cap in ints(a.maxnreg):
-        for _, v in ranked[:a.maxnreg_top]:
-            rows.append((str(v), str(cap), capped(bench, v, cap)))
-            m = rows[-1][2]
-            print(f"    {v} maxnreg={cap}: {m.status} {m.tflops or 0:.0f} {m.reason[:80]}",
-                  flush=True)
+        for v, _, _ in ranked[:a.maxnreg_top]:
+            keep(v, str(cap), capped(bench, v, cap))
     rows.sort(key=lambda r: -(r[2].tflops or 0))
     with open(a.csv or "/dev/null", "w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(["problem", "variant", "maxnreg", "status", "tflops", "ratio_cudnn",
                     "reason", "dispatched"])
-        for name, cap, m in rows:
-            ratio = (m.tflops or 0) * cudnn * 1e9 / problem.flops()
-            w.writerow([str(problem), name, cap, m.status, f"{m.tflops or 0:.1f}",
-                        f"{ratio:.3f}", (m.reason or "")[:120], name == str(choice.variant)])
-    for name, cap, m in rows[:15]:
-        ratio = (m.tflops or 0) * cudnn * 1e9 / problem.flops()
-        flag = " <- dispatched" if name == str(choice.variant) and not cap else ""
-        print(f"  {name:38s} {cap:>4s} {m.status:6s} {m.tflops or 0:6.0f} TFLOP/s "
-              f"{ratio:5.2f}x cuDNN{flag}", flush=True)
-
+        for v, cap, m in rows:
+            w.writerow([str(problem), str(v), cap, m.status, f"{m.tflops or 0:.1f}",
+                        f"{(m.tflops or 0) / cudnn:.3f}", m.reason[:120],
+                        v == choice.variant])
+    for v, cap, m in rows[:15]:
+        flag = " <- dispatched" if v == choice.variant and not cap else ""
+        print(f"  {v!s:38s} {cap:>4s} {m.status:6s} {m.tflops or 0:6.0f} TFLOP/s "
+              f"{(m.tflops or 0) / cudnn:5.2f}x cuDNN{flag}", flush=True)
 
 if __name__ == "__main__":
     main()
