@@ -41,8 +41,8 @@ __all__ = ["Choice", "attention", "explain", "tuned_gpus"]
 class Choice(NamedTuple):
     """Which exported kernel a call runs and why (see `explain`)."""
 
-    #: role -> kernels/ module: "fwd" (and "fwd_plain", a use_tma kernel's pointer twin for
-    #: unaligned inputs), or "preprocess", "dkdv" and "dq" for the backward
+    #: role -> kernels/ module: "fwd" (and "fwd_plain", a use_tma or fa3 kernel's pointer twin
+    #: for unaligned inputs), or "preprocess", "dkdv" and "dq" for the backward
     kernels: dict[str, str]
     variant: dict[str, Any]
     how: str  # "exact", "nearest" or "default"
@@ -258,6 +258,17 @@ def _descriptor(t: torch.Tensor, rows: int, cols: int) -> Any:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, cols])
 
 
+def _gluon_descriptor(t: torch.Tensor, rows: int) -> Any:
+    """A Gluon TMA descriptor over the (B, H, N, D) view moving [1, 1, rows, D] tiles (fa3)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    block = [1, 1, rows, t.shape[-1]]
+    dtype = gl.float16 if t.dtype == torch.float16 else gl.bfloat16
+    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     choice = _pick("fwd", q, k, causal)
@@ -269,6 +280,14 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     padded = max(16, 1 << (d - 1).bit_length())
     tail = (*lse.stride()[:2], scale, nq, nk, hq, group)
     launch = {"num_warps": var["num_warps"], "num_stages": var["num_stages"]}
+    if var["loop_order"] == "fa3" and _tma_ready(q, k, v, out):
+        # Gluon kernel: each consumer warpgroup moves its own 16 x num_warps rows of Q and O.
+        rows, bn = 16 * var["num_warps"], var["block_n"]
+        _kernel(choice.kernels["fwd"], "attn_fwd")[(_cdiv(nq, var["block_m"]), b * hq)](
+            _gluon_descriptor(q, rows), _gluon_descriptor(k, bn), _gluon_descriptor(v, bn),
+            _gluon_descriptor(out, rows), lse, *tail, num_warps=var["num_warps"],
+        )  # fmt: skip
+        return out, lse
     if var.get("use_tma") and _tma_ready(q, k, v, out):
         bm, bn = var["block_m"], var["block_n"]
         _kernel(choice.kernels["fwd"], "attn_fwd")[_fa2_grid(var, nq, b * hq, q.device)](

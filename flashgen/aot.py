@@ -15,7 +15,7 @@ The signature is fixed and documented rather than specialised per call as Triton
 pointers 16-byte aligned; the head-dim strides compiled in as 1 (the last dim must be
 contiguous); the other Q/K/V/O strides divisible by 16 when the head dim is (so loads
 vectorise); every other integer a plain i32, so any length works. fa1 winners need scratch
-buffers and are recorded as skipped; a use_tma winner is compiled as its pointer twin (the
+buffers and are recorded as skipped; a use_tma or fa3 winner is compiled as its pointer twin (the
 ABI passes pointers, not CUtensorMaps); backward kernels are not exported ahead of time.
 """
 
@@ -30,7 +30,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -270,16 +270,17 @@ def _plan_gpu(comp: _Compiler, gpu: GpuWinners, families: list[Family],
         variant: AnyVariant = w.variant
         bucket = {"dtype": k.dtype, "causal": k.causal, "head_dim": k.head_dim, "gqa": k.gqa,
                   "seq_q_bucket": k.seq_q_bucket, "seq_k_bucket": k.seq_k_bucket}
-        if not isinstance(variant, Variant) or variant.loop_order != "fa2":
+        if not isinstance(variant, Variant) or variant.loop_order == "fa1":
             manifest["skipped"].append(_bucket_row(
                 gpu, **bucket, variant=variant.to_dict(),
                 reason="fa1 needs scratch buffers; not compiled ahead of time (the defaults "
                        "serve this bucket)"))
             continue
         note = {}
-        if variant.use_tma:
-            # The ABI passes pointers, not CUtensorMaps: the pointer twin computes the same.
-            variant, note = replace(variant, use_tma=False), {"compiled_without_tma": True}
+        if variant.needs_tma:
+            # The ABI passes pointers, not CUtensorMaps: the pointer twin (fa2 tiles for an fa3
+            # winner) computes the same.
+            variant, note = variant.pointer_twin(), {"compiled_without_tma": True}
         job = comp.kernel(variant, w.problem, gpu)
         job.serves.append(bucket)
         manifest["dispatch"].append(_bucket_row(
@@ -288,7 +289,8 @@ def _plan_gpu(comp: _Compiler, gpu: GpuWinners, families: list[Family],
     for family in families:
         for nq, nk, variant, problem in default_grid("fwd", family, gpu.device):
             assert isinstance(variant, Variant)
-            job = comp.kernel(variant, problem, gpu)
+            job = comp.kernel(variant.pointer_twin() if variant.needs_tma else variant, problem,
+                              gpu)
             manifest["defaults"].append(_bucket_row(
                 gpu, dtype=family[0], causal=family[1], head_dim=family[2], seq_q_bucket=nq,
                 seq_k_bucket=nk, kernel=job.kid))

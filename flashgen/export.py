@@ -9,7 +9,7 @@ dispatch table `table.json`, and a fixed runtime (`flashgen/_export_runtime.py`,
     PACKAGE/table.json       per GPU: tuned forward/backward entries and default grids;
                              plus generic defaults for GPUs or Tritons that were not tuned
     PACKAGE/kernels/*.py     fwd_<hash>.py, bwd_{preprocess,dkdv,dq}_<hash>.py (a use_tma
-                             forward also gets its pointer twin, for unaligned inputs)
+                             or fa3 forward also gets its pointer twin, for unaligned inputs)
     PACKAGE/README.md        what was exported, from where
 
 Backward winners are exported where the database has them; the default backward grid is
@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -75,11 +75,10 @@ class _Kernels:
         if mode == "fwd":
             assert isinstance(variant, Variant)
             kernels = {"fwd": self.add("fwd", render(variant, problem))}
-            if variant.use_tma:
+            if variant.needs_tma:
                 # TMA needs 16-byte aligned rows; other inputs run the pointer twin, the
                 # same function (as flashgen's dispatch does).
-                twin = replace(variant, use_tma=False)
-                kernels["fwd_plain"] = self.add("fwd", render(twin, problem))
+                kernels["fwd_plain"] = self.add("fwd", render(variant.pointer_twin(), problem))
             return kernels
         assert isinstance(variant, BwdVariant)
         roles = ("preprocess", "dkdv") + (("dq",) if variant.dq_mode == "separate" else ())

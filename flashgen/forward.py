@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 
@@ -38,6 +37,18 @@ def _descriptor(t: torch.Tensor, rows: int, cols: int) -> object:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, cols])
 
 
+def _gluon_descriptor(t: torch.Tensor, rows: int) -> object:
+    """A Gluon TMA descriptor over the (B, H, N, D) view moving [1, 1, rows, D] tiles, with
+    the widest shared-memory swizzle the tile allows (what the tensor cores read fastest)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    block = [1, 1, rows, t.shape[-1]]
+    dtype = gl.float16 if t.dtype == torch.float16 else gl.bfloat16
+    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
 def fa2_grid(variant: Variant, nq: int, heads: int, device: torch.device) -> tuple[int, int]:
     """The fa2 launch grid (Q-tile programs per head, B * H_Q).
 
@@ -59,11 +70,11 @@ def prepare_forward(variant: Variant, problem: Problem, strict: bool = True) -> 
     Strides go to the kernel as they are, so (B, H, N, D) tensors and (B, N, H, D) memory
     viewed as (B, H, N, D) both run without a copy. The output keeps q's memory layout.
 
-    A `use_tma` variant needs 16-byte aligned rows (`tma_ready`). Given inputs that are not,
-    a strict launcher (an explicitly requested variant) raises; otherwise the same variant
-    without TMA runs, which computes the same function.
+    A `use_tma` or fa3 variant needs 16-byte aligned rows (`tma_ready`). Given inputs that
+    are not, a strict launcher (an explicitly requested variant) raises; otherwise its
+    pointer twin (`Variant.pointer_twin`) runs, which computes the same function.
     """
-    if variant.use_tma:
+    if variant.needs_tma:
         return _prepare_tma(variant, problem, strict)
     kernel = load_kernel(variant, problem)
     launch = {"num_warps": variant.num_warps, "num_stages": variant.num_stages}
@@ -110,7 +121,8 @@ def _prepare_tma(variant: Variant, problem: Problem, strict: bool) -> Launcher:
     kernel = load_kernel(variant, problem)
     launch = {"num_warps": variant.num_warps, "num_stages": variant.num_stages}
     bm, bn, d = variant.block_m, variant.block_n, problem.padded_head_dim
-    plain: list[Launcher] = []  # the non-TMA twin, prepared on first need
+    plain: list[Launcher] = []  # the pointer twin, prepared on first need
+    fa3 = variant.loop_order == "fa3"
 
     def run(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
@@ -123,10 +135,19 @@ def _prepare_tma(variant: Variant, problem: Problem, strict: bool) -> Launcher:
                     "aligned rows and base addresses; these inputs are not"
                 )
             if not plain:
-                plain.append(prepare_forward(replace(variant, use_tma=False), problem))
+                plain.append(prepare_forward(variant.pointer_twin(), problem))
             return plain[0](q, k, v, scale)
         b, hq, nq, _ = q.shape
         lse = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
+        if fa3:
+            # Each consumer warpgroup moves its own 16 x num_warps rows of Q and O.
+            rows = 16 * variant.num_warps
+            kernel[(-(-nq // bm), b * hq)](
+                _gluon_descriptor(q, rows), _gluon_descriptor(k, bn), _gluon_descriptor(v, bn),
+                _gluon_descriptor(out, rows), lse, *lse.stride()[:2],
+                scale, nq, k.shape[2], hq, problem.group, num_warps=variant.num_warps,
+            )  # fmt: skip
+            return out, lse
         kernel[fa2_grid(variant, nq, b * hq, q.device)](
             _descriptor(q, bm, d), _descriptor(k, bn, d), _descriptor(v, bn, d),
             _descriptor(out, bm, d), lse,

@@ -117,6 +117,43 @@ def tma_needs_hopper_and_aligned_rows(v: Variant, p: Problem, dev: DeviceInfo) -
     return None
 
 
+#: fa3 (block_m, num_warps): one consumer of 64 or 128 rows, or two of 64. Two consumers of
+#: 128 rows (17 warps) would leave each thread too few registers for S and O.
+FA3_TILES = ((64, 4), (128, 4), (128, 8))
+FA3_HEAD_DIMS = (64, 128)
+
+
+def fa3_needs_hopper_and_16bit(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
+    # Gluon's warpgroup MMA, TMA and register reallocation are Hopper instructions, and the
+    # interpreter cannot run Gluon. P is fed to the tensor cores as 16-bit A operands, and
+    # TMA tiles carry no column mask, so the head dim must be a supported power of two.
+    if v.loop_order != "fa3":
+        return None
+    if not dev.is_hopper:
+        return "fa3 needs a Hopper GPU (compute capability 9.0; Gluon does not interpret)"
+    if p.dtype not in ("fp16", "bf16"):
+        return f"fa3 runs fp16 and bf16, not {p.dtype}"
+    if p.head_dim not in FA3_HEAD_DIMS:
+        return f"fa3 runs head dims {FA3_HEAD_DIMS}, not {p.head_dim}"
+    return None
+
+
+def fa3_tiles(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
+    # TMA is built in and the mask is always split, so the fa2 knobs have one value here.
+    if v.loop_order != "fa3":
+        return None
+    if (v.block_m, v.num_warps) not in FA3_TILES:
+        return f"fa3 (block_m, num_warps) must be among {FA3_TILES}"
+    if v.block_n not in (64, 128):
+        return "fa3 block_n must be 64 or 128"
+    if not 2 <= v.num_stages <= 4:
+        return "fa3 keeps 2 to 4 K/V stages"
+    if not v.split_mask or v.warp_specialize or v.use_tma or v.persistent:
+        return ("fa3 has its own warp roles and TMA: split_mask/warp_specialize/use_tma/"
+                "persistent are fa2 knobs")
+    return None
+
+
 def persistent_out_of_range(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
     if v.persistent not in PERSISTENT:
         return f"persistent must be among {PERSISTENT} (programs per SM; 0 is off)"
@@ -134,6 +171,8 @@ RULES: tuple[Rule, ...] = (
     fa1_has_no_fa2_knobs,
     warp_specialize_needs_hopper,
     tma_needs_hopper_and_aligned_rows,
+    fa3_needs_hopper_and_16bit,
+    fa3_tiles,
 )
 
 
@@ -184,6 +223,10 @@ def search_space(problem: Problem, device: DeviceInfo | str | None = None) -> li
     return [v for v in all_points() if why_invalid(v, problem, dev) is None]
 
 
+def _fa3(bm: int, bn: int, warps: int, stages: int) -> Variant:
+    return Variant("fa3", bm, bn, warps, stages)
+
+
 def _fa2(bm: int, bn: int, warps: int, stages: int, *, ws: bool = False,
          tma: bool = True) -> Variant:
     return Variant("fa2", bm, bn, warps, stages, split_mask=True, warp_specialize=ws,
@@ -195,13 +238,19 @@ def _fa2(bm: int, bn: int, warps: int, stages: int, *, ws: bool = False,
 #: by padded head dim, fastest first. A tuner sampling a few points of a space this size
 #: rarely lands on them (the shipped D128 winners had missed the 128x128 TMA tiles, ~10%
 #: faster), so they are measured first and the sampler explores from there.
+#: The fa3 points lead: two 64-row consumers over 128-key tiles measured 0.85-1.12x cuDNN
+#: on an H100 (`scripts/sweep_fa3.py`, 2026-11-23; NOTES.md), ahead of every fa2 point.
 HOPPER_PORTFOLIO: dict[str, tuple[Variant, ...]] = {
     "d<=64": (
+        _fa3(128, 128, 4, 3), _fa3(128, 128, 4, 4), _fa3(128, 128, 4, 2), _fa3(128, 64, 4, 4),
+        _fa3(128, 128, 8, 3),
         _fa2(64, 128, 4, 2), _fa2(128, 64, 8, 4), _fa2(128, 128, 4, 3), _fa2(128, 64, 4, 3),
         _fa2(128, 64, 8, 3, ws=True, tma=False), _fa2(128, 64, 8, 4, tma=False),
         _fa2(64, 64, 4, 3, tma=False),
     ),
     "d>=128": (
+        _fa3(128, 128, 4, 3), _fa3(128, 64, 4, 3), _fa3(128, 128, 4, 2), _fa3(128, 64, 4, 4),
+        _fa3(128, 128, 8, 2),
         _fa2(128, 128, 8, 3, ws=True), _fa2(128, 128, 8, 3), _fa2(256, 64, 8, 4, ws=True),
         _fa2(128, 64, 4, 2), _fa2(64, 64, 4, 3), _fa2(256, 64, 8, 3),
     ),
@@ -230,6 +279,7 @@ def default_variant(problem: Problem, device: DeviceInfo | str | None = None) ->
     dev = device_info(device)
     big_d = problem.padded_head_dim >= 128
     prefs = [
+        Variant("fa3", 128, 128, 4, 3),  # Hopper, fp16/bf16, D 64 or 128 (the fa3 rules)
         Variant("fa2", 128, 64, 8 if big_d else 4, 3 if dev.is_hopper else 2),
         Variant("fa2", 128, 32, 8, 2),
         Variant("fa2", 64, 64, 4, 2),

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from flashgen.knobs import Knobs
 
-LoopOrder = Literal["fa1", "fa2"]
-LOOP_ORDERS: tuple[str, ...] = ("fa2", "fa1")
+LoopOrder = Literal["fa1", "fa2", "fa3"]
+LOOP_ORDERS: tuple[str, ...] = ("fa2", "fa1", "fa3")
 
 
 @dataclass(frozen=True)
@@ -17,7 +17,11 @@ class Variant(Knobs):
 
     loop_order: "fa2" gives each program one Q block and streams K/V blocks past it (FlashAttention
         2); "fa1" is the 2022 paper's order: K/V blocks outer, Q blocks inner, with the running
-        O, m and l kept in GPU memory between steps (one program per batch and head).
+        O, m and l kept in GPU memory between steps (one program per batch and head); "fa3"
+        (Hopper, fp16/bf16, head dim 64 or 128) is fa2's order written in Gluon the
+        FlashAttention 3 way: a TMA producer warp, one or two consumer warpgroups of
+        16 x num_warps rows each (block_m / (16 x num_warps) of them), and the softmax of one
+        K/V tile running under the tensor-core product of the previous one.
     block_m / block_n: rows of Q / K-V per tile. Larger tiles reuse more data per load but need
         more registers and shared memory.
     num_warps: warps per program. num_stages: software-pipelining depth of the K/V loads.
@@ -40,6 +44,18 @@ class Variant(Knobs):
     warp_specialize: bool = False
     use_tma: bool = False
     persistent: int = 0
+
+    @property
+    def needs_tma(self) -> bool:
+        """Whether the kernel reads its inputs through TMA descriptors (16-byte aligned rows)."""
+        return self.use_tma or self.loop_order == "fa3"
+
+    def pointer_twin(self) -> Variant:
+        """The same tiles, warps and stages with plain pointer loads: what runs on inputs
+        that TMA cannot address (and what ahead-of-time export compiles), computing the same
+        function."""
+        order = "fa2" if self.loop_order == "fa3" else self.loop_order
+        return replace(self, loop_order=order, use_tma=False)
 
     def __str__(self) -> str:
         flags = "".join(

@@ -56,7 +56,7 @@ def test_invalid_variant_is_an_error_not_a_fallback() -> None:
     with pytest.raises(TypeError, match=r"flashgen\.Variant"):
         flashgen.attention(q, k, v, variant={"block_m": 16})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="loop_order"):
-        flashgen.attention(q, k, v, variant=flashgen.Variant("fa3", 16, 16, 2, 1))  # type: ignore[arg-type]
+        flashgen.attention(q, k, v, variant=flashgen.Variant("fa4", 16, 16, 2, 1))  # type: ignore[arg-type]
 
 
 @pytest.mark.interpreter

@@ -1,0 +1,132 @@
+"""The fa3 (Gluon, Hopper) forward: its rules, its twin, a compile for sm90a on the CPU, and
+on the GPU its answers against the reference.
+
+The Triton interpreter cannot run Gluon, so on the CPU the kernel is compiled for an H100's
+target (no GPU needed) and its PTX is checked for the Hopper machinery the design relies on;
+the numbers are checked on the GPU machine (`gpu` tests).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashgen
+from flashgen.check import compare, make_inputs
+from flashgen.gluon_compile import report_in_subprocess
+from flashgen.hardware import INTERPRETER, DeviceInfo
+from flashgen.space import FA3_TILES, default_variant, portfolio
+
+HOPPER = DeviceInfo("H-test", (9, 0), 132, 232448)
+AMPERE = DeviceInfo("A-test", (8, 0), 108, 232448)  # as much shared memory as Hopper
+
+
+def _problem(d: int = 128, dtype: str = "fp16", causal: bool = False) -> flashgen.Problem:
+    return flashgen.Problem(2, 8, 8, 4096, 4096, d, dtype, causal)
+
+
+def test_fa3_is_a_hopper_16bit_variant_with_its_own_tiles() -> None:
+    v = flashgen.Variant("fa3", 128, 128, 4, 3)
+    assert flashgen.why_invalid(v, _problem(), HOPPER) is None
+    assert flashgen.why_invalid(v, _problem(64, "bf16", True), HOPPER) is None
+    assert "Hopper" in flashgen.why_invalid(v, _problem(), AMPERE)
+    assert "Hopper" in flashgen.why_invalid(v, _problem(), INTERPRETER)
+    small = flashgen.Variant("fa3", 128, 64, 4, 2)  # fits shared memory even in fp32
+    assert "fp32" in flashgen.why_invalid(small, _problem(dtype="fp32"), HOPPER)
+    assert "head dims" in flashgen.why_invalid(small, _problem(d=96), HOPPER)
+    bad_tile = flashgen.Variant("fa3", 256, 128, 8, 2)
+    assert "block_m, num_warps" in flashgen.why_invalid(bad_tile, _problem(), HOPPER)
+    assert "fa2 knobs" in flashgen.why_invalid(
+        flashgen.Variant("fa3", 128, 128, 4, 3, use_tma=True), _problem(), HOPPER)
+    # Three D128 stages of 128-key tiles fill shared memory; four do not fit.
+    assert "shared memory" in flashgen.why_invalid(
+        flashgen.Variant("fa3", 128, 128, 4, 4), _problem(), HOPPER)
+    space = flashgen.search_space(_problem(), HOPPER)
+    fa3 = {(v.block_m, v.num_warps) for v in space if v.loop_order == "fa3"}
+    assert fa3 == set(FA3_TILES)
+
+
+def test_default_and_portfolio_lead_with_fa3_where_it_runs() -> None:
+    assert default_variant(_problem(), HOPPER).loop_order == "fa3"
+    assert default_variant(_problem(64, "bf16", True), HOPPER).loop_order == "fa3"
+    assert default_variant(_problem(dtype="fp32"), HOPPER).loop_order == "fa2"
+    assert default_variant(_problem(d=80), HOPPER).loop_order == "fa2"
+    assert default_variant(_problem(), AMPERE).loop_order == "fa2"
+    for d in (64, 128):
+        assert portfolio(_problem(d), HOPPER)[0].loop_order == "fa3"
+
+
+def test_pointer_twin_keeps_the_tiles_and_drops_tma() -> None:
+    v = flashgen.Variant("fa3", 128, 64, 4, 3)
+    twin = v.pointer_twin()
+    assert v.needs_tma and not twin.needs_tma
+    assert (twin.loop_order, twin.block_m, twin.block_n, twin.num_warps, twin.num_stages) == (
+        "fa2", 128, 64, 4, 3)
+    tma = flashgen.Variant("fa2", 128, 64, 8, 3, use_tma=True)
+    assert tma.pointer_twin() == flashgen.Variant("fa2", 128, 64, 8, 3)
+
+
+@pytest.mark.parametrize(
+    ("block_m", "block_n", "warps", "stages", "d", "causal"),
+    [(128, 128, 4, 3, 128, False), (128, 64, 4, 4, 128, True), (128, 128, 8, 2, 64, True),
+     (64, 128, 4, 2, 64, False)],
+)
+def test_fa3_compiles_for_hopper_with_its_machinery(
+    block_m: int, block_n: int, warps: int, stages: int, d: int, causal: bool
+) -> None:
+    pytest.importorskip("triton.experimental.gluon")
+    variant = flashgen.Variant("fa3", block_m, block_n, warps, stages)
+    problem = _problem(d, "bf16", causal)
+    assert flashgen.why_invalid(variant, problem, HOPPER) is None
+    found = report_in_subprocess(variant, problem)
+    assert found["wgmma"] and found["tma"]  # warpgroup MMA; TMA loads and the O store
+    assert found["setmaxnreg"]  # the producer warp hands its registers to the consumers
+    assert found["wait_one"]  # the softmax runs while the P V product is in flight
+    assert found["shared"] <= HOPPER.shared_memory
+    assert any("0 bytes spill stores" in line for line in found["ptxas"]), found["ptxas"]
+
+
+# ---- GPU: answers against the float64 reference ----------------------------------------------
+
+FA3_POINTS = [flashgen.Variant("fa3", 128, 128, 4, 3), flashgen.Variant("fa3", 128, 64, 4, 2),
+              flashgen.Variant("fa3", 128, 128, 8, 2), flashgen.Variant("fa3", 64, 64, 4, 4)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", FA3_POINTS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "shape",  # (B, Hq, Hkv, Nq, Nk, D): ragged tails, Nq != Nk both ways, GQA, one tile
+    [(1, 4, 4, 300, 300, 128), (2, 6, 2, 257, 520, 128), (1, 2, 1, 700, 333, 64),
+     (2, 3, 3, 1024, 1024, 64), (1, 2, 2, 33, 33, 64)],
+    ids=str,
+)
+def test_fa3_matches_the_reference_on_gpu(
+    variant: flashgen.Variant, dtype: torch.dtype, causal: bool, shape: tuple[int, ...]
+) -> None:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("needs a Hopper GPU")
+    q, k, v = make_inputs(*shape, dtype, "cuda", seed=sum(shape))
+    problem = flashgen.Problem.from_tensors(q, k, v, causal=causal)
+    if problem.head_dim not in (64, 128):
+        pytest.skip("fa3 head dims")
+    out, lse = flashgen.attention(q, k, v, causal=causal, variant=variant, return_lse=True)
+    check = compare(out, q, k, v, causal, None, lse)
+    assert check.ok, check.reason
+
+
+@pytest.mark.gpu
+def test_fa3_strided_and_unaligned_inputs_on_gpu() -> None:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("needs a Hopper GPU")
+    variant = flashgen.Variant("fa3", 128, 128, 4, 3)
+    # (B, N, H, D) memory viewed as (B, H, N, D): TMA addresses it through strides.
+    q, k, v = make_inputs(2, 4, 2, 600, 600, 128, torch.bfloat16, "cuda", 3, layout="bnhd")
+    out = flashgen.attention(q, k, v, causal=True, variant=variant)
+    assert compare(out, q, k, v, True).ok
+    # An explicit TMA variant on inputs TMA cannot address is an error, never a fallback.
+    base = torch.randn(2 * 4 * 300 * 128 + 1, device="cuda", dtype=torch.float16)
+    odd = base[1:].view(2, 4, 300, 128)
+    with pytest.raises(ValueError, match="TMA"):
+        flashgen.attention(odd, odd, odd, variant=variant)
