@@ -13,7 +13,7 @@ import hashlib
 import importlib.util
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -82,15 +82,26 @@ def template_hash(mode: str = "fwd") -> str:
     return family_hash(_templates(), mode)
 
 
-@functools.cache
-def _environment() -> jinja2.Environment:
+def _make_environment(lookup: Callable[[str], str | None]) -> jinja2.Environment:
     return jinja2.Environment(
-        loader=jinja2.FunctionLoader(lambda name: _templates().get(name)),
+        loader=jinja2.FunctionLoader(lookup),
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
         lstrip_blocks=True,
         keep_trailing_newline=True,
     )
+
+
+@functools.cache
+def _environment() -> jinja2.Environment:
+    return _make_environment(lambda name: _templates().get(name))
+
+
+def render_with(templates: Mapping[str, str], variant: Variant, problem: Problem) -> str:
+    """What `render` gives with other template texts (say an earlier revision's): lets a
+    tool check that a template change leaves a stored variant's kernel byte-identical."""
+    env = _make_environment(templates.get)
+    return env.get_template(template_name(variant)).render(**render_context(variant, problem))
 
 
 def template_name(variant: Variant) -> str:

@@ -238,8 +238,9 @@ def _fa2(bm: int, bn: int, warps: int, stages: int, *, ws: bool = False,
 #: by padded head dim, fastest first. A tuner sampling a few points of a space this size
 #: rarely lands on them (the shipped D128 winners had missed the 128x128 TMA tiles, ~10%
 #: faster), so they are measured first and the sampler explores from there.
-#: The fa3 points lead: two 64-row consumers over 128-key tiles measured 0.85-1.12x cuDNN
-#: on an H100 (`scripts/sweep_fa3.py`, 2026-11-23; NOTES.md), ahead of every fa2 point.
+#: The fa3 points lead: two 64-row consumers measured up to 1.09x (D128) and 1.12x (D64)
+#: cuDNN on an H100 and beat the tuned fa2 winners at D128 from N=2k (2026-11-23, NOTES.md;
+#: `scripts/sweep_fa3.py` re-measures them). At N=512 and small D64 the fa2 points win.
 HOPPER_PORTFOLIO: dict[str, tuple[Variant, ...]] = {
     "d<=64": (
         _fa3(128, 128, 4, 3), _fa3(128, 128, 4, 4), _fa3(128, 128, 4, 2), _fa3(128, 64, 4, 4),
@@ -279,7 +280,6 @@ def default_variant(problem: Problem, device: DeviceInfo | str | None = None) ->
     dev = device_info(device)
     big_d = problem.padded_head_dim >= 128
     prefs = [
-        Variant("fa3", 128, 128, 4, 3),  # Hopper, fp16/bf16, D 64 or 128 (the fa3 rules)
         Variant("fa2", 128, 64, 8 if big_d else 4, 3 if dev.is_hopper else 2),
         Variant("fa2", 128, 32, 8, 2),
         Variant("fa2", 64, 64, 4, 2),

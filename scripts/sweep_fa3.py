@@ -3,9 +3,7 @@
 For each cell (fa-bench shapes at the given lengths and head dims, fp16 and bf16, causal and
 not) every fa3 point is checked against the float64 reference on the gate shape and then
 timed, exactly as the tuner does (`KernelBench.measure`), and printed as its ratio to SDPA's
-cuDNN backend measured in the same run. `--ablate-pingpong` adds each two-consumer point with
-the ping-pong schedule switched off (the template text patched in memory), to see what the
-schedule is worth.
+cuDNN backend measured in the same run.
 
   python3 scripts/sweep_fa3.py --lens 512,2048,16384 --dims 128,64 --csv $OUT/fa3.csv
 """
@@ -14,10 +12,7 @@ from __future__ import annotations
 
 import argparse
 import csv
-import importlib
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -34,32 +29,6 @@ POINTS = [Variant("fa3", 128, 128, 4, 3), Variant("fa3", 128, 128, 4, 2),
           Variant("fa3", 128, 64, 4, 3), Variant("fa3", 128, 64, 4, 4),
           Variant("fa3", 64, 64, 4, 2), Variant("fa3", 64, 128, 4, 2),
           Variant("fa3", 128, 128, 8, 2)]
-PINGPONG_ON = "PINGPONG: gl.constexpr = CONSUMERS == 2"
-render = importlib.import_module("flashgen.render")  # the module; flashgen.render is its function
-
-
-@contextmanager
-def pingpong_off() -> Iterator[None]:
-    """Render fa3 kernels with the ping-pong schedule disabled while inside."""
-    texts = dict(render._templates())
-    name = "attn_fwd_fa3.py.jinja"
-    assert PINGPONG_ON in texts[name], "the template's ping-pong switch moved"
-    patched = {**texts, name: texts[name].replace(PINGPONG_ON, "PINGPONG: gl.constexpr = False")}
-    original = render._templates
-    render._templates = lambda: patched  # type: ignore[assignment]
-    try:
-        with_fresh_caches()
-        yield
-    finally:
-        render._templates = original  # type: ignore[assignment]
-        with_fresh_caches()
-
-
-def with_fresh_caches() -> None:
-    render._render.cache_clear()
-    render._environment.cache_clear()  # Jinja keeps compiled templates
-
-
 def cudnn_ms(problem: Problem, bench: KernelBench) -> float:
     q, k, v = bench.inputs
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -72,7 +41,6 @@ def main() -> None:
     ap.add_argument("--lens", default="512,2048,16384")
     ap.add_argument("--dims", default="128,64")
     ap.add_argument("--dtypes", default="fp16,bf16")
-    ap.add_argument("--ablate-pingpong", action="store_true")
     ap.add_argument("--csv", default="")
     a = ap.parse_args()
     rows = []
@@ -90,10 +58,6 @@ def main() -> None:
                         (f"dispatch {dispatched}", bench.measure(dispatched))]
                     t0 = time.time()
                     measured += [(str(p), bench.measure(p)) for p in POINTS]
-                    if a.ablate_pingpong:
-                        with pingpong_off():
-                            measured += [(f"{p} no-pingpong", bench.measure(p))
-                                         for p in POINTS if p.block_m // (16 * p.num_warps) == 2]
                     cells = " ".join(
                         f"{name.replace('fa3 ', '')}:{(m.tflops or 0) / base:.2f}"
                         if m.status == "ok" else f"{name}:{m.status}({m.reason[:60]})"

@@ -42,6 +42,9 @@ V_FP32 = flashgen.Variant("fa1", 32, 16, 2, 1)
 P_FP16 = flashgen.Problem(1, 2, 2, 32, 32, 16, "fp16", False)
 V_FP16 = flashgen.Variant("fa2", 32, 32, 2, 1, use_tma=True)  # the interpreter emulates TMA
 BWD_FP16 = BwdVariant(16, 32, 2, 1, "atomic")  # a backward winner, in the atomic-dQ mode
+#: An fa3 (Gluon, TMA) winner on a Hopper GPU: ahead of time it is compiled as its fa2 twin.
+P_FA3 = flashgen.Problem(1, 2, 2, 256, 256, 64, "bf16", False)
+V_FA3 = flashgen.Variant("fa3", 128, 128, 4, 2)
 
 
 def _store(path: Path, problem: flashgen.Problem, variant: Any, device: DeviceInfo,
@@ -316,6 +319,7 @@ def aot_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
            flashgen.Variant("fa2", 64, 32, 4, 2), H200)
     _store(db, flashgen.Problem(1, 2, 1, 512, 512, 16, "fp16", True),
            flashgen.Variant("fa1", 64, 32, 4, 2), H200)
+    _store(db, P_FA3, V_FA3, H200)
     _store(db, P_FP16, V_FP16, INTERPRETER)
     output = _export("--db", str(db), "--out", str(tmp), "--name", "fgaot", "--format", "aot")
     assert "NVIDIA H200" in output
@@ -326,13 +330,18 @@ def test_aot_manifest_and_cubins(aot_export: Path) -> None:
     manifest = json.loads((aot_export / "manifest.json").read_text())
     assert (manifest["format"], manifest["version"]) == ("flashgen-aot", 1)
     assert manifest["gpus"]["NVIDIA H200"]["capability"] == "9.0"
-    (tuned,) = manifest["dispatch"]
+    tuned, fa3 = sorted(manifest["dispatch"], key=lambda r: r["head_dim"])
     assert (tuned["seq_q_bucket"], tuned["head_dim"], tuned["gqa"]) == (256, 16, 2)
+    # The fa3 winner's cubin is its pointer twin: fa2 code, the same tiles and warps.
+    assert fa3["compiled_without_tma"] and (fa3["dtype"], fa3["head_dim"]) == ("bf16", 64)
     reasons = [s["reason"] for s in manifest["skipped"]]
     assert any("fa1" in r for r in reasons) and any("interpreter" in r for r in reasons)
-    assert len(manifest["defaults"]) == len(LENGTHS) ** 2
+    assert len(manifest["defaults"]) == 2 * len(LENGTHS) ** 2  # two kinds: D16 fp16, D64 bf16
     kernels = {k["id"]: k for k in manifest["kernels"]}
     assert tuned["kernel"] in kernels and all(r["kernel"] in kernels for r in manifest["defaults"])
+    twin = kernels[fa3["kernel"]]
+    assert twin["grid"][0] == "cdiv(N_Q, 128)" and twin["block"] == [128, 1, 1]
+    assert twin["constexprs"]["BLOCK_N"] == 128
     entry = kernels[tuned["kernel"]]
     assert entry == json.loads((aot_export / "kernels" / f"{entry['id']}.json").read_text())
     cubin = (aot_export / entry["cubin"]).read_bytes()

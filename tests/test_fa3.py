@@ -46,14 +46,13 @@ def test_fa3_is_a_hopper_16bit_variant_with_its_own_tiles() -> None:
     assert fa3 == set(FA3_TILES)
 
 
-def test_default_and_portfolio_lead_with_fa3_where_it_runs() -> None:
-    assert default_variant(_problem(), HOPPER).loop_order == "fa3"
-    assert default_variant(_problem(64, "bf16", True), HOPPER).loop_order == "fa3"
-    assert default_variant(_problem(dtype="fp32"), HOPPER).loop_order == "fa2"
-    assert default_variant(_problem(d=80), HOPPER).loop_order == "fa2"
-    assert default_variant(_problem(), AMPERE).loop_order == "fa2"
+def test_portfolio_leads_with_fa3_and_the_default_stays_fa2() -> None:
+    # The tuner measures fa3 first on Hopper (every candidate passes the reference check
+    # before it can win); the untuned default stays the fa2 kernel until fa3's launcher has
+    # passed the GPU tests below (NOTES.md).
     for d in (64, 128):
         assert portfolio(_problem(d), HOPPER)[0].loop_order == "fa3"
+        assert default_variant(_problem(d), HOPPER).loop_order == "fa2"
 
 
 def test_pointer_twin_keeps_the_tiles_and_drops_tma() -> None:

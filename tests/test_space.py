@@ -127,3 +127,17 @@ def test_causal_flops_count_the_visible_half() -> None:
     full = flashgen.Problem(1, 1, 1, 1024, 1024, 64)
     causal = full.with_(causal=True)
     assert causal.flops() == pytest.approx(full.flops() * (1024 + 1) / 2 / 1024)
+
+
+def test_render_with_other_texts_tells_an_untouched_kernel_from_an_edited_one() -> None:
+    # scripts/carry_rows.py keeps a tuned row across a template change only when its kernel
+    # renders byte-identical with the old and the new texts.
+    from flashgen.render import _templates, render_with
+
+    texts = dict(_templates())
+    v, p = flashgen.Variant("fa2", 64, 32, 4, 2), PROBLEMS[0]
+    assert render_with(texts, v, p) == flashgen.render(v, p)
+    edited = {**texts, "attn_fwd_fa2.py.jinja": texts["attn_fwd_fa2.py.jinja"] + "\n# edited\n"}
+    assert render_with(edited, v, p) != flashgen.render(v, p)
+    other_family = {**texts, "attn_fwd_fa3.py.jinja": "# another kernel family\n"}
+    assert render_with(other_family, v, p) == flashgen.render(v, p)

@@ -1,0 +1,85 @@
+"""Carry tuning rows across a template change that leaves their kernels byte-identical.
+
+A row's key holds the hash of its mode's templates, so any edit of a forward template
+(adding a kernel family, say) retires every forward row. Where the edit did not touch a row's
+own kernel, its measurement still stands: this re-keys such rows to the current hash. For
+each `mode` row in `trials` and `winners` keyed by the family hash of the templates at git
+revision REV, the row's variant is rendered for its problem with REV's templates and with the
+current ones; only when the two sources are identical are `template_hash` and `key_id`
+rewritten (one transaction). Other rows are left as they were, retired.
+
+What this does not claim: that a carried winner is still the fastest point of a space that
+has grown since. `flashgen tune` resumes from the carried trials and measures the new
+default and portfolio points first, so a re-run settles that.
+
+    python scripts/carry_rows.py tuning_db/flashgen.db --rev 9f884c0 [--dry-run]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sqlite3
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from rehash_db import templates_at
+
+from flashgen.problem import Problem
+from flashgen.render import family_hash, render, render_with, template_hash
+from flashgen.tuning_key import TuningKey
+from flashgen.variant import Variant
+
+
+def carry(path: Path, rev: str, mode: str = "fwd",
+          dry_run: bool = False) -> dict[str, tuple[int, int]]:
+    """Re-key `mode` rows tuned with `rev`'s templates whose kernels did not change;
+    (carried, left) counts per table."""
+    if mode != "fwd":
+        raise ValueError("only forward rows are carried (backward kernels render in roles)")
+    old_texts = templates_at(rev)
+    old, new = family_hash(old_texts, mode), template_hash(mode)
+    same: dict[tuple[str, str], bool] = {}
+    conn = sqlite3.connect(path)
+    conn.row_factory = sqlite3.Row
+    counts: dict[str, tuple[int, int]] = {}
+    with conn:  # one transaction: all rows or none
+        for table in ("trials", "winners"):
+            rows = conn.execute(f"SELECT rowid AS _rowid, * FROM {table} "
+                                "WHERE template_hash = ? AND mode = ?", (old, mode)).fetchall()
+            carried = 0
+            for row in rows:
+                pair = (row["variant_json"], row["problem_json"])
+                if pair not in same:
+                    variant = Variant.from_json(pair[0])
+                    problem = Problem.from_dict(json.loads(pair[1]))
+                    same[pair] = render_with(old_texts, variant, problem) == render(variant,
+                                                                                   problem)
+                if same[pair]:
+                    key = TuningKey.from_columns({**dict(row), "template_hash": new})
+                    conn.execute(f"UPDATE {table} SET template_hash = ?, key_id = ? "
+                                 "WHERE rowid = ?", (new, key.id, row["_rowid"]))
+                    carried += 1
+            counts[table] = (carried, len(rows) - carried)
+            print(f"{table} {mode}: {carried} row(s) carried {old} -> {new}, "
+                  f"{len(rows) - carried} left (kernel changed)")
+        if dry_run:
+            conn.rollback()
+    conn.close()
+    return counts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("db", type=Path, help="the SQLite tuning database to rewrite")
+    parser.add_argument("--rev", required=True,
+                        help="git revision whose templates the rows were tuned with")
+    parser.add_argument("--dry-run", action="store_true", help="count, change nothing")
+    args = parser.parse_args()
+    carry(args.db, args.rev, dry_run=args.dry_run)
+
+
+if __name__ == "__main__":
+    main()
