@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -83,7 +84,7 @@ def report_in_subprocess(variant: Variant, problem: Problem) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     shape = ",".join(str(x) for x in (problem.batch, problem.heads_q, problem.heads_kv,
                                       problem.seq_q, problem.seq_k, problem.head_dim))
-    cmd = ["python", "-m", "flashgen.gluon_compile", variant.to_json(), shape,
+    cmd = [sys.executable, "-m", "flashgen.gluon_compile", variant.to_json(), shape,
            "--dtype", problem.dtype] + (["--causal"] if problem.causal else [])
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if done.returncode:

@@ -2,7 +2,7 @@
 # GPU validation on the device machine, from the repo root, with the device kit copied to
 # .device-kit/ (git-ignored). Each stage has its own time limit so one slow stage cannot eat
 # the lease; logs and the tuning database land in $OUT (or ./gpu-out).
-#   source .device-kit/install.sh && bash scripts/gpu-validate.sh [tests|quick|tune|tune-all|bench]...
+#   source .device-kit/install.sh && bash scripts/gpu-validate.sh [tests|quick|fa3|tune|tune-all|bench]...
 # tune-all tunes fa-bench and llama3-8b, fp16 and bf16, causal and not, into $DB (default
 # $out/tuning.db): the recipe of the shipped tuning_db/flashgen.db. TUNE_S caps that stage.
 set -u
@@ -22,6 +22,13 @@ for what in "${@:-tests}"; do
       stage "TMA forward gpu tests"
       timeout 60 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_forward.py -k tma \
         >"$out/t/tma.log" 2>&1; tail -3 "$out/t/tma.log"
+      ;;
+    fa3)
+      stage "fa3 (Gluon) forward gpu tests, then fa3 points vs cuDNN on fa-bench cells"
+      timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fa3.py \
+        >"$out/t/fa3.log" 2>&1; tail -3 "$out/t/fa3.log"
+      timeout 300 python3 scripts/sweep_fa3.py --dtypes fp16 --csv "$out/sweep-fa3.csv" \
+        2>&1 | tee "$out/t/sweep-fa3.log" | cut -c1-400
       ;;
     quick)
       stage "persistent forward and fp32 backward gpu tests (in parallel)"

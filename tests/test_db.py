@@ -257,3 +257,18 @@ def test_two_processes_writing_one_file_lose_nothing(tmp_path: Path) -> None:
         assert db.schema_version == SCHEMA_VERSION
         assert db.db["_sqlite_migrations"].count == SCHEMA_VERSION
         assert db.update_winner(key_of()).median_ms == 1.0
+
+
+def test_shipped_winners_are_keyed_by_the_current_templates() -> None:
+    # A template edit re-keys results: the shipped database must be re-tuned or carried over
+    # (scripts/carry_rows.py) in the same change, or dispatch silently stops serving it.
+    from flashgen.render import template_hash
+    from flashgen.resources import data_dir
+
+    path = Path(str(data_dir("tuning_db") / "flashgen.db"))
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as conn:
+        hashes = {mode: {h for (h,) in conn.execute(
+            "SELECT DISTINCT template_hash FROM winners WHERE mode = ?", (mode,))}
+            for mode in ("fwd", "bwd")}
+    assert hashes["fwd"] == {template_hash("fwd")}
+    assert hashes["bwd"] == {template_hash("bwd")}
