@@ -284,6 +284,21 @@ def test_selection_precedence_gpu_filter_and_stale_rows(tmp_path: Path) -> None:
     assert [g.device.name for g in only.gpus] == ["cpu-interpreter"]
 
 
+def test_an_fa3_winner_ships_with_its_pointer_twin(tmp_path: Path) -> None:
+    # The exported runtime launches the Gluon kernel on TMA-addressable inputs and the fa2
+    # twin (same tiles and warps) on others, as flashgen's dispatch does.
+    db = tmp_path / "h200.db"
+    _store(db, P_FA3, V_FA3, H200)
+    _export("--db", str(db), "--out", str(tmp_path), "--name", "fgk_fa3")
+    table = json.loads((tmp_path / "fgk_fa3" / "table.json").read_text())
+    (entry,) = [e for e in table["gpus"]["NVIDIA H200"]["fwd"] if e["variant"]["loop_order"]
+                == "fa3"]
+    fwd, twin = (tmp_path / "fgk_fa3" / "kernels" / f"{entry['kernels'][role]}.py"
+                 for role in ("fwd", "fwd_plain"))
+    assert "@gluon.jit" in fwd.read_text()
+    assert twin.read_text() == flashgen.render(V_FA3.pointer_twin(), P_FA3)
+
+
 def test_cli_refusals(tmp_path: Path) -> None:
     db = tmp_path / "t.db"
     _store(db, P_FP16, V_FP16, INTERPRETER)
