@@ -26,41 +26,51 @@ from flashgen.problem import Problem
 from flashgen.variant import Variant
 
 
-def compile_fa3(variant: Variant, problem: Problem, capability: int = 90) -> Any:
-    """Triton's compiled kernel for `variant` on `problem` (sm_`capability`a), no GPU needed:
-    the signature comes from descriptors over small CPU tensors, which is all Triton's
-    specialisation reads from them (dtype, block shape, shared layout)."""
+def compile_gluon(fn: Any, args: list[Any], constexprs: dict[str, Any], num_warps: int,
+                  capability: int = 90) -> Any:
+    """Triton's compiled kernel of Gluon function `fn` for sm_`capability`a, no GPU needed:
+    the signature comes from example arguments (descriptors over small CPU tensors are all
+    Triton's specialisation reads: dtype, block shape, shared layout)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
+    names = [n for n in fn.arg_names if n not in constexprs]
+    signature = {name: mangle_type(a) for name, a in zip(names, args, strict=True)}
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    constants = {(fn.arg_names.index(k),): v for k, v in constexprs.items()}
+    target = GPUTarget("cuda", capability, 32)
+    options = triton.compiler.make_backend(target).parse_options({"num_warps": num_warps})
+    return triton.compile(GluonASTSource(fn, signature, constants, {}), target=target,
+                          options=options.__dict__)
+
+
+def example_args(head_dim: int, dtype: torch.dtype, rows: int, block_n: int) -> list[Any]:
+    """fa3's arguments over small CPU tensors: q, k, v, o descriptors, then LSE and scalars."""
     from flashgen.forward import _gluon_descriptor
+
+    t = torch.empty(2, 4, 256, head_dim, dtype=dtype)
+    return [_gluon_descriptor(t, rows), _gluon_descriptor(t, block_n),
+            _gluon_descriptor(t, block_n), _gluon_descriptor(t, rows),
+            torch.empty(4, dtype=torch.float32), 1024, 256, 0.125, 250, 250, 4, 1]
+
+
+def compile_fa3(variant: Variant, problem: Problem, capability: int = 90) -> Any:
+    """Triton's compiled kernel for fa3 `variant` on `problem` (see `compile_gluon`)."""
     from flashgen.render import load_kernel
 
     if variant.loop_order != "fa3":
         raise ValueError(f"{variant} is not an fa3 variant")
-    t = torch.empty(2, 4, 256, problem.head_dim, dtype=problem.torch_dtype)
-    rows = 16 * variant.num_warps
-    args = [_gluon_descriptor(t, rows), _gluon_descriptor(t, variant.block_n),
-            _gluon_descriptor(t, variant.block_n), _gluon_descriptor(t, rows),
-            torch.empty(4, dtype=torch.float32), 1024, 256, 0.125, 250, 250, 4, 1]
-    fn = load_kernel(variant, problem)
-    signature = {name: mangle_type(a) for name, a in zip(fn.arg_names, args, strict=True)}
-    target = GPUTarget("cuda", capability, 32)
-    options = triton.compiler.make_backend(target).parse_options(
-        {"num_warps": variant.num_warps})
-    return triton.compile(GluonASTSource(fn, signature, {}, {}), target=target,
-                          options=options.__dict__)
+    args = example_args(problem.head_dim, problem.torch_dtype, 16 * variant.num_warps,
+                        variant.block_n)
+    return compile_gluon(load_kernel(variant, problem), args, {}, variant.num_warps, capability)
 
 
-def report(variant: Variant, problem: Problem) -> dict[str, Any]:
-    """What the compiled kernel holds: Hopper instructions in its PTX, shared memory, and
-    ptxas's registers and spills (ptxas run again on the PTX with -v)."""
+def ptxas_report(ptx: str) -> list[str]:
+    """ptxas's register and spill lines for `ptx` (run again with -v on sm_90a)."""
     import triton
 
-    kernel = compile_fa3(variant, problem)
-    ptx: str = kernel.asm["ptx"]
     ptxas = Path(triton.__path__[0]) / "backends" / "nvidia" / "bin" / "ptxas"
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"
@@ -68,14 +78,22 @@ def report(variant: Variant, problem: Problem) -> dict[str, Any]:
         verbose = subprocess.run(
             [str(ptxas), "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
             capture_output=True, text=True, check=True).stderr
+    return [line.strip() for line in verbose.splitlines()
+            if "registers" in line or "spill" in line]
+
+
+def report(variant: Variant, problem: Problem) -> dict[str, Any]:
+    """What the compiled kernel holds: Hopper instructions in its PTX, shared memory, and
+    ptxas's registers and spills (ptxas run again on the PTX with -v)."""
+    kernel = compile_fa3(variant, problem)
+    ptx: str = kernel.asm["ptx"]
     return {
         "shared": kernel.metadata.shared,
         "wgmma": ptx.count("wgmma.mma_async"),
         "tma": ptx.count("cp.async.bulk.tensor"),
         "setmaxnreg": ptx.count("setmaxnreg"),
         "wait_one": ptx.count("wgmma.wait_group.sync.aligned 1"),
-        "ptxas": [line.strip() for line in verbose.splitlines()
-                  if "registers" in line or "spill" in line],
+        "ptxas": ptxas_report(ptx),
     }
 
 
