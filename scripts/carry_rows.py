@@ -25,11 +25,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rehash_db import templates_at
+from rehash_db import rekey, rows_keyed, templates_at
 
 from flashgen.problem import Problem
 from flashgen.render import family_hash, render, render_with, template_hash
-from flashgen.tuning_key import TuningKey
 from flashgen.variant import Variant
 
 
@@ -47,8 +46,7 @@ def carry(path: Path, rev: str, mode: str = "fwd",
     counts: dict[str, tuple[int, int]] = {}
     with conn:  # one transaction: all rows or none
         for table in ("trials", "winners"):
-            rows = conn.execute(f"SELECT rowid AS _rowid, * FROM {table} "
-                                "WHERE template_hash = ? AND mode = ?", (old, mode)).fetchall()
+            rows = rows_keyed(conn, table, old, mode)
             carried = 0
             for row in rows:
                 pair = (row["variant_json"], row["problem_json"])
@@ -58,9 +56,7 @@ def carry(path: Path, rev: str, mode: str = "fwd",
                     same[pair] = render_with(old_texts, variant, problem) == render(variant,
                                                                                    problem)
                 if same[pair]:
-                    key = TuningKey.from_columns({**dict(row), "template_hash": new})
-                    conn.execute(f"UPDATE {table} SET template_hash = ?, key_id = ? "
-                                 "WHERE rowid = ?", (new, key.id, row["_rowid"]))
+                    rekey(conn, table, row, new)
                     carried += 1
             counts[table] = (carried, len(rows) - carried)
             print(f"{table} {mode}: {carried} row(s) carried {old} -> {new}, "

@@ -44,6 +44,20 @@ def legacy_hash(templates: dict[str, str]) -> str:
     return digest.hexdigest()[:16]
 
 
+def rows_keyed(conn: sqlite3.Connection, table: str, template_hash: str,
+               mode: str) -> list[sqlite3.Row]:
+    """The `mode` rows of `table` keyed by `template_hash`, each with its `_rowid`."""
+    return conn.execute(f"SELECT rowid AS _rowid, * FROM {table} "
+                        "WHERE template_hash = ? AND mode = ?", (template_hash, mode)).fetchall()
+
+
+def rekey(conn: sqlite3.Connection, table: str, row: sqlite3.Row, template_hash: str) -> None:
+    """Give `row` of `table` the template hash `template_hash`, and the key id that implies."""
+    key = TuningKey.from_columns({**dict(row), "template_hash": template_hash})
+    conn.execute(f"UPDATE {table} SET template_hash = ?, key_id = ? WHERE rowid = ?",
+                 (template_hash, key.id, row["_rowid"]))
+
+
 def rehash(path: Path, rev: str, dry_run: bool = False) -> dict[tuple[str, str], int]:
     """Rewrite the rows keyed by the old hash of `rev`'s templates; counts per (table, mode)."""
     templates = templates_at(rev)
@@ -55,12 +69,9 @@ def rehash(path: Path, rev: str, dry_run: bool = False) -> dict[tuple[str, str],
         for mode in MODES:
             new = family_hash(templates, mode)
             for table in ("trials", "winners"):
-                rows = conn.execute(f"SELECT rowid AS _rowid, * FROM {table} "
-                                    "WHERE template_hash = ? AND mode = ?", (old, mode)).fetchall()
+                rows = rows_keyed(conn, table, old, mode)
                 for row in rows:
-                    key = TuningKey.from_columns({**dict(row), "template_hash": new})
-                    conn.execute(f"UPDATE {table} SET template_hash = ?, key_id = ? "
-                                 "WHERE rowid = ?", (new, key.id, row["_rowid"]))
+                    rekey(conn, table, row, new)
                 counts[(table, mode)] = len(rows)
                 print(f"{table} {mode}: {len(rows)} row(s) {old} -> {new}")
         if dry_run:

@@ -29,6 +29,8 @@ POINTS = [Variant("fa3", 128, 128, 4, 3), Variant("fa3", 128, 128, 4, 2),
           Variant("fa3", 128, 64, 4, 3), Variant("fa3", 128, 64, 4, 4),
           Variant("fa3", 64, 64, 4, 2), Variant("fa3", 64, 128, 4, 2),
           Variant("fa3", 128, 128, 8, 2)]
+
+
 def cudnn_ms(problem: Problem, bench: KernelBench) -> float:
     q, k, v = bench.inputs
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
