@@ -241,6 +241,9 @@ def _fa2(bm: int, bn: int, warps: int, stages: int, *, ws: bool = False,
 #: The fa3 points lead: two 64-row consumers measured up to 1.09x (D128) and 1.12x (D64)
 #: cuDNN on an H100 and beat the tuned fa2 winners at D128 from N=2k (2026-11-23, NOTES.md;
 #: `scripts/sweep_fa3.py` re-measures them). At N=512 and small D64 the fa2 points win.
+#: Keys from which the untuned default takes fa3 over fa2 at head dim 64 (see default_variant).
+FA3_DEFAULT_MIN_KEYS_D64 = 4096
+
 HOPPER_PORTFOLIO: dict[str, tuple[Variant, ...]] = {
     "d<=64": (
         _fa3(128, 128, 4, 3), _fa3(128, 128, 4, 4), _fa3(128, 128, 4, 2), _fa3(128, 64, 4, 4),
@@ -280,6 +283,11 @@ def default_variant(problem: Problem, device: DeviceInfo | str | None = None) ->
     dev = device_info(device)
     big_d = problem.padded_head_dim >= 128
     prefs = [
+        # Hopper, 16-bit, D 64 or 128 (the fa3 rules drop it elsewhere). At D64 fa3 pays off
+        # only from 4k keys on: below that a program is too short to hide its TMA prologue
+        # (H100, 2026-11-23: 0.67-0.89x cuDNN against fa2's 0.85-0.93x; NOTES.md "fa3").
+        *([Variant("fa3", 128, 128, 4, 3)] if big_d or problem.seq_k >= FA3_DEFAULT_MIN_KEYS_D64
+          else []),
         Variant("fa2", 128, 64, 8 if big_d else 4, 3 if dev.is_hopper else 2),
         Variant("fa2", 128, 32, 8, 2),
         Variant("fa2", 64, 64, 4, 2),
