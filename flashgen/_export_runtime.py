@@ -289,10 +289,15 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     launch = {"num_warps": var["num_warps"], "num_stages": var["num_stages"]}
     if var["loop_order"] == "fa3" and _tma_ready(q, k, v, out):
         # Gluon kernel: each consumer warpgroup moves its own 16 x num_warps rows of Q and O.
+        # On a persistent grid: a program per SM, and the kernel takes B * H_Q last.
         rows, bn = 16 * var["num_warps"], var["block_n"]
-        _kernel(choice.kernels["fwd"], "attn_fwd")[(_cdiv(nq, var["block_m"]), b * hq)](
+        tiles, extra = _cdiv(nq, var["block_m"]), ()
+        grid: tuple = (tiles, b * hq)
+        if var.get("persistent"):
+            grid, extra = (min(tiles * b * hq, _sm_count(q.device)),), (b * hq,)
+        _kernel(choice.kernels["fwd"], "attn_fwd")[grid](
             _gluon_descriptor(q, rows), _gluon_descriptor(k, bn), _gluon_descriptor(v, bn),
-            _gluon_descriptor(out, rows), lse, *tail, num_warps=var["num_warps"],
+            _gluon_descriptor(out, rows), lse, *tail, *extra, num_warps=var["num_warps"],
         )  # fmt: skip
         return out, lse
     if var.get("use_tma") and _tma_ready(q, k, v, out):

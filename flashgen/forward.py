@@ -70,6 +70,19 @@ def fa2_grid(variant: Variant, nq: int, heads: int, device: torch.device) -> tup
     return max(1, min(tiles, -(-target // heads))), heads
 
 
+def fa3_grid(variant: Variant, nq: int, heads: int,
+             device: torch.device) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The fa3 launch grid and the arguments it adds after fa3's common ones.
+
+    One program per (Q tile, head); on a persistent grid one program per SM (at most one per
+    tile), whose kernel takes the number of heads (B * H_Q) to enumerate the tiles itself.
+    """
+    tiles = -(-nq // variant.block_m)
+    if not variant.persistent:
+        return (tiles, heads), ()
+    return (min(tiles * heads, device_info(device).sm_count),), (heads,)
+
+
 def prepare_forward(variant: Variant, problem: Problem, strict: bool = True) -> Launcher:
     """Load `variant`'s kernel once and return a function that launches it on checked inputs.
 
@@ -150,10 +163,11 @@ def _prepare_tma(variant: Variant, problem: Problem, strict: bool) -> Launcher:
         if fa3:
             # Each consumer warpgroup moves its own 16 x num_warps rows of Q and O.
             rows = 16 * variant.num_warps
-            kernel[(-(-nq // bm), b * hq)](
+            grid, extra = fa3_grid(variant, nq, b * hq, q.device)
+            kernel[grid](
                 _gluon_descriptor(q, rows), _gluon_descriptor(k, bn), _gluon_descriptor(v, bn),
                 _gluon_descriptor(out, rows), lse, *lse.stride()[:2],
-                scale, nq, k.shape[2], hq, problem.group, num_warps=variant.num_warps,
+                scale, nq, k.shape[2], hq, problem.group, *extra, num_warps=variant.num_warps,
             )  # fmt: skip
             return out, lse
         kernel[fa2_grid(variant, nq, b * hq, q.device)](

@@ -105,7 +105,9 @@ def render_with(templates: Mapping[str, str], variant: Variant, problem: Problem
 
 
 def template_name(variant: Variant) -> str:
-    return f"attn_fwd_{variant.loop_order}.py.jinja"
+    # fa3 on a persistent grid is its own kernel (its own tile loop and barriers), not a flag.
+    grid = "_persistent" if variant.loop_order == "fa3" and variant.persistent else ""
+    return f"attn_fwd_{variant.loop_order}{grid}.py.jinja"
 
 
 def render_context(variant: Variant, problem: Problem) -> dict[str, Any]:

@@ -32,11 +32,15 @@ def _pow2_at_least_16(n: int) -> int:
 
 
 def shared_memory_bytes(v: Variant, p: Problem) -> int:
-    """Estimate the shared memory a variant stages: the Q tile, plus K and V tiles per stage."""
+    """Estimate the shared memory a variant stages: the Q tile (and fa3's O where it has
+    its own), plus K and V tiles per stage."""
     elem = 4 if p.dtype == "fp32" else 2
     d = p.padded_head_dim
     stages = max(1, v.num_stages)
-    return elem * d * (v.block_m + 2 * v.block_n * stages)
+    # fa3 stages O through Q's buffer, except on a persistent grid, where the next tile's Q
+    # loads while O is still being written: O gets its own.
+    q_and_o = 2 * v.block_m if v.loop_order == "fa3" and v.persistent else v.block_m
+    return elem * d * (q_and_o + 2 * v.block_n * stages)
 
 
 Rule = Callable[[Variant, Problem, DeviceInfo], str | None]
@@ -148,9 +152,12 @@ def fa3_tiles(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
         return "fa3 block_n must be 64 or 128"
     if not 2 <= v.num_stages <= 4:
         return "fa3 keeps 2 to 4 K/V stages"
-    if not v.split_mask or v.warp_specialize or v.use_tma or v.persistent:
-        return ("fa3 has its own warp roles and TMA: split_mask/warp_specialize/use_tma/"
-                "persistent are fa2 knobs")
+    if not v.split_mask or v.warp_specialize or v.use_tma:
+        return ("fa3 has its own warp roles and TMA: split_mask/warp_specialize/use_tma are "
+                "fa2 knobs")
+    if v.persistent not in (0, 1):
+        # Its tiles take most of an SM's shared memory: one program per SM is all that fits.
+        return "fa3 persistent is 0 (a program per Q tile) or 1 (a program per SM)"
     return None
 
 
@@ -223,8 +230,8 @@ def search_space(problem: Problem, device: DeviceInfo | str | None = None) -> li
     return [v for v in all_points() if why_invalid(v, problem, dev) is None]
 
 
-def _fa3(bm: int, bn: int, warps: int, stages: int) -> Variant:
-    return Variant("fa3", bm, bn, warps, stages)
+def _fa3(bm: int, bn: int, warps: int, stages: int, *, persistent: int = 0) -> Variant:
+    return Variant("fa3", bm, bn, warps, stages, persistent=persistent)
 
 
 def _fa2(bm: int, bn: int, warps: int, stages: int, *, ws: bool = False,
@@ -241,6 +248,9 @@ def _fa2(bm: int, bn: int, warps: int, stages: int, *, ws: bool = False,
 #: The fa3 points lead: two 64-row consumers measured up to 1.09x (D128) and 1.12x (D64)
 #: cuDNN on an H100 and beat the tuned fa2 winners at D128 from N=2k (2026-11-23, NOTES.md;
 #: `scripts/sweep_fa3.py` re-measures them). At N=512 and small D64 the fa2 points win.
+#: The persistent fa3 points follow: one program per SM hides the TMA prologue and epilogue
+#: that dominate short programs (H100, 2026-11-23, an experiment of the same kernel: D128
+#: N512 0.69 -> 0.84x cuDNN at 2 stages, D64 N512 0.67 -> 0.83x; NOTES.md "fa3").
 #: Keys from which the untuned default takes fa3 over fa2 at head dim 64 (see default_variant).
 FA3_DEFAULT_MIN_KEYS_D64 = 4096
 
@@ -248,6 +258,7 @@ HOPPER_PORTFOLIO: dict[str, tuple[Variant, ...]] = {
     "d<=64": (
         _fa3(128, 128, 4, 3), _fa3(128, 128, 4, 4), _fa3(128, 128, 4, 2), _fa3(128, 64, 4, 4),
         _fa3(128, 128, 8, 3),
+        _fa3(128, 128, 4, 2, persistent=1), _fa3(128, 128, 4, 3, persistent=1),
         _fa2(64, 128, 4, 2), _fa2(128, 64, 8, 4), _fa2(128, 128, 4, 3), _fa2(128, 64, 4, 3),
         _fa2(128, 64, 8, 3, ws=True, tma=False), _fa2(128, 64, 8, 4, tma=False),
         _fa2(64, 64, 4, 3, tma=False),
@@ -255,6 +266,7 @@ HOPPER_PORTFOLIO: dict[str, tuple[Variant, ...]] = {
     "d>=128": (
         _fa3(128, 128, 4, 3), _fa3(128, 64, 4, 3), _fa3(128, 128, 4, 2), _fa3(128, 64, 4, 4),
         _fa3(128, 128, 8, 2),
+        _fa3(128, 128, 4, 2, persistent=1), _fa3(128, 64, 4, 3, persistent=1),
         _fa2(128, 128, 8, 3, ws=True), _fa2(128, 128, 8, 3), _fa2(256, 64, 8, 4, ws=True),
         _fa2(128, 64, 4, 2), _fa2(64, 64, 4, 3), _fa2(256, 64, 8, 3),
     ),

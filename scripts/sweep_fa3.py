@@ -28,7 +28,8 @@ from flashgen.variant import Variant
 POINTS = [Variant("fa3", 128, 128, 4, 3), Variant("fa3", 128, 128, 4, 2),
           Variant("fa3", 128, 64, 4, 3), Variant("fa3", 128, 64, 4, 4),
           Variant("fa3", 64, 64, 4, 2), Variant("fa3", 64, 128, 4, 2),
-          Variant("fa3", 128, 128, 8, 2)]
+          Variant("fa3", 128, 128, 8, 2), Variant("fa3", 128, 128, 4, 2, persistent=1),
+          Variant("fa3", 128, 64, 4, 3, persistent=1), Variant("fa3", 128, 128, 4, 3, persistent=1)]
 
 
 def cudnn_ms(problem: Problem, bench: KernelBench) -> float:

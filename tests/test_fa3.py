@@ -8,18 +8,17 @@ the numbers are checked on the GPU machine (`gpu` tests).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
+from dataclasses import replace
 
 import pytest
 import torch
 
 import flashgen
 from flashgen.check import compare, make_inputs
+from flashgen.forward import fa3_grid
 from flashgen.gluon_compile import report_in_subprocess
-from flashgen.hardware import INTERPRETER, DeviceInfo
+from flashgen.hardware import INTERPRETER, DeviceInfo, device_info
+from flashgen.render import template_name as render_template_name
 from flashgen.space import FA3_TILES, default_variant, portfolio
 
 HOPPER = DeviceInfo("H-test", (9, 0), 132, 232448)
@@ -51,6 +50,25 @@ def test_fa3_is_a_hopper_16bit_variant_with_its_own_tiles() -> None:
     assert fa3 == set(FA3_TILES)
 
 
+def test_fa3_persistent_is_one_program_per_sm_with_its_own_o_buffer() -> None:
+    persistent = flashgen.Variant("fa3", 128, 128, 4, 2, persistent=1)
+    assert flashgen.why_invalid(persistent, _problem(), HOPPER) is None
+    assert "fa3 persistent" in flashgen.why_invalid(
+        flashgen.Variant("fa3", 128, 128, 4, 2, persistent=2), _problem(), HOPPER)
+    # O's own buffer costs a Q tile of shared memory: three D128 stages of 128-key tiles fit
+    # the one-tile kernel, not the persistent one.
+    assert flashgen.why_invalid(flashgen.Variant("fa3", 128, 128, 4, 3), _problem(), HOPPER) is None
+    assert "shared memory" in flashgen.why_invalid(
+        flashgen.Variant("fa3", 128, 128, 4, 3, persistent=1), _problem(), HOPPER)
+    assert render_template_name(persistent) == "attn_fwd_fa3_persistent.py.jinja"
+    assert render_template_name(replace(persistent, persistent=0)) == "attn_fwd_fa3.py.jinja"
+    # One program per SM, at most one per tile; the kernel is told B * H_Q to walk the tiles.
+    sm = device_info("cpu").sm_count
+    assert fa3_grid(persistent, 1000, 48, torch.device("cpu")) == ((min(8 * 48, sm),), (48,))
+    assert fa3_grid(replace(persistent, persistent=0), 1000, 48, torch.device("cpu")) == (
+        (8, 48), ())
+
+
 def test_portfolio_and_default_lead_with_fa3_on_hopper() -> None:
     # The tuner measures fa3 first on Hopper (every candidate passes the reference check
     # before it can win). Untuned, fa3 serves D128 and long D64; short D64, fp32, other head
@@ -75,18 +93,23 @@ def test_pointer_twin_keeps_the_tiles_and_drops_tma() -> None:
         "fa2", 128, 64, 4, 3)
     tma = flashgen.Variant("fa2", 128, 64, 8, 3, use_tma=True)
     assert tma.pointer_twin() == flashgen.Variant("fa2", 128, 64, 8, 3)
+    # fa3's persistent grid is its own schedule; the twin runs fa2's one program per tile.
+    assert flashgen.Variant("fa3", 128, 64, 4, 3, persistent=1).pointer_twin() == v.pointer_twin()
+    fa2_persistent = flashgen.Variant("fa2", 128, 64, 8, 3, use_tma=True, persistent=1)
+    assert fa2_persistent.pointer_twin().persistent == 1
 
 
 @pytest.mark.parametrize(
-    ("block_m", "block_n", "warps", "stages", "d", "causal"),
-    [(128, 128, 4, 3, 128, False), (128, 64, 4, 4, 128, True), (128, 128, 8, 2, 64, True),
-     (64, 128, 4, 2, 64, False)],
+    ("block_m", "block_n", "warps", "stages", "d", "causal", "persistent"),
+    [(128, 128, 4, 3, 128, False, 0), (128, 64, 4, 4, 128, True, 0),
+     (128, 128, 8, 2, 64, True, 0), (64, 128, 4, 2, 64, False, 0),
+     (128, 64, 4, 3, 128, True, 1), (128, 128, 4, 2, 64, True, 1)],
 )
 def test_fa3_compiles_for_hopper_with_its_machinery(
-    block_m: int, block_n: int, warps: int, stages: int, d: int, causal: bool
+    block_m: int, block_n: int, warps: int, stages: int, d: int, causal: bool, persistent: int
 ) -> None:
     pytest.importorskip("triton.experimental.gluon")
-    variant = flashgen.Variant("fa3", block_m, block_n, warps, stages)
+    variant = flashgen.Variant("fa3", block_m, block_n, warps, stages, persistent=persistent)
     problem = _problem(d, "bf16", causal)
     assert flashgen.why_invalid(variant, problem, HOPPER) is None
     found = report_in_subprocess(variant, problem)
@@ -97,23 +120,14 @@ def test_fa3_compiles_for_hopper_with_its_machinery(
     assert any("0 bytes spill stores" in line for line in found["ptxas"]), found["ptxas"]
 
 
-def test_the_next_schedules_experiment_still_compiles() -> None:
-    # experiments/fa3_next.py (ping-pong, persistent grid) waits for a GPU session to be
-    # measured; this keeps it compiling against the package it imports from meanwhile.
-    pytest.importorskip("triton.experimental.gluon")
-    root = Path(__file__).resolve().parent.parent
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(root / "experiments" / "run_fa3_next.py"),
-                           "--compile-only"], env=env, capture_output=True, text=True,
-                          timeout=600, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("shared=") == 20
-
-
 # ---- GPU: answers against the float64 reference ----------------------------------------------
 
 FA3_POINTS = [flashgen.Variant("fa3", 128, 128, 4, 3), flashgen.Variant("fa3", 128, 64, 4, 2),
-              flashgen.Variant("fa3", 128, 128, 8, 2), flashgen.Variant("fa3", 64, 64, 4, 4)]
+              flashgen.Variant("fa3", 128, 128, 8, 2), flashgen.Variant("fa3", 64, 64, 4, 4),
+              # persistent grid: two consumers, one consumer, and 8-warp consumers
+              flashgen.Variant("fa3", 128, 128, 4, 2, persistent=1),
+              flashgen.Variant("fa3", 64, 64, 4, 3, persistent=1),
+              flashgen.Variant("fa3", 128, 64, 8, 2, persistent=1)]
 
 
 @pytest.mark.gpu
