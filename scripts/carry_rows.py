@@ -23,6 +23,8 @@ import sqlite3
 import sys
 from pathlib import Path
 
+import jinja2
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rehash_db import rekey, rows_keyed, templates_at
@@ -30,6 +32,15 @@ from rehash_db import rekey, rows_keyed, templates_at
 from flashgen.problem import Problem
 from flashgen.render import family_hash, render, render_with, template_hash
 from flashgen.variant import Variant
+
+
+def _unchanged(old_texts: dict[str, str], variant: Variant, problem: Problem) -> bool:
+    """Whether `variant`'s kernel renders byte-identical with the old and current templates
+    (False where either set has no template for it)."""
+    try:
+        return render_with(old_texts, variant, problem) == render(variant, problem)
+    except jinja2.TemplateNotFound:
+        return False
 
 
 def carry(path: Path, rev: str, mode: str = "fwd",
@@ -49,18 +60,20 @@ def carry(path: Path, rev: str, mode: str = "fwd",
             rows = rows_keyed(conn, table, old, mode)
             carried = 0
             for row in rows:
+                if table == "trials" and row["status"] == "pruned":
+                    # Pruned by REV's rules, which may have changed (a knob a family gained);
+                    # pruning again costs the tuner nothing, measuring a point it skips does.
+                    continue
                 pair = (row["variant_json"], row["problem_json"])
                 if pair not in same:
-                    variant = Variant.from_json(pair[0])
-                    problem = Problem.from_dict(json.loads(pair[1]))
-                    same[pair] = render_with(old_texts, variant, problem) == render(variant,
-                                                                                   problem)
+                    same[pair] = _unchanged(old_texts, Variant.from_json(pair[0]),
+                                            Problem.from_dict(json.loads(pair[1])))
                 if same[pair]:
                     rekey(conn, table, row, new)
                     carried += 1
             counts[table] = (carried, len(rows) - carried)
             print(f"{table} {mode}: {carried} row(s) carried {old} -> {new}, "
-                  f"{len(rows) - carried} left (kernel changed)")
+                  f"{len(rows) - carried} left (kernel changed, or pruned)")
         if dry_run:
             conn.rollback()
     conn.close()
