@@ -203,8 +203,8 @@ def test_bwd_kernel_bench_fails_wrong_gradients(monkeypatch: pytest.MonkeyPatch)
 def test_template_hash_is_per_family(monkeypatch: pytest.MonkeyPatch) -> None:
     texts = dict(render._templates())
     assert render.family_templates(texts, "fwd") == [
-        "_online_softmax.py.jinja", "attn_fwd_fa1.py.jinja", "attn_fwd_fa2.py.jinja",
-        "attn_fwd_fa3.py.jinja"]
+        "_fa3_softmax.py.jinja", "_online_softmax.py.jinja", "attn_fwd_fa1.py.jinja",
+        "attn_fwd_fa2.py.jinja", "attn_fwd_fa3.py.jinja", "attn_fwd_fa3_persistent.py.jinja"]
     assert {"_bwd_rows.py.jinja", "attn_bwd_dq.py.jinja"} <= set(
         render.family_templates(texts, "bwd"))
     fwd, bwd = render.template_hash("fwd"), render.template_hash("bwd")

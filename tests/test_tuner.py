@@ -249,7 +249,9 @@ def test_the_hopper_portfolio_is_measured_right_after_the_default(db: TuningDB) 
     assert picks and all(why_invalid(v, problem, hopper) is None for v in picks)
     bench = FakeBench(problem)
     tune_problem(problem, bench, db, hopper, trials=len(picks) + 3, versions=VERSIONS)
-    assert bench.measured[:len(picks) + 1] == [default_variant(problem, hopper), *picks]
+    # The default (fa3 on Hopper) may lead the portfolio too: it is measured once.
+    seeds = list(dict.fromkeys([default_variant(problem, hopper), *picks]))
+    assert bench.measured[:len(seeds)] == seeds
     assert portfolio(problem, INTERPRETER) == []  # other devices sample from scratch
 
 
