@@ -148,8 +148,7 @@ def _resume(study: optuna.Study, result: TuneResult, rows: dict[str, TrialRow],
             space: ModeSpace) -> None:
     """Tell the study what earlier runs measured, so it is neither measured nor sampled
     blindly again. Rows of variants this code cannot build or no longer allows (the
-    validity rules may have changed since), and pruned rows of variants it now allows, are
-    left out."""
+    validity rules may have changed since) are left out."""
     for variant_json, row in rows.items():
         outcome = _outcome_of_row(row)
         if outcome.status == "ok" and outcome.median_ms is None:
@@ -160,8 +159,6 @@ def _resume(study: optuna.Study, result: TuneResult, rows: dict[str, TrialRow],
                 continue
         except (TypeError, ValueError):
             continue
-        if outcome.status == "pruned":
-            continue  # pruned by older rules that this point now passes: measure it
         result.note(variant_json, outcome)
         result.resumed += 1
         params = row.variant

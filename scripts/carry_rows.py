@@ -62,7 +62,7 @@ def carry(path: Path, rev: str, mode: str = "fwd",
             for row in rows:
                 if table == "trials" and row["status"] == "pruned":
                     # Pruned by REV's rules, which may have changed (a knob a family gained);
-                    # pruning again costs the tuner nothing, measuring a point it skips does.
+                    # the tuner ignores pruned rows and re-checks validity for free anyway.
                     continue
                 pair = (row["variant_json"], row["problem_json"])
                 if pair not in same:
