@@ -24,7 +24,7 @@ for what in "${@:-tests}"; do
         >"$out/t/tma.log" 2>&1; tail -3 "$out/t/tma.log"
       ;;
     fa3)
-      stage "fa3 (Gluon) forward gpu tests (one-tile and persistent; ~200 s on an H100), then fa3 points vs cuDNN on fa-bench cells"
+      stage "fa3 (Gluon) gpu tests, one-tile and persistent, then fa3 points vs cuDNN"
       timeout 330 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fa3.py \
         >"$out/t/fa3.log" 2>&1; tail -3 "$out/t/fa3.log"
       timeout 300 python3 scripts/sweep_fa3.py --dtypes fp16 --csv "$out/sweep-fa3.csv" \
