@@ -231,6 +231,15 @@ def _fa2_grid(var: dict[str, Any], nq: int, heads: int, device: torch.device) ->
     return max(1, min(tiles, _cdiv(_sm_count(device) * per_sm, heads))), heads
 
 
+def _fa3_grid(var: dict[str, Any], nq: int, heads: int, device: torch.device) -> tuple:
+    """(grid, extra arguments) of an fa3 kernel: a program per (Q tile, head), or on a
+    persistent grid a program per SM, the kernel then taking the number of heads last."""
+    tiles = _cdiv(nq, var["block_m"])
+    if not var.get("persistent"):
+        return (tiles, heads), ()
+    return (min(tiles * heads, _sm_count(device)),), (heads,)
+
+
 def _problem(q: torch.Tensor, k: torch.Tensor, causal: bool) -> tuple:
     return (_DTYPES[q.dtype], causal, q.shape[3], q.shape[1] // k.shape[1], q.shape[2],
             k.shape[2])
@@ -289,12 +298,8 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     launch = {"num_warps": var["num_warps"], "num_stages": var["num_stages"]}
     if var["loop_order"] == "fa3" and _tma_ready(q, k, v, out):
         # Gluon kernel: each consumer warpgroup moves its own 16 x num_warps rows of Q and O.
-        # On a persistent grid: a program per SM, and the kernel takes B * H_Q last.
         rows, bn = 16 * var["num_warps"], var["block_n"]
-        tiles, extra = _cdiv(nq, var["block_m"]), ()
-        grid: tuple = (tiles, b * hq)
-        if var.get("persistent"):
-            grid, extra = (min(tiles * b * hq, _sm_count(q.device)),), (b * hq,)
+        grid, extra = _fa3_grid(var, nq, b * hq, q.device)
         _kernel(choice.kernels["fwd"], "attn_fwd")[grid](
             _gluon_descriptor(q, rows), _gluon_descriptor(k, bn), _gluon_descriptor(v, bn),
             _gluon_descriptor(out, rows), lse, *tail, *extra, num_warps=var["num_warps"],

@@ -28,6 +28,7 @@ from flashgen.check_grads import compare_grads
 from flashgen.cli import app
 from flashgen.db import TuningDB
 from flashgen.export_select import GENERIC, LENGTHS, select_winners, tile_needs
+from flashgen.forward import fa3_grid
 from flashgen.hardware import INTERPRETER, DeviceInfo
 from flashgen.problem import DTYPES
 from flashgen.space import why_invalid
@@ -164,6 +165,22 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                          env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
     return {"out": out, "res": torch.load(tmp / "res.pt", weights_only=False)}
+
+
+@pytest.mark.interpreter
+def test_exported_fa3_grid_matches_the_package(exported: dict[str, Any]) -> None:
+    # The exported runtime cannot import flashgen, so it carries its own fa3 grid rule; the
+    # two must launch the same programs with the same trailing arguments.
+    sys.path.insert(0, str(exported["out"]))
+    try:
+        runtime = importlib.import_module("fgk")
+    finally:
+        sys.path.remove(str(exported["out"]))
+    cpu = torch.device("cpu")
+    for v in (flashgen.Variant("fa3", 128, 128, 4, 3),
+              flashgen.Variant("fa3", 64, 64, 4, 3, persistent=1)):
+        for nq, heads in ((1000, 48), (33, 1), (4096, 512)):
+            assert runtime._fa3_grid(v.to_dict(), nq, heads, cpu) == fa3_grid(v, nq, heads, cpu)
 
 
 @pytest.mark.interpreter
@@ -460,17 +477,22 @@ def test_gpu_aot_cubin_through_the_driver_api(tmp_path: Path, dtype: str, d: int
         kernel.unload()
 
 
+GPU_EXPORTED = [flashgen.Variant("fa2", 128, 32, 4, 2),
+                flashgen.Variant("fa2", 128, 64, 4, 3, use_tma=True),
+                flashgen.Variant("fa3", 128, 128, 4, 3),
+                flashgen.Variant("fa3", 128, 128, 4, 2, persistent=1)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("tuned", [flashgen.Variant("fa2", 128, 32, 4, 2),
-                                   flashgen.Variant("fa2", 128, 64, 4, 3, use_tma=True)])
+@pytest.mark.parametrize("tuned", GPU_EXPORTED, ids=str)
 def test_gpu_python_export_hit_miss_and_training(tmp_path: Path,
                                                  tuned: flashgen.Variant) -> None:
     dev = flashgen.device_info("cuda")
-    if tuned.use_tma and not dev.is_hopper:
-        pytest.skip("TMA needs Hopper")
+    if tuned.needs_tma and not dev.is_hopper:
+        pytest.skip("TMA and fa3 need Hopper")
     problem = flashgen.Problem(2, 8, 2, 1024, 1024, 64, "fp16", True)
     _store(tmp_path / "t.db", problem, tuned, dev)
-    name = f"fgk_gpu_{int(tuned.use_tma)}"
+    name = f"fgk_gpu_{GPU_EXPORTED.index(tuned)}"
     _export("--db", str(tmp_path / "t.db"), "--out", str(tmp_path), "--name", name)
     sys.path.insert(0, str(tmp_path))
     try:
