@@ -37,9 +37,9 @@ def shared_memory_bytes(v: Variant, p: Problem) -> int:
     elem = 4 if p.dtype == "fp32" else 2
     d = p.padded_head_dim
     stages = max(1, v.num_stages)
-    # fa3 stages O through Q's buffer, except on a persistent grid, where the next tile's Q
-    # loads while O is still being written: O gets its own.
-    q_and_o = 2 * v.block_m if v.loop_order == "fa3" and v.persistent else v.block_m
+    # fa3 stages O through Q's buffer, except on a persistent grid: there Q is double-buffered
+    # (the next tile's loads during this one) and O, written while both are in use, has its own.
+    q_and_o = 3 * v.block_m if v.loop_order == "fa3" and v.persistent else v.block_m
     return elem * d * (q_and_o + 2 * v.block_n * stages)
 
 

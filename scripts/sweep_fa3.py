@@ -6,6 +6,7 @@ timed, exactly as the tuner does (`KernelBench.measure`), and printed as its rat
 cuDNN backend measured in the same run.
 
   python3 scripts/sweep_fa3.py --lens 512,2048,16384 --dims 128,64 --csv $OUT/fa3.csv
+  python3 scripts/sweep_fa3.py --match 'p1,m128 n128 w4 s3' ...   (those points only)
 """
 
 from __future__ import annotations
@@ -45,7 +46,12 @@ def main() -> None:
     ap.add_argument("--dims", default="128,64")
     ap.add_argument("--dtypes", default="fp16,bf16")
     ap.add_argument("--csv", default="")
+    ap.add_argument("--match", default="",
+                    help="comma-separated substrings: only points whose name holds one, "
+                         "e.g. 'p1,m128 n128 w4 s3'")
     a = ap.parse_args()
+    wanted = [m for m in a.match.split(",") if m]
+    points = [p for p in POINTS if not wanted or any(m in str(p) for m in wanted)]
     rows = []
     for d in (int(x) for x in a.dims.split(",")):
         for n in (int(x) for x in a.lens.split(",")):
@@ -60,7 +66,7 @@ def main() -> None:
                     measured: list[tuple[str, Measurement]] = [
                         (f"dispatch {dispatched}", bench.measure(dispatched))]
                     t0 = time.time()
-                    measured += [(str(p), bench.measure(p)) for p in POINTS]
+                    measured += [(str(p), bench.measure(p)) for p in points]
                     cells = " ".join(
                         f"{name.replace('fa3 ', '')}:{(m.tflops or 0) / base:.2f}"
                         if m.status == "ok" else f"{name}:{m.status}({m.reason[:60]})"
