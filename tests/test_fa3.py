@@ -55,8 +55,8 @@ def test_fa3_persistent_is_one_program_per_sm_with_its_own_o_buffer() -> None:
     assert flashgen.why_invalid(persistent, _problem(), HOPPER) is None
     assert "fa3 persistent" in flashgen.why_invalid(
         flashgen.Variant("fa3", 128, 128, 4, 2, persistent=2), _problem(), HOPPER)
-    # O's own buffer costs a Q tile of shared memory: three D128 stages of 128-key tiles fit
-    # the one-tile kernel, not the persistent one.
+    # A second Q buffer and O's own cost two Q tiles of shared memory: three D128 stages of
+    # 128-key tiles fit the one-tile kernel, not the persistent one.
     assert flashgen.why_invalid(flashgen.Variant("fa3", 128, 128, 4, 3), _problem(), HOPPER) is None
     assert "shared memory" in flashgen.why_invalid(
         flashgen.Variant("fa3", 128, 128, 4, 3, persistent=1), _problem(), HOPPER)
