@@ -6,6 +6,8 @@ then runs each backend a few times, so Nsight Compute can profile both in one pr
   ncu --clock-control none -k regex:"attn_fwd|fprop" -c 2 --launch-skip 3 \\
       --section SpeedOfLight --section Occupancy \\
       python3 scripts/profile_fwd.py 1,16,16,16384,16384,128
+With --variant (repeatable, Variant JSON) those variants run instead of the dispatched one,
+each --calls times, in the order given, before cuDNN.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashgen
 from flashgen.render import load_kernel
+from flashgen.variant import Variant
 
 
 def main() -> None:
@@ -25,23 +28,29 @@ def main() -> None:
     ap.add_argument("shape", help="B,Hq,Hkv,Nq,Nk,D")
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--calls", type=int, default=4)
+    ap.add_argument("--variant", action="append", default=[],
+                    help="a variant as JSON (Variant.to_json); repeatable")
+    ap.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     a = ap.parse_args()
     b, hq, hkv, nq, nk, d = (int(x) for x in a.shape.split(","))
-    q = torch.randn(b, hq, nq, d, device="cuda", dtype=torch.float16)
-    k = torch.randn(b, hkv, nk, d, device="cuda", dtype=torch.float16)
-    v = torch.randn(b, hkv, nk, d, device="cuda", dtype=torch.float16)
-    choice = flashgen.explain(q, k, v, causal=a.causal)
-    print(choice)
-    for _ in range(a.calls):
-        flashgen.attention(q, k, v, causal=a.causal)
-    torch.cuda.synchronize()
+    dtype = torch.float16 if a.dtype == "fp16" else torch.bfloat16
+    q = torch.randn(b, hq, nq, d, device="cuda", dtype=dtype)
+    k = torch.randn(b, hkv, nk, d, device="cuda", dtype=dtype)
+    v = torch.randn(b, hkv, nk, d, device="cuda", dtype=dtype)
+    variants = [Variant.from_json(j) for j in a.variant] or [
+        flashgen.explain(q, k, v, causal=a.causal).variant]
     problem = flashgen.Problem.from_tensors(q, k, v, a.causal)
-    jit = load_kernel(choice.variant, problem)
-    for cache in jit.device_caches.values():
-        for compiled in cache[0].values():
-            print(f"{choice.variant}: {compiled.n_regs} registers/thread, "
-                  f"{compiled.n_spills} spills, {compiled.metadata.shared} B shared, "
-                  f"{compiled.metadata.num_warps} warps")
+    for variant in variants:
+        print(variant, flush=True)
+        for _ in range(a.calls):
+            flashgen.attention(q, k, v, causal=a.causal, variant=variant)
+        torch.cuda.synchronize()
+        jit = load_kernel(variant, problem)
+        for cache in getattr(jit, "device_caches", {}).values():
+            for compiled in cache[0].values():
+                print(f"{variant}: {compiled.n_regs} registers/thread, "
+                      f"{compiled.n_spills} spills, {compiled.metadata.shared} B shared, "
+                      f"{compiled.metadata.num_warps} warps")
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         for _ in range(a.calls):
             F.scaled_dot_product_attention(q, k, v, is_causal=a.causal)
