@@ -12,7 +12,12 @@ What this does not claim: that a carried winner is still the fastest point of a 
 has grown since. `flashgen tune` resumes from the carried trials and measures the new
 default and portfolio points first, so a re-run settles that.
 
-    python scripts/carry_rows.py tuning_db/flashgen.db --rev 9f884c0 [--dry-run]
+A retired winner is never served (dispatch looks rows up by the current hash), but it keeps
+the shipped database out of step with the templates; `--drop-retired` deletes the `winners`
+rows still keyed by REV's hash once the carry is done, so `flashgen tune` on those problems
+fills the gap. Retired trials stay, as history.
+
+    python scripts/carry_rows.py tuning_db/flashgen.db --rev 9f884c0 [--dry-run] [--drop-retired]
 """
 
 from __future__ import annotations
@@ -43,8 +48,8 @@ def _unchanged(old_texts: dict[str, str], variant: Variant, problem: Problem) ->
         return False
 
 
-def carry(path: Path, rev: str, mode: str = "fwd",
-          dry_run: bool = False) -> dict[str, tuple[int, int]]:
+def carry(path: Path, rev: str, mode: str = "fwd", dry_run: bool = False,
+          drop_retired: bool = False) -> dict[str, tuple[int, int]]:
     """Re-key `mode` rows tuned with `rev`'s templates whose kernels did not change;
     (carried, left) counts per table."""
     if mode != "fwd":
@@ -74,6 +79,11 @@ def carry(path: Path, rev: str, mode: str = "fwd",
             counts[table] = (carried, len(rows) - carried)
             print(f"{table} {mode}: {carried} row(s) carried {old} -> {new}, "
                   f"{len(rows) - carried} left (kernel changed, or pruned)")
+        if drop_retired:
+            dropped = conn.execute("DELETE FROM winners WHERE template_hash = ? AND mode = ?",
+                                   (old, mode)).rowcount
+            print(f"winners {mode}: {dropped} retired row(s) keyed {old} dropped; "
+                  "re-tune those problems")
         if dry_run:
             conn.rollback()
     conn.close()
@@ -86,8 +96,10 @@ def main() -> None:
     parser.add_argument("--rev", required=True,
                         help="git revision whose templates the rows were tuned with")
     parser.add_argument("--dry-run", action="store_true", help="count, change nothing")
+    parser.add_argument("--drop-retired", action="store_true",
+                        help="delete the winners left keyed by REV's hash (trials stay)")
     args = parser.parse_args()
-    carry(args.db, args.rev, dry_run=args.dry_run)
+    carry(args.db, args.rev, dry_run=args.dry_run, drop_retired=args.drop_retired)
 
 
 if __name__ == "__main__":
