@@ -17,12 +17,13 @@ from rich.table import Table
 from flashgen.benchmark import Mode, Row
 from flashgen.competitors import FLASHGEN
 from flashgen.problem import Problem
+from flashgen.timing import UNSTEADY_SPREAD
 
 MODE_TITLES: dict[str, str] = {"fwd": "forward", "bwd": "backward",
                                "both": "forward + backward"}
-#: A cell whose p20..p80 range is wider than this fraction of its median is marked "~": its
-#: median may move from run to run, so re-time it alone before drawing conclusions.
-UNSTEADY_SPREAD = 0.10
+#: A cell whose p20..p80 range is wider than UNSTEADY_SPREAD of its median, even after the
+#: timer's retries, is marked "~": its median may move from run to run, so re-time it alone
+#: before drawing conclusions.
 UNSTEADY_NOTE = (f"~: the repeats spread over more than {UNSTEADY_SPREAD:.0%} of the median "
                  "(p20..p80), typically a host-bound call; re-time that cell alone")
 

@@ -138,6 +138,22 @@ def test_trials_round_trip_and_resume_set(db: TuningDB) -> None:
     assert db.trials(key_of(Problem(1, 2, 1, 16, 16, 64))) == []
 
 
+def test_unsteady_gpu_timings_are_measured_again_on_resume(db: TuningDB) -> None:
+    # A median whose repeats spread past UNSTEADY_SPREAD is not trusted: a resumed run
+    # measures that variant again, unless a steady row of it exists.
+    key = key_of()
+    a, b = Variant(block_m=64), Variant(block_m=128)
+    unsteady = Timing(0.219, 0.200, 0.244, 50)  # seen on an H100, 2026-11-24
+    for variant in (a, b):
+        db.record_trial(key, PROBLEM, variant, "ok", timing=unsteady, tflops=1.0)
+    record_ok(db, key, b, 0.118)
+    assert set(db.measured(key, PROBLEM)) == {b.to_json()}
+    # The interpreter's timings say nothing about speed: its rows are never re-measured.
+    cpu = key_of(device=INTERPRETER)
+    db.record_trial(cpu, PROBLEM, a, "ok", timing=unsteady, tflops=1.0)
+    assert set(db.measured(cpu, PROBLEM)) == {a.to_json()}
+
+
 def test_record_trial_rejects_unknown_status(db: TuningDB) -> None:
     with pytest.raises(ValueError):
         db.record_trial(key_of(), PROBLEM, Variant(), "great")  # type: ignore[arg-type]
