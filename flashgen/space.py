@@ -247,10 +247,12 @@ def _fa2(bm: int, bn: int, warps: int, stages: int, *, ws: bool = False,
 #: faster), so they are measured first and the sampler explores from there.
 #: The fa3 points lead: two 64-row consumers measured up to 1.09x (D128) and 1.12x (D64)
 #: cuDNN on an H100 and beat the tuned fa2 winners at D128 from N=2k (2026-11-23, NOTES.md;
-#: `scripts/sweep_fa3.py` re-measures them). At N=512 and small D64 the fa2 points win.
+#: `scripts/sweep_fa3.py` re-measures them).
 #: The persistent fa3 points follow: one program per SM hides the TMA prologue and epilogue
 #: that dominate short programs (H100, 2026-11-23, an experiment of the same kernel: D128
-#: N512 0.69 -> 0.84x cuDNN at 2 stages, D64 N512 0.67 -> 0.83x; NOTES.md "fa3").
+#: N512 0.69 -> 0.84x cuDNN at 2 stages, D64 N512 0.67 -> 0.83x; NOTES.md "fa3"). Tuned on
+#: fa-bench and llama3-8b (2026-11-24) they won about half of the keys on both GPUs (most of
+#: D64 and of GQA D128 up to 4k); fa2 kept only D64 N512 causal.
 #: Keys from which the untuned default takes fa3 over fa2 at head dim 64 (see default_variant).
 FA3_DEFAULT_MIN_KEYS_D64 = 4096
 
