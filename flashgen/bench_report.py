@@ -69,7 +69,7 @@ def short_problem(p: Problem) -> str:
 
 
 def _unsteady(r: Row) -> bool:
-    return r.timing is not None and r.timing.spread > UNSTEADY_SPREAD
+    return r.timing is not None and r.timing.unsteady
 
 
 def _cell(r: Row | None) -> str:

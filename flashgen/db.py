@@ -34,7 +34,7 @@ from sqlite_utils.migrations import Migrations
 from flashgen.hardware import CPU_INTERPRETER
 from flashgen.problem import Problem
 from flashgen.spaces import AnyVariant, space_of
-from flashgen.timing import UNSTEADY_SPREAD, Timing
+from flashgen.timing import Timing
 from flashgen.tuning_key import KEY_COLUMNS, TuningKey, Versions
 
 Status = Literal["ok", "failed", "pruned"]
@@ -315,14 +315,14 @@ class TuningDB:
         """The latest ok-or-failed trial of each variant (by variant JSON) of `problem` under
         `key`: what a resumed run must not measure again. Pruned rows are left out: validity
         is recomputed for free. So are a GPU's ok rows whose repeats were unsteady (spread
-        past UNSTEADY_SPREAD): their median is not to be trusted, so a resumed run measures
+        past `timing.UNSTEADY_SPREAD`): their median is not to be trusted, so a resumed run measures
         the variant again unless a steady row of it exists (the old row stays, as history;
         the winner is the best ok row either way)."""
         on_gpu = not key.device_key.startswith(CPU_INTERPRETER)
         latest: dict[str, TrialRow] = {}
         for row in self.trials(key, problem):
             unsteady = (on_gpu and row.status == "ok" and row.timing is not None
-                        and row.timing.spread > UNSTEADY_SPREAD)
+                        and row.timing.unsteady)
             if row.status != "pruned" and not unsteady:
                 latest[row.variant_json] = row
         return latest

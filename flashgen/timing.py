@@ -52,6 +52,11 @@ class Timing:
         sometimes waits on show up as a wide spread (seen at 0.5 on an H100, 2026-11-22)."""
         return (self.p80_ms - self.p20_ms) / self.median_ms if self.median_ms > 0 else 0.0
 
+    @property
+    def unsteady(self) -> bool:
+        """Whether the repeats spread past UNSTEADY_SPREAD: a median not to be trusted."""
+        return self.spread > UNSTEADY_SPREAD
+
 
 def _percentile(ordered: list[float], q: float) -> float:
     # Linear interpolation between closest ranks (numpy's default method).

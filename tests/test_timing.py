@@ -6,7 +6,8 @@ from flashgen.timing import STEADY_RETRIES, UNSTEADY_SPREAD, Timing, steady
 
 
 def _runs(*spreads: float) -> tuple[list[Timing], list[Timing]]:
-    """Timings of median 1 ms with the given spreads, and the list `steady` draws them from."""
+    """Timings (medians 1, 2, 3 ... ms) with the given spreads, and the list `steady` draws
+    them from."""
     made = [Timing(1.0 + i, 1.0 + i - s / 2 * (1.0 + i), 1.0 + i + s / 2 * (1.0 + i), 50)
             for i, s in enumerate(spreads)]
     return made, list(made)
