@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -83,7 +84,8 @@ def fa3_grid(variant: Variant, nq: int, heads: int,
     return (min(tiles * heads, device_info(device).sm_count),), (heads,)
 
 
-def prepare_forward(variant: Variant, problem: Problem, strict: bool = True) -> Launcher:
+def prepare_forward(variant: Variant, problem: Problem, strict: bool = True,
+                    kernel: Any = None) -> Launcher:
     """Load `variant`'s kernel once and return a function that launches it on checked inputs.
 
     Everything that depends only on the variant and problem is settled here, so a launch does
@@ -94,10 +96,13 @@ def prepare_forward(variant: Variant, problem: Problem, strict: bool = True) -> 
     A `use_tma` or fa3 variant needs 16-byte aligned rows (`tma_ready`). Given inputs that
     are not, a strict launcher (an explicitly requested variant) raises; otherwise its
     pointer twin (`Variant.pointer_twin`) runs, which computes the same function.
+
+    `kernel` replaces the rendered one (a JIT function with the same arguments): how
+    `scripts/ab_templates.py` times another revision's template beside the current one.
     """
     if variant.needs_tma:
-        return _prepare_tma(variant, problem, strict)
-    kernel = load_kernel(variant, problem)
+        return _prepare_tma(variant, problem, strict, kernel)
+    kernel = kernel or load_kernel(variant, problem)
     launch = {"num_warps": variant.num_warps, "num_stages": variant.num_stages}
     group, fa1 = problem.group, variant.loop_order == "fa1"
     padded = problem.padded_head_dim
@@ -138,8 +143,9 @@ def prepare_forward(variant: Variant, problem: Problem, strict: bool = True) -> 
     return run
 
 
-def _prepare_tma(variant: Variant, problem: Problem, strict: bool) -> Launcher:
-    kernel = load_kernel(variant, problem)
+def _prepare_tma(variant: Variant, problem: Problem, strict: bool,
+                 kernel: Any) -> Launcher:
+    kernel = kernel or load_kernel(variant, problem)
     launch = {"num_warps": variant.num_warps, "num_stages": variant.num_stages}
     bm, bn, d = variant.block_m, variant.block_n, problem.padded_head_dim
     plain: list[Launcher] = []  # the pointer twin, prepared on first need

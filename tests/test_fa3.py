@@ -103,7 +103,9 @@ def test_pointer_twin_keeps_the_tiles_and_drops_tma() -> None:
     ("block_m", "block_n", "warps", "stages", "d", "causal", "persistent"),
     [(128, 128, 4, 3, 128, False, 0), (128, 64, 4, 4, 128, True, 0),
      (128, 128, 8, 2, 64, True, 0), (64, 128, 4, 2, 64, False, 0),
-     (128, 64, 4, 3, 128, True, 1), (128, 128, 4, 2, 64, True, 1)],
+     (128, 64, 4, 3, 128, True, 1), (128, 128, 4, 2, 64, True, 1),
+     # 128-key tiles at D128 spilled 192-248 bytes while P was carried in fp32
+     (128, 128, 4, 2, 128, False, 1)],
 )
 def test_fa3_compiles_for_hopper_with_its_machinery(
     block_m: int, block_n: int, warps: int, stages: int, d: int, causal: bool, persistent: int
@@ -169,3 +171,27 @@ def test_fa3_strided_and_unaligned_inputs_on_gpu() -> None:
     odd = base[1:].view(2, 4, 300, 128)
     with pytest.raises(ValueError, match="TMA"):
         flashgen.attention(odd, odd, odd, variant=variant)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [p for p in FA3_POINTS if p.persistent], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_fa3_persistent_chains_many_tiles_per_program_on_gpu(
+    variant: flashgen.Variant, causal: bool, d: int
+) -> None:
+    # The shapes above give each program one tile at most: here there are more tiles than
+    # SMs (384 or more), so every program chains several, a finished tile's last P V running
+    # under the next one's first scores, and under the causal mask units of two tiles; lengths
+    # are ragged and unequal (rows that see no key among them), and the heads grouped.
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("needs a Hopper GPU")
+    q, k, v = make_inputs(4, 16, 4, 700, 530, d, torch.float16, "cuda", seed=d + causal)
+    problem = flashgen.Problem.from_tensors(q, k, v, causal=causal)
+    reason = flashgen.why_invalid(variant, problem)
+    if reason:
+        pytest.skip(reason)
+    assert fa3_grid(variant, 700, 64, q.device)[0][0] < 64 * -(-700 // variant.block_m)
+    out, lse = flashgen.attention(q, k, v, causal=causal, variant=variant, return_lse=True)
+    check = compare(out, q, k, v, causal, None, lse)
+    assert check.ok, check.reason
