@@ -1,16 +1,17 @@
 """Time the working tree's forward templates against other sets of them, in one process.
 
 A template change is judged by how the same variant runs before and after it. Two separate
-runs cannot tell: on an H100 the same cell moved by up to 0.15x cuDNN between benches minutes
-apart (NOTES.md, 2026-11-24). Here every version of each variant's kernel runs on the same inputs,
-interleaved round by round with SDPA's cuDNN backend, and each round's ratio to cuDNN is kept;
-the table gives their medians. Every kernel is first checked against the float64 reference
-on the timed problem itself, so a persistent kernel is checked with its full grid.
+runs cannot tell: on an H100 the same cell moved by up to 0.15x cuDNN between benches
+minutes apart (NOTES.md, 2026-11-24). Here every version of each variant's kernel runs on the
+same inputs, interleaved round by round with SDPA's cuDNN backend, and each round's ratio to
+cuDNN is kept; the table gives their medians. Every kernel is first checked against the
+float64 reference on the timed problem itself, so a persistent kernel is checked with its
+full grid.
 
 Each other set is a folder of template files that replace the working tree's by name (the
 device machine has no git history, so take them out here and carry the folder):
 
-    mkdir -p .ab/v2 && git show HEAD~3:templates/attn_fwd_fa3_persistent.py.jinja \\
+    mkdir -p .ab/v2 && git show 71fdbb1:templates/attn_fwd_fa3_persistent.py.jinja \\
         > .ab/v2/attn_fwd_fa3_persistent.py.jinja
     python3 scripts/ab_templates.py --alt v2=.ab/v2 --match p1 --lens 512,1024 --csv ab.csv
 """
@@ -18,7 +19,6 @@ device machine has no git history, so take them out here and carry the folder):
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from sweep_fa3 import POINTS
+from sweep_fa3 import POINTS, finish
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashgen.check import compare, make_inputs
@@ -132,13 +132,7 @@ def main() -> None:
                          "bound": checks[name].bound, "ratio_cudnn_median": round(med, 4),
                          "ratios": " ".join(f"{x:.3f}" for x in r)})
         print(f"{problem} {variant}: " + "  ".join(cells_text), flush=True)
-    if a.csv and rows:
-        with open(a.csv, "w", newline="") as fh:
-            w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
-    print(f"device {torch.cuda.get_device_name()} "
-          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    finish(a.csv, rows)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,17 @@ def cudnn_ms(problem: Problem, bench: KernelBench) -> float:
             q, k, v, is_causal=problem.causal), bench.device).median_ms
 
 
+def finish(path: str, rows: list[dict[str, object]]) -> None:
+    """Write `rows` as CSV to `path` (if given), then the line that dates the run."""
+    if path and rows:
+        with open(path, "w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    print(f"device {torch.cuda.get_device_name()} "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lens", default="512,2048,16384")
@@ -77,13 +88,7 @@ def main() -> None:
                               "tflops": round(m.tflops or 0, 1), "cudnn_tflops": round(base, 1),
                               "ratio_cudnn": round((m.tflops or 0) / base, 3),
                               "reason": m.reason[:200]} for name, m in measured]
-    if a.csv and rows:
-        with open(a.csv, "w", newline="") as fh:
-            w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
-    print(f"device {torch.cuda.get_device_name()} "
-          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    finish(a.csv, rows)
 
 
 if __name__ == "__main__":
