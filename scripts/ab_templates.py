@@ -47,9 +47,10 @@ def launchers(variant: Variant, problem: Problem,
     seen = {source_hash(render(variant, problem))}
     for name, templates in alternates.items():
         source = render_with(templates, variant, problem)
-        if source_hash(source) not in seen:
-            seen.add(source_hash(source))
-            kernel = _load_module(source_hash(source), source).attn_fwd
+        digest = source_hash(source)
+        if digest not in seen:
+            seen.add(digest)
+            kernel = _load_module(digest, source).attn_fwd
             runs[name] = prepare_forward(variant, problem, kernel=kernel)
     return runs
 

@@ -181,9 +181,9 @@ def test_fa3_persistent_chains_many_tiles_per_program_on_gpu(
     variant: flashgen.Variant, causal: bool, d: int
 ) -> None:
     # The shapes above give each program one tile at most: here there are more tiles than
-    # SMs (384 or more), so every program chains several, a finished tile's last P V running
-    # under the next one's first scores, and under the causal mask units of two tiles; lengths
-    # are ragged and unequal (rows that see no key among them), and the heads grouped.
+    # SMs (384 or more), so every program walks several (under the causal mask, units of
+    # two), with Q double-buffered and the K/V ring and O buffer carried from tile to tile;
+    # lengths are ragged and unequal (rows that see no key among them), the heads grouped.
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("needs a Hopper GPU")
     q, k, v = make_inputs(4, 16, 4, 700, 530, d, torch.float16, "cuda", seed=d + causal)
