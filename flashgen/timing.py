@@ -4,6 +4,12 @@ A GPU measurement is the median of many launches, each preceded by a write of a 
 than L2 so every launch reads its inputs from HBM, as it would inside a model where other
 layers evict them. The spread (20th and 80th percentiles) is kept so a reader can tell a real
 difference from noise.
+
+The launches are queued behind a GPU spin long enough for the host to queue them all, so a
+timed span never contains the GPU waiting for the host. The flush alone (~85 us on an H100)
+did not guarantee that: queuing a dispatched fa3 call takes the host 90-200 us, and an H100
+run (2026-11-24, `scripts/probe_launch_gap.py`) showed such short calls' 80th percentile
+jump by up to 15% in some runs, which is how a tuner's measurement turns unsteady.
 """
 
 from __future__ import annotations
@@ -27,6 +33,20 @@ UNSTEADY_SPREAD = 0.10
 
 #: How many times an unsteady GPU measurement is taken again before the steadiest is kept.
 STEADY_RETRIES = 2
+
+#: Timed launches queued behind one GPU spin.
+QUEUE_BATCH = 25
+
+#: Clock assumed when turning a spin's length into GPU cycles: above any Hopper SM clock, so
+#: at the real clock the spin lasts longer than asked, which only adds to the host's lead.
+SPIN_HZ = 2.0e9
+
+#: The spin lasts this many times the host's measured time to queue the batch behind it.
+SPIN_MARGIN = 2.0
+
+#: Longest host time per launch a spin is sized for: a call that synchronises with the GPU
+#: cannot be queued ahead anyway, and must not turn every batch into a long wait.
+MAX_HOST_S = 5e-3
 
 
 @dataclass(frozen=True)
@@ -115,26 +135,47 @@ def _time_cuda_once(fn: Callable[[], object], device: torch.device, warmup_ms: f
     with torch.cuda.device(device):
         fn()
         torch.cuda.synchronize()
-        estimate = _events(fn, flush, 3)
+        host_s = _queue_seconds(fn, flush)
+        estimate = _events(fn, flush, 3, host_s)
         per_call = max(statistics.median(estimate), 1e-3)
         for _ in range(max(1, int(warmup_ms / per_call))):
             fn()
         reps = min(max_reps, max(min_reps, int(rep_ms / per_call)))
-        return Timing.from_samples(_events(fn, flush, reps))
+        return Timing.from_samples(_events(fn, flush, reps, host_s))
 
 
-def _events(fn: Callable[[], object], flush: torch.Tensor, reps: int) -> list[float]:
+def _queue_seconds(fn: Callable[[], object], flush: torch.Tensor, reps: int = 3) -> float:
+    """Host seconds to queue one timed launch (flush, two events, the call), measured while
+    a spin holds the GPU, so no call waits for the GPU to drain its queue."""
+    torch.cuda._sleep(int(0.02 * SPIN_HZ))  # 20 ms: far longer than queuing a few launches
+    start = time.perf_counter()
+    for _ in range(reps):
+        flush.zero_()
+        torch.cuda.Event(enable_timing=True).record()
+        fn()
+        torch.cuda.Event(enable_timing=True).record()
+    seconds = (time.perf_counter() - start) / reps
+    torch.cuda.synchronize()
+    return min(seconds, MAX_HOST_S)
+
+
+def _events(fn: Callable[[], object], flush: torch.Tensor, reps: int,
+            host_s: float) -> list[float]:
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for start, end in zip(starts, ends, strict=True):
-        # The flush also gives the CPU time to queue the launch, so Python overhead does not
-        # leak into the timed span (the GPU is busy while the next launch is prepared).
-        flush.zero_()
-        start.record()
-        fn()
-        end.record()
+    pairs = list(zip(starts, ends, strict=True))
+    for first in range(0, reps, QUEUE_BATCH):
+        batch = pairs[first:first + QUEUE_BATCH]
+        # Hold the GPU while the host queues the batch: the GPU then runs it back to back,
+        # and no timed span includes waiting for Python to issue the call.
+        torch.cuda._sleep(int(SPIN_MARGIN * len(batch) * host_s * SPIN_HZ))
+        for start, end in batch:
+            flush.zero_()
+            start.record()
+            fn()
+            end.record()
     torch.cuda.synchronize()
-    return [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
+    return [s.elapsed_time(e) for s, e in pairs]
 
 
 def time_cpu(fn: Callable[[], object], *, warmup: int = 1, reps: int = 3) -> Timing:
