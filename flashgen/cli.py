@@ -103,6 +103,10 @@ def tune(
         help="What to tune: the forward kernel (fwd), the backward kernels (bwd: gradients "
              "checked against the reference, the backward alone timed), or both, forward "
              "first, for each problem.")] = "fwd",
+    remeasure: Annotated[bool, typer.Option(
+        help="Measure again the variants each problem already has timings for (fastest "
+             "stored first; they count toward --trials) before sampling new ones: for "
+             "timings a flawed timer took. Old rows stay as history.")] = False,
     db: DbOption = None,
 ) -> None:
     """Tune every problem: search variants with Optuna, check each against the reference,
@@ -126,7 +130,8 @@ def tune(
                                   presets.parse_causal(causal))
     except ValueError as exc:
         raise _fail(str(exc)) from None
-    _run_tuning(problems, device, gpu, trials, timeout, seed, compile_workers, db, modes)
+    _run_tuning(problems, device, gpu, trials, timeout, seed, compile_workers, db, modes,
+                remeasure)
 
 
 def _make_bench(mode: str, problem: Problem, target: torch.device, seed: int,
@@ -147,7 +152,8 @@ def _make_bench(mode: str, problem: Problem, target: torch.device, seed: int,
 
 def _run_tuning(problems: list[Problem], device_type: str, gpu: int, trials: int | None,
                 timeout: float | None, seed: int, compile_workers: int,
-                db_path: Path | None, modes: tuple[str, ...] = ("fwd",)) -> None:
+                db_path: Path | None, modes: tuple[str, ...] = ("fwd",),
+                remeasure: bool = False) -> None:
     import optuna
     import torch
     from rich.console import Console
@@ -196,7 +202,8 @@ def _run_tuning(problems: list[Problem], device_type: str, gpu: int, trials: int
                 bench = _make_bench(mode, problem, target, seed, compile_workers, database.path)
                 results.append(tune_problem(
                     problem, bench, database, info, mode=mode, trials=trials,
-                    timeout=timeout, seed=seed, batch=batch, run_id=run_id, on_progress=show))
+                    timeout=timeout, seed=seed, batch=batch, run_id=run_id, on_progress=show,
+                    remeasure=remeasure))
         except KeyboardInterrupt:
             progress.console.print("interrupted: results so far are in the database")
     console.print(results_table(results))

@@ -225,6 +225,19 @@ def test_rerun_resumes_without_measuring_again(db: TuningDB) -> None:
     assert len(measured_rows) == 24  # nothing stored twice
 
 
+def test_remeasure_times_the_stored_variants_again_fastest_first(db: TuningDB) -> None:
+    broken = default_variant(PROBLEM, INTERPRETER)  # measured first, so surely stored
+    first = FakeBench(raises=[broken])
+    tune(first, db, trials=12, seed=1)
+    ok = sorted((v for v in first.measured if v != broken), key=made_up_ms)
+    second = FakeBench()
+    again = tune(second, db, trials=len(ok), seed=1, remeasure=True)
+    assert second.measured == ok
+    assert again.resumed == 1  # the failure stays known, not measured again
+    assert again.best == ok[0]
+    assert len([r for r in db.trials() if r.status != "pruned"]) == 12 + len(ok)
+
+
 def test_other_shapes_in_the_bucket_are_measured_afresh(db: TuningDB) -> None:
     tune(FakeBench(), db, trials=5)
     other = PROBLEM.with_(batch=4)  # same key, different exact problem
