@@ -30,7 +30,10 @@ POINTS = [Variant("fa3", 128, 128, 4, 3), Variant("fa3", 128, 128, 4, 2),
           Variant("fa3", 128, 64, 4, 3), Variant("fa3", 128, 64, 4, 4),
           Variant("fa3", 64, 64, 4, 2), Variant("fa3", 64, 128, 4, 2),
           Variant("fa3", 128, 128, 8, 2), Variant("fa3", 128, 128, 4, 2, persistent=1),
-          Variant("fa3", 128, 64, 4, 3, persistent=1), Variant("fa3", 128, 128, 4, 3, persistent=1)]
+          Variant("fa3", 128, 64, 4, 3, persistent=1), Variant("fa3", 128, 128, 4, 3, persistent=1),
+          Variant("fa3", 128, 64, 4, 4, persistent=1), Variant("fa3", 64, 64, 4, 3, persistent=1),
+          Variant("fa3", 64, 64, 4, 4, persistent=1), Variant("fa3", 64, 128, 4, 2, persistent=1),
+          Variant("fa3", 64, 128, 4, 3, persistent=1)]
 
 
 def cudnn_ms(problem: Problem, bench: KernelBench) -> float:
@@ -74,10 +77,12 @@ def main() -> None:
                     base = tflops(problem.flops(), cudnn_ms(problem, bench))
                     q, k, v = bench.inputs
                     dispatched = flashgen.explain(q, k, v, causal=causal).variant
+                    t0 = time.time()
+                    failed = bench.compile([dispatched, *points])  # on parallel threads
                     measured: list[tuple[str, Measurement]] = [
                         (f"dispatch {dispatched}", bench.measure(dispatched))]
-                    t0 = time.time()
-                    measured += [(str(p), bench.measure(p)) for p in points]
+                    measured += [(str(p), Measurement.failed(f"compile: {failed[p]}")
+                                  if p in failed else bench.measure(p)) for p in points]
                     cells = " ".join(
                         f"{name.replace('fa3 ', '')}:{(m.tflops or 0) / base:.2f}"
                         if m.status == "ok" else f"{name}:{m.status}({m.reason[:60]})"
