@@ -1,0 +1,90 @@
+"""Where a dispatched forward call spends its host time, next to SDPA cuDNN's host time.
+
+A call's host time decides whether a model that runs short attention eagerly keeps the GPU
+busy: at N = 512 a forward kernel runs ~110-150 us on an H100, and a host that needs longer
+to issue it leaves the GPU idle. For each problem this prints the host microseconds to queue
+one call (the GPU held busy by a spin, so nothing waits on it) for `flashgen.attention`, for
+its prepared launcher alone (`prepare_forward`, what dispatch ends in) and for SDPA cuDNN,
+then a cProfile of the dispatched call. Run on the GPU machine:
+
+  python3 scripts/profile_host.py --shape 32,16,16,512,512,128 --dtype bf16 --causal
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import functools
+import pstats
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flashgen
+from flashgen.check import make_inputs
+from flashgen.forward import default_scale, prepare_forward
+from flashgen.problem import Problem
+
+
+def host_us(fn: Callable[[], object], calls: int = 300) -> float:
+    """Median host microseconds per queued call over 5 runs, the GPU held busy by a spin."""
+    fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(5):
+        torch.cuda._sleep(400_000_000)  # ~0.2 s: longer than queuing `calls` calls
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", action="append", required=True, help="B,Hq,Hkv,Nq,Nk,D")
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args()
+    print(f"device {torch.cuda.get_device_name()} "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    for shape in args.shape:
+        b, hq, hkv, nq, nk, d = map(int, shape.split(","))
+        problem = Problem(b, hq, hkv, nq, nk, d, args.dtype, args.causal)
+        q, k, v = make_inputs(b, hq, hkv, nq, nk, d, problem.torch_dtype, "cuda", 0)
+        choice = flashgen.explain(q, k, v, causal=args.causal)
+        launch = prepare_forward(choice.variant, problem)
+        calls = {
+            "flashgen.attention": functools.partial(flashgen.attention, q, k, v,
+                                                    causal=args.causal),
+            "prepared launcher": functools.partial(launch, q, k, v, default_scale(d)),
+            "sdpa cudnn": functools.partial(cudnn, q, k, v, args.causal),
+        }
+        with torch.no_grad():
+            print(f"{problem}: {choice.variant} ({choice.how})")
+            for name, fn in calls.items():
+                print(f"  {name:20s} {host_us(fn):7.1f} us host per call")
+            profiler = cProfile.Profile()
+            torch.cuda._sleep(400_000_000)
+            profiler.enable()
+            for _ in range(300):
+                calls["flashgen.attention"]()
+            profiler.disable()
+            torch.cuda.synchronize()
+        stats = pstats.Stats(profiler).strip_dirs().sort_stats("tottime")
+        stats.print_stats(args.top)
+
+
+if __name__ == "__main__":
+    main()
