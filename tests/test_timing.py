@@ -1,8 +1,24 @@
-"""The timer's retry of unsteady measurements (`flashgen.timing.steady`), on made-up timings."""
+"""The timer's retry of unsteady measurements (`flashgen.timing.steady`), on made-up timings,
+and its queuing of timed calls ahead of the GPU, with the CUDA calls faked."""
 
 from __future__ import annotations
 
-from flashgen.timing import STEADY_RETRIES, UNSTEADY_SPREAD, Timing, steady
+import time
+
+import torch
+
+from flashgen.timing import (
+    MAX_HOST_S,
+    QUEUE_BATCH,
+    SPIN_HZ,
+    SPIN_MARGIN,
+    STEADY_RETRIES,
+    UNSTEADY_SPREAD,
+    Timing,
+    _events,
+    _queue_seconds,
+    steady,
+)
 
 
 def _runs(*spreads: float) -> tuple[list[Timing], list[Timing]]:
@@ -31,3 +47,62 @@ def test_when_every_retry_is_unsteady_the_steadiest_is_kept() -> None:
     kept = steady(lambda: queue.pop(0))
     assert kept == min(made[: STEADY_RETRIES + 1], key=lambda t: t.spread)
     assert kept.spread > UNSTEADY_SPREAD and len(queue) == 1
+
+
+# ---- queuing timed calls ahead of the GPU (`_events`, `_queue_seconds`), with fakes --------
+
+
+class _Log:
+    """Stands in for the CUDA calls the timer makes and records them in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+        log = self
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                assert enable_timing
+
+            def record(self) -> None:
+                log.calls.append(("event", 0))
+
+            def elapsed_time(self, end: object) -> float:
+                return 1.0
+
+        class Flush:
+            def zero_(self) -> None:
+                log.calls.append(("flush", 0))
+
+        self.Event, self.flush = Event, Flush()
+
+    def install(self, monkeypatch) -> None:
+        monkeypatch.setattr(torch.cuda, "Event", self.Event)
+        monkeypatch.setattr(torch.cuda, "_sleep", lambda c: self.calls.append(("spin", c)))
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+
+
+def test_each_batch_of_timed_calls_is_queued_behind_a_spin_sized_from_host_time(
+        monkeypatch) -> None:
+    log = _Log()
+    log.install(monkeypatch)
+    reps, host_s = QUEUE_BATCH * 2 + 3, 1e-4
+    samples = _events(lambda: log.calls.append(("call", 0)), log.flush, reps, host_s)
+    assert samples == [1.0] * reps
+    kinds = [k for k, _ in log.calls]
+    spins = [i for i, k in enumerate(kinds) if k == "spin"]
+    # One spin before each batch; then flush, start event, the call, end event per repeat.
+    assert spins == [i * (QUEUE_BATCH * 4 + 1) for i in range(3)]
+    per_call = ["flush", "event", "call", "event"]
+    for first, n in zip(spins, (QUEUE_BATCH, QUEUE_BATCH, 3), strict=True):
+        assert kinds[first + 1:first + 1 + 4 * n] == per_call * n
+        assert log.calls[first][1] == int(SPIN_MARGIN * n * host_s * SPIN_HZ)
+
+
+def test_host_time_is_measured_behind_a_spin_and_capped(monkeypatch) -> None:
+    log = _Log()
+    log.install(monkeypatch)
+    seconds = _queue_seconds(lambda: time.sleep(0.002), log.flush, reps=2)
+    assert log.calls[0][0] == "spin"  # the GPU is held before the host starts queuing
+    assert 0.002 <= seconds < 0.05
+    slow = _queue_seconds(lambda: time.sleep(MAX_HOST_S * 2), log.flush, reps=1)
+    assert slow == MAX_HOST_S  # a call that waits on the GPU must not size hour-long spins
