@@ -116,7 +116,7 @@ def unavailable_notes(rows: Iterable[Row], limit: int = 160) -> list[str]:
 
 CSV_FIELDS = (
     "mode", "batch", "heads_q", "heads_kv", "seq_q", "seq_k", "head_dim", "dtype", "causal",
-    "competitor", "status", "tflops", "median_ms", "p20_ms", "p80_ms", "reps", "flops",
+    "competitor", "status", "tflops", "median_ms", "p20_ms", "p80_ms", "reps", "host_us", "flops",
     "best_competitor", "flashgen_vs_best", "check_error", "check_bound", "checked_on",
     "reason", "note", "device",
 )
@@ -142,6 +142,7 @@ def csv_records(summaries: Iterable[Summary], device_name: str) -> list[dict[str
                 "p20_ms": _fmt(None if t is None else t.p20_ms),
                 "p80_ms": _fmt(None if t is None else t.p80_ms),
                 "reps": "" if t is None else str(t.reps),
+                "host_us": _fmt(None if t is None or t.host_ms is None else t.host_ms * 1e3),
                 "flops": _fmt(r.flops), "best_competitor": s.best.competitor if s.best else "",
                 "flashgen_vs_best": _fmt(s.ratio), "check_error": _fmt(r.error),
                 "check_bound": _fmt(r.bound),

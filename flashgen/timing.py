@@ -14,6 +14,7 @@ jump by up to 15% in some runs, which is how a tuner's measurement turns unstead
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import statistics
 import time
@@ -57,6 +58,9 @@ class Timing:
     p20_ms: float
     p80_ms: float
     reps: int
+    #: Host milliseconds to queue one timed call (GPU timings only). The medians above are
+    #: GPU time; a caller that cannot queue calls this fast leaves the GPU idle.
+    host_ms: float | None = None
 
     @classmethod
     def from_samples(cls, samples: list[float]) -> Timing:
@@ -141,7 +145,8 @@ def _time_cuda_once(fn: Callable[[], object], device: torch.device, warmup_ms: f
         for _ in range(max(1, int(warmup_ms / per_call))):
             fn()
         reps = min(max_reps, max(min_reps, int(rep_ms / per_call)))
-        return Timing.from_samples(_events(fn, flush, reps, host_s))
+        timing = Timing.from_samples(_events(fn, flush, reps, host_s))
+        return dataclasses.replace(timing, host_ms=host_s * 1e3)
 
 
 def _queue_seconds(fn: Callable[[], object], flush: torch.Tensor, reps: int = 3) -> float:

@@ -3,10 +3,12 @@ and its queuing of timed calls ahead of the GPU, with the CUDA calls faked."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
 
+from flashgen import timing
 from flashgen.timing import (
     MAX_HOST_S,
     QUEUE_BATCH,
@@ -106,3 +108,14 @@ def test_host_time_is_measured_behind_a_spin_and_capped(monkeypatch) -> None:
     assert 0.002 <= seconds < 0.05
     slow = _queue_seconds(lambda: time.sleep(MAX_HOST_S * 2), log.flush, reps=1)
     assert slow == MAX_HOST_S  # a call that waits on the GPU must not size hour-long spins
+
+
+def test_a_gpu_timing_reports_the_host_time_to_queue_a_call(monkeypatch) -> None:
+    log = _Log()
+    log.install(monkeypatch)
+    monkeypatch.setattr(timing, "_flush_buffer", lambda device: log.flush)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    t = timing.time_cuda(lambda: time.sleep(0.001), torch.device("cuda"), warmup_ms=1,
+                         rep_ms=10, min_reps=3, max_reps=5)
+    assert t.median_ms == 1.0 and t.reps == 5  # the fake events' 1 ms each
+    assert t.host_ms is not None and 1.0 <= t.host_ms < 50.0
