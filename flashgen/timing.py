@@ -58,8 +58,9 @@ class Timing:
     p20_ms: float
     p80_ms: float
     reps: int
-    #: Host milliseconds to queue one timed call (GPU timings only). The medians above are
-    #: GPU time; a caller that cannot queue calls this fast leaves the GPU idle.
+    #: Host milliseconds to queue one timed call, its L2 flush and two events included (GPU
+    #: timings only). The medians above are GPU time; a caller that cannot queue calls this
+    #: fast leaves the GPU idle.
     host_ms: float | None = None
 
     @classmethod
