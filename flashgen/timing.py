@@ -150,19 +150,29 @@ def _time_cuda_once(fn: Callable[[], object], device: torch.device, warmup_ms: f
         return dataclasses.replace(timing, host_ms=host_s * 1e3)
 
 
-def _queue_seconds(fn: Callable[[], object], flush: torch.Tensor, reps: int = 3) -> float:
-    """Host seconds to queue one timed launch (flush, two events, the call), measured while
-    a spin holds the GPU, so no call waits for the GPU to drain its queue."""
-    torch.cuda._sleep(int(0.02 * SPIN_HZ))  # 20 ms: far longer than queuing a few launches
+def queue_seconds(fn: Callable[[], object], calls: int = 3) -> float:
+    """Host seconds per call to queue `fn` (`calls` times), measured while a GPU spin holds
+    the queue, so no call waits for the GPU: the host cost of issuing work, which decides
+    whether a caller keeps the GPU busy. The spin covers up to 1 ms of host time per call."""
+    torch.cuda._sleep(int((0.02 + calls * 1e-3) * SPIN_HZ))
     start = time.perf_counter()
-    for _ in range(reps):
+    for _ in range(calls):
+        fn()
+    seconds = (time.perf_counter() - start) / calls
+    torch.cuda.synchronize()
+    return seconds
+
+
+def _queue_seconds(fn: Callable[[], object], flush: torch.Tensor, reps: int = 3) -> float:
+    """Host seconds to queue one timed launch (flush, two events, the call), capped."""
+
+    def timed_call() -> None:
         flush.zero_()
         torch.cuda.Event(enable_timing=True).record()
         fn()
         torch.cuda.Event(enable_timing=True).record()
-    seconds = (time.perf_counter() - start) / reps
-    torch.cuda.synchronize()
-    return min(seconds, MAX_HOST_S)
+
+    return min(queue_seconds(timed_call, reps), MAX_HOST_S)
 
 
 def _events(fn: Callable[[], object], flush: torch.Tensor, reps: int,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
-import time
+from collections.abc import Callable
 
 import torch
 
@@ -28,23 +28,15 @@ from flashgen.competitors import COMPETITORS
 from flashgen.forward import run_forward
 from flashgen.hardware import device_info
 from flashgen.problem import Problem
-from flashgen.timing import Timing, _flush_buffer, time_cuda
+from flashgen.timing import Timing, _flush_buffer, queue_seconds, time_cuda
 from flashgen.variant import Variant
 
 
-def host_us(fn, calls: int = 200) -> float:
-    """Median host time per queued call, with the GPU held busy so no call blocks."""
+def host_us(fn: Callable[[], object], calls: int = 300) -> float:
+    """Median host microseconds to queue one call, over 5 runs of `calls` calls."""
     fn()
     torch.cuda.synchronize()
-    samples = []
-    for _ in range(5):
-        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU spin: the queue never drains
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(samples)
+    return statistics.median(queue_seconds(fn, calls) for _ in range(5)) * 1e6
 
 
 def flush_only(fn, reps: int = 200) -> Timing:

@@ -16,33 +16,17 @@ import argparse
 import cProfile
 import functools
 import pstats
-import statistics
 import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from probe_launch_gap import host_us
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashgen
 from flashgen.check import make_inputs
 from flashgen.forward import default_scale, prepare_forward
 from flashgen.problem import Problem
-
-
-def host_us(fn: Callable[[], object], calls: int = 300) -> float:
-    """Median host microseconds per queued call over 5 runs, the GPU held busy by a spin."""
-    fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(5):
-        torch.cuda._sleep(400_000_000)  # ~0.2 s: longer than queuing `calls` calls
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(samples)
 
 
 def cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
