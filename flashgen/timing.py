@@ -150,20 +150,24 @@ def _time_cuda_once(fn: Callable[[], object], device: torch.device, warmup_ms: f
         return dataclasses.replace(timing, host_ms=host_s * 1e3)
 
 
-def queue_seconds(fn: Callable[[], object], calls: int = 3) -> float:
-    """Host seconds per call to queue `fn` (`calls` times), measured while a GPU spin holds
-    the queue, so no call waits for the GPU: the host cost of issuing work, which decides
-    whether a caller keeps the GPU busy. The spin covers up to 1 ms of host time per call."""
+def queue_seconds(fn: Callable[[], object], calls: int = 5) -> float:
+    """Host seconds to queue one call of `fn`: the median of `calls` calls, each timed on
+    its own while a GPU spin holds the queue, so no call waits for the GPU. The host cost of
+    issuing work, which decides whether a caller keeps the GPU busy. The median, not the
+    mean: one slow call (a pause of the interpreter, say) must not count as the cost of every
+    call (an H100 bench, 2026-11-24, read over 5 ms for a ~0.11 ms call from a mean of 3).
+    The spin covers up to 1 ms of host time per call."""
     torch.cuda._sleep(int((0.02 + calls * 1e-3) * SPIN_HZ))
-    start = time.perf_counter()
+    samples = []
     for _ in range(calls):
+        start = time.perf_counter()
         fn()
-    seconds = (time.perf_counter() - start) / calls
+        samples.append(time.perf_counter() - start)
     torch.cuda.synchronize()
-    return seconds
+    return statistics.median(samples)
 
 
-def _queue_seconds(fn: Callable[[], object], flush: torch.Tensor, reps: int = 3) -> float:
+def _queue_seconds(fn: Callable[[], object], flush: torch.Tensor, reps: int = 5) -> float:
     """Host seconds to queue one timed launch (flush, two events, the call), capped."""
 
     def timed_call() -> None:

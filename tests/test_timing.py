@@ -119,3 +119,10 @@ def test_a_gpu_timing_reports_the_host_time_to_queue_a_call(monkeypatch) -> None
                          rep_ms=10, min_reps=3, max_reps=5)
     assert t.median_ms == 1.0 and t.reps == 5  # the fake events' 1 ms each
     assert t.host_ms is not None and 1.0 <= t.host_ms < 50.0
+
+
+def test_one_slow_call_does_not_set_the_host_time(monkeypatch) -> None:
+    log = _Log()
+    log.install(monkeypatch)
+    pauses = [0.03, 0.0, 0.0, 0.0, 0.0]
+    assert timing.queue_seconds(lambda: time.sleep(pauses.pop(0)), calls=5) < 0.01
