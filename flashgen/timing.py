@@ -7,9 +7,9 @@ difference from noise.
 
 The launches are queued behind a GPU spin long enough for the host to queue them all, so a
 timed span never contains the GPU waiting for the host. The flush alone (~85 us on an H100)
-did not guarantee that: queuing a dispatched fa3 call takes the host 90-200 us, and an H100
-run (2026-11-24, `scripts/probe_launch_gap.py`) showed such short calls' 80th percentile
-jump by up to 15% in some runs, which is how a tuner's measurement turns unsteady.
+did not guarantee that: queuing an fa3 call takes the host 90-200 us, and on an H100
+(2026-11-24, `scripts/probe_launch_gap.py`) a 0.118 ms kernel then read up to 0.215 ms,
+unsteady, in some runs and not others: wrong winners in the tuner, low ratios in the bench.
 """
 
 from __future__ import annotations

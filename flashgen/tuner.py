@@ -143,6 +143,14 @@ def _outcome_of_row(row: TrialRow) -> Outcome:
     return Outcome(row.status, median, row.tflops, row.reason)
 
 
+def _variant_of(space: ModeSpace, row: TrialRow) -> AnyVariant | None:
+    """The variant a stored row measured, or None if this code can no longer build it."""
+    try:
+        return space.variant_type.from_dict(row.variant)
+    except (TypeError, ValueError):
+        return None
+
+
 def _resume(study: optuna.Study, result: TuneResult, rows: dict[str, TrialRow],
             problem: Problem, device: DeviceInfo, knobs: dict[str, tuple[Any, ...]],
             space: ModeSpace) -> None:
@@ -153,11 +161,8 @@ def _resume(study: optuna.Study, result: TuneResult, rows: dict[str, TrialRow],
         outcome = _outcome_of_row(row)
         if outcome.status == "ok" and outcome.median_ms is None:
             continue
-        try:
-            variant = space.variant_type.from_dict(row.variant)
-            if space.why_invalid(variant, problem, device) is not None:
-                continue
-        except (TypeError, ValueError):
+        variant = _variant_of(space, row)
+        if variant is None or space.why_invalid(variant, problem, device) is not None:
             continue
         result.note(variant_json, outcome)
         result.resumed += 1
@@ -243,7 +248,7 @@ def tune_problem(
     if remeasure:
         timed = sorted((r for r in stored.values() if r.status == "ok" and r.timing),
                        key=lambda r: r.timing.median_ms if r.timing else math.inf)
-        again = [space.variant_type.from_dict(r.variant) for r in timed]
+        again = [v for v in (_variant_of(space, r) for r in timed) if v is not None]
         stored = {j: r for j, r in stored.items() if r.status != "ok"}
     _resume(study, result, stored, problem, device, knobs, space)
     for variant in dict.fromkeys([*again, *_seeds(problem, device, db, versions, space)]):
