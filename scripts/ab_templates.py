@@ -19,17 +19,17 @@ device machine has no git history, so take them out here and carry the folder):
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from sweep_fa3 import POINTS, finish
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashgen.check import compare, make_inputs
+from flashgen.competitors import COMPETITORS
 from flashgen.forward import Launcher, default_scale, prepare_forward
 from flashgen.presets import TOKENS_PER_BATCH
 from flashgen.problem import Problem
@@ -106,10 +106,8 @@ def main() -> None:
         q, k, v = inputs[problem]
         scale = default_scale(problem.head_dim)
 
-        def cudnn(q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v,
-                  causal: bool = problem.causal) -> torch.Tensor:
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        cudnn = functools.partial(COMPETITORS["sdpa-cudnn"].prepare(problem, q.device).fn,
+                                  q, k, v)
 
         checks = {}
         for name, run in runs.items():

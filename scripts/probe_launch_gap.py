@@ -39,7 +39,7 @@ def host_us(fn: Callable[[], object], calls: int = 300) -> float:
     return statistics.median(queue_seconds(fn, calls) for _ in range(5)) * 1e6
 
 
-def flush_only(fn, reps: int = 200) -> Timing:
+def flush_only(fn: Callable[[], object], reps: int = 200) -> Timing:
     """The timing before 2026-11-24: each launch queued right behind its L2 flush, nothing
     holding the GPU while the host queues the call."""
     flush = _flush_buffer(torch.device("cuda"))

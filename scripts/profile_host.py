@@ -19,19 +19,13 @@ import pstats
 import time
 
 import torch
-import torch.nn.functional as F
 from probe_launch_gap import host_us
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashgen
 from flashgen.check import make_inputs
+from flashgen.competitors import COMPETITORS
 from flashgen.forward import default_scale, prepare_forward
 from flashgen.problem import Problem
-
-
-def cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
 def main() -> None:
@@ -49,11 +43,12 @@ def main() -> None:
         q, k, v = make_inputs(b, hq, hkv, nq, nk, d, problem.torch_dtype, "cuda", 0)
         choice = flashgen.explain(q, k, v, causal=args.causal)
         launch = prepare_forward(choice.variant, problem)
+        cudnn = COMPETITORS["sdpa-cudnn"].prepare(problem, q.device).fn
         calls = {
             "flashgen.attention": functools.partial(flashgen.attention, q, k, v,
                                                     causal=args.causal),
             "prepared launcher": functools.partial(launch, q, k, v, default_scale(d)),
-            "sdpa cudnn": functools.partial(cudnn, q, k, v, args.causal),
+            "sdpa cudnn": functools.partial(cudnn, q, k, v),
         }
         with torch.no_grad():
             print(f"{problem}: {choice.variant} ({choice.how})")

@@ -16,11 +16,10 @@ import csv
 import time
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashgen
 from flashgen.bench import KernelBench, Measurement
+from flashgen.competitors import COMPETITORS
 from flashgen.presets import TOKENS_PER_BATCH
 from flashgen.problem import Problem
 from flashgen.timing import tflops, time_cuda
@@ -37,10 +36,8 @@ POINTS = [Variant("fa3", 128, 128, 4, 3), Variant("fa3", 128, 128, 4, 2),
 
 
 def cudnn_ms(problem: Problem, bench: KernelBench) -> float:
-    q, k, v = bench.inputs
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        return time_cuda(lambda: F.scaled_dot_product_attention(
-            q, k, v, is_causal=problem.causal), bench.device).median_ms
+    cudnn = COMPETITORS["sdpa-cudnn"].prepare(problem, bench.device).fn
+    return time_cuda(lambda: cudnn(*bench.inputs), bench.device).median_ms
 
 
 def finish(path: str, rows: list[dict[str, object]]) -> None:
