@@ -40,7 +40,9 @@ def shared_memory_bytes(v: Variant, p: Problem) -> int:
     # fa3 stages O through Q's buffer, except on a persistent grid: there Q is double-buffered
     # (the next tile's loads during this one) and O, written while both are in use, has its own.
     q_and_o = 3 * v.block_m if v.loop_order == "fa3" and v.persistent else v.block_m
-    return elem * d * (q_and_o + 2 * v.block_n * stages)
+    # One-tile fa3 also stores each row's running sum (fp32) where nothing reads it.
+    row_sums = 4 * v.block_m if v.loop_order == "fa3" and not v.persistent else 0
+    return elem * d * (q_and_o + 2 * v.block_n * stages) + row_sums
 
 
 Rule = Callable[[Variant, Problem, DeviceInfo], str | None]
@@ -252,23 +254,26 @@ def _fa2(bm: int, bn: int, warps: int, stages: int, *, ws: bool = False,
 #: that dominate short programs (H100, 2026-11-23, an experiment of the same kernel: D128
 #: N512 0.69 -> 0.84x cuDNN at 2 stages, D64 N512 0.67 -> 0.83x; NOTES.md "fa3"). Tuned on
 #: fa-bench and llama3-8b (2026-11-24) they won about half of the keys on both GPUs (most of
-#: D64 and of GQA D128 up to 4k); fa2 kept only D64 N512 causal.
+#: D64 and of GQA D128 up to 4k); fa2 kept only D64 N512 causal. Since a slot's K and V are
+#: released apart (2026-11-24), persistent m128 n128 s2 measured 1.00-1.11x cuDNN at D128
+#: N512-8k on an H100 (NOTES.md), so the persistent points now come first: a short re-tune
+#: (`--trials 3`) measures them and the strongest one-tile point.
 #: Keys from which the untuned default takes fa3 over fa2 at head dim 64 (see default_variant).
 FA3_DEFAULT_MIN_KEYS_D64 = 4096
 
 HOPPER_PORTFOLIO: dict[str, tuple[Variant, ...]] = {
     "d<=64": (
+        _fa3(128, 128, 4, 3, persistent=1), _fa3(128, 128, 4, 2, persistent=1),
         _fa3(128, 128, 4, 3), _fa3(128, 128, 4, 4), _fa3(128, 128, 4, 2), _fa3(128, 64, 4, 4),
         _fa3(128, 128, 8, 3),
-        _fa3(128, 128, 4, 2, persistent=1), _fa3(128, 128, 4, 3, persistent=1),
         _fa2(64, 128, 4, 2), _fa2(128, 64, 8, 4), _fa2(128, 128, 4, 3), _fa2(128, 64, 4, 3),
         _fa2(128, 64, 8, 3, ws=True, tma=False), _fa2(128, 64, 8, 4, tma=False),
         _fa2(64, 64, 4, 3, tma=False),
     ),
     "d>=128": (
-        _fa3(128, 128, 4, 3), _fa3(128, 64, 4, 3), _fa3(128, 128, 4, 2), _fa3(128, 64, 4, 4),
-        _fa3(128, 128, 8, 2),
         _fa3(128, 128, 4, 2, persistent=1), _fa3(128, 64, 4, 3, persistent=1),
+        _fa3(128, 128, 4, 3), _fa3(128, 64, 4, 4, persistent=1),
+        _fa3(128, 64, 4, 3), _fa3(128, 128, 4, 2), _fa3(128, 64, 4, 4), _fa3(128, 128, 8, 2),
         _fa2(128, 128, 8, 3, ws=True), _fa2(128, 128, 8, 3), _fa2(256, 64, 8, 4, ws=True),
         _fa2(128, 64, 4, 2), _fa2(64, 64, 4, 3), _fa2(256, 64, 8, 3),
     ),
