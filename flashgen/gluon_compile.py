@@ -84,9 +84,42 @@ def ptxas_report(ptx: str) -> list[str]:
             if "registers" in line or "spill" in line]
 
 
+def sass(cubin: bytes) -> str:
+    """The machine code of `cubin`, disassembled by the cuobjdump that Triton ships."""
+    import triton
+
+    cuobjdump = Path(triton.__path__[0]) / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(cubin)
+        return subprocess.run([str(cuobjdump), "-sass", str(path)], capture_output=True,
+                              text=True, check=True).stdout
+
+
+def exp_under_pv(machine_code: str) -> list[bool]:
+    """For each wait on a Q K^T product that leaves one product in flight (the P V one),
+    whether an exponential (MUFU.EX2) follows before the wait for everything.
+
+    The PTX always orders the softmax before the second wait; ptxas may still move that wait
+    ahead of it (NOTES.md, 2026-11-24), which only the machine code shows.
+    """
+    found: list[bool] = []
+    waiting = False  # between a one-in-flight wait and the next wait for everything
+    for line in machine_code.splitlines():
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
+            found.append(False)
+            waiting = True
+        elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line:
+            waiting = False
+        elif waiting and "MUFU.EX2" in line:
+            found[-1] = True
+    return found
+
+
 def report(variant: Variant, problem: Problem) -> dict[str, Any]:
-    """What the compiled kernel holds: Hopper instructions in its PTX, shared memory, and
-    ptxas's registers and spills (ptxas run again on the PTX with -v)."""
+    """What the compiled kernel holds: Hopper instructions in its PTX, shared memory,
+    ptxas's registers and spills (ptxas run again on the PTX with -v), and whether its
+    softmax runs under the P V product in the machine code."""
     kernel = compile_fa3(variant, problem)
     ptx: str = kernel.asm["ptx"]
     return {
@@ -96,6 +129,7 @@ def report(variant: Variant, problem: Problem) -> dict[str, Any]:
         "setmaxnreg": ptx.count("setmaxnreg"),
         "wait_one": ptx.count("wgmma.wait_group.sync.aligned 1"),
         "ptxas": ptxas_report(ptx),
+        "exp_under_pv": exp_under_pv(sass(kernel.asm["cubin"])),
     }
 
 

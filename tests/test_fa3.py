@@ -118,6 +118,10 @@ def test_fa3_compiles_for_hopper_with_its_machinery(
     assert found["wgmma"] and found["tma"]  # warpgroup MMA; TMA loads and the O store
     assert found["setmaxnreg"]  # the producer warp hands its registers to the consumers
     assert found["wait_one"]  # the softmax runs while the P V product is in flight
+    if not persistent:
+        # ... in the machine code too: ptxas had moved the P V wait ahead of the softmax
+        # until _hold_softmax pinned it (the persistent kernel runs faster without the pin).
+        assert found["exp_under_pv"] and all(found["exp_under_pv"]), found["exp_under_pv"]
     assert found["shared"] <= HOPPER.shared_memory
     assert any("0 bytes spill stores" in line for line in found["ptxas"]), found["ptxas"]
 
