@@ -305,8 +305,10 @@ def default_variant(problem: Problem, device: DeviceInfo | str | None = None) ->
         # Hopper, 16-bit, D 64 or 128 (the fa3 rules drop it elsewhere). At D64 fa3 pays off
         # only from 4k keys on: below that a program is too short to hide its TMA prologue
         # (H100, 2026-11-23: 0.67-0.89x cuDNN against fa2's 0.85-0.93x; NOTES.md "fa3").
-        *([Variant("fa3", 128, 128, 4, 3)] if big_d or problem.seq_k >= FA3_DEFAULT_MIN_KEYS_D64
-          else []),
+        # On the persistent grid: with K and V released apart it ran 1.00-1.11x cuDNN at D128
+        # N1k-8k where the one-tile kernel ran 0.89-1.05x (H100, 2026-11-24, NOTES.md).
+        *([Variant("fa3", 128, 128, 4, 2, persistent=1)]
+          if big_d or problem.seq_k >= FA3_DEFAULT_MIN_KEYS_D64 else []),
         Variant("fa2", 128, 64, 8 if big_d else 4, 3 if dev.is_hopper else 2),
         Variant("fa2", 128, 32, 8, 2),
         Variant("fa2", 64, 64, 4, 2),
