@@ -69,16 +69,21 @@ def compile_fa3(variant: Variant, problem: Problem, capability: int = 90) -> Any
     return compile_gluon(load_kernel(variant, problem), args, {}, variant.num_warps, capability)
 
 
-def ptxas_report(ptx: str) -> list[str]:
-    """ptxas's register and spill lines for `ptx` (run again with -v on sm_90a)."""
+def _nvidia_tool(name: str) -> str:
+    """Path of a CUDA binary (ptxas, cuobjdump) that Triton's wheel ships: no toolkit needed."""
     import triton
 
-    ptxas = Path(triton.__path__[0]) / "backends" / "nvidia" / "bin" / "ptxas"
+    return str(Path(triton.__path__[0]) / "backends" / "nvidia" / "bin" / name)
+
+
+def ptxas_report(ptx: str) -> list[str]:
+    """ptxas's register and spill lines for `ptx` (run again with -v on sm_90a)."""
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"
         src.write_text(ptx)
         verbose = subprocess.run(
-            [str(ptxas), "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
+            [_nvidia_tool("ptxas"), "-arch=sm_90a", "-v", str(src),
+             "-o", str(Path(tmp) / "k.cubin")],
             capture_output=True, text=True, check=True).stderr
     return [line.strip() for line in verbose.splitlines()
             if "registers" in line or "spill" in line]
@@ -86,14 +91,11 @@ def ptxas_report(ptx: str) -> list[str]:
 
 def sass(cubin: bytes) -> str:
     """The machine code of `cubin`, disassembled by the cuobjdump that Triton ships."""
-    import triton
-
-    cuobjdump = Path(triton.__path__[0]) / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "k.cubin"
         path.write_bytes(cubin)
-        return subprocess.run([str(cuobjdump), "-sass", str(path)], capture_output=True,
-                              text=True, check=True).stdout
+        return subprocess.run([_nvidia_tool("cuobjdump"), "-sass", str(path)],
+                              capture_output=True, text=True, check=True).stdout
 
 
 def exp_under_pv(machine_code: str) -> list[bool]:
