@@ -30,10 +30,12 @@ from flashgen.variant import Variant
 #: float64) is checked as it is; larger ones are checked on a smaller problem of the same
 #: kind (see `gate_problem`).
 GATE_MAX_SCORES = 1 << 25
-#: Longest sequence of a shrunk gate problem.
-GATE_MAX_SEQ = 1024
-#: The largest tile (BLOCK_SIZES); a shrunk length keeps its remainder modulo this.
-GATE_TILE = 256
+#: A multiple of every tile length (BLOCK_SIZES and fa3's 192 rows): a shrunk length keeps
+#: its remainder modulo each, so the last tile is masked as in the real problem.
+GATE_TILE = 768
+#: Longest sequence of a shrunk gate problem: two GATE_TILEs, so a long side shortened alone
+#: (to more than one tile) stays longer than a short side cut to at most one.
+GATE_MAX_SEQ = 2 * GATE_TILE
 
 
 @dataclass(frozen=True)
@@ -97,8 +99,8 @@ def describe_failure(exc: BaseException, limit: int = 400) -> str:
 
 
 def _shrink_lengths(nq: int, nk: int) -> tuple[int, int]:
-    """Lengths of at most about GATE_MAX_SEQ with the same remainders modulo the largest tile
-    and, where the shorter side allows, the same difference Nk - Nq."""
+    """Lengths of at most GATE_MAX_SEQ with the same remainders modulo GATE_TILE and, where
+    the shorter side allows, the same difference Nk - Nq."""
     longest, shortest = max(nq, nk), min(nq, nk)
     if longest <= GATE_MAX_SEQ:
         return nq, nk
@@ -107,7 +109,8 @@ def _shrink_lengths(nq: int, nk: int) -> tuple[int, int]:
     cut = min(wanted, (shortest - 1) // GATE_TILE) * GATE_TILE
     nq, nk = nq - cut, nk - cut
     # A long side facing a short one (decode-like shapes): shorten it alone, keeping its
-    # remainder; it stays the longer one since the short side is now under one tile.
+    # remainder; it stays the longer one (over one tile) since the short side is now at most
+    # one tile.
     if nq > GATE_MAX_SEQ:
         nq = (GATE_MAX_SEQ - nq % GATE_TILE) // GATE_TILE * GATE_TILE + nq % GATE_TILE
     if nk > GATE_MAX_SEQ:

@@ -70,7 +70,8 @@ def shared_memory_overflow(v: Variant, p: Problem, dev: DeviceInfo) -> str | Non
 def accumulator_too_large(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
     # The fp32 output tile block_m x D and score tile block_m x block_n live in registers,
     # spread over the program's threads; past this they spill to local memory.
-    threads = 32 * v.num_warps
+    # fa3 spreads them over every consumer warpgroup: 16 rows a warp, whatever the count.
+    threads = 2 * v.block_m if v.loop_order == "fa3" else 32 * v.num_warps
     per_thread = v.block_m * (p.padded_head_dim + v.block_n) // threads
     if per_thread > 2 * MAX_ACC_PER_THREAD:
         return f"{per_thread} accumulator registers per thread (block_m x (D + block_n) too big)"
@@ -123,9 +124,12 @@ def tma_needs_hopper_and_aligned_rows(v: Variant, p: Problem, dev: DeviceInfo) -
     return None
 
 
-#: fa3 (block_m, num_warps): one consumer of 64 or 128 rows, or two of 64. Two consumers of
-#: 128 rows (17 warps) would leave each thread too few registers for S and O.
-FA3_TILES = ((64, 4), (128, 4), (128, 8))
+#: fa3 (block_m, num_warps): one consumer of 64 or 128 rows, or two or three of 64. Two
+#: consumers of 128 rows (17 warps) would leave each thread too few registers for S and O.
+FA3_TILES = ((64, 4), (128, 4), (128, 8), (192, 4))
+#: fa3 block_m outside BLOCK_SIZES: three 64-row consumers (FlashAttention 3's D64 tile), 160
+#: registers a thread each. The persistent template alone has the third consumer.
+FA3_EXTRA_BLOCK_M = (192,)
 FA3_HEAD_DIMS = (64, 128)
 
 
@@ -160,6 +164,8 @@ def fa3_tiles(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
     if v.persistent not in (0, 1):
         # Its tiles take most of an SM's shared memory: one program per SM is all that fits.
         return "fa3 persistent is 0 (a program per Q tile) or 1 (a program per SM)"
+    if v.block_m in FA3_EXTRA_BLOCK_M and not v.persistent:
+        return f"fa3 block_m {v.block_m} (three consumers) runs on the persistent grid only"
     return None
 
 
@@ -190,14 +196,16 @@ def why_invalid(v: Variant, p: Problem, device: DeviceInfo | str | None = None) 
     dev = device_info(device)
     if v.loop_order not in LOOP_ORDERS:
         return f"unknown loop_order {v.loop_order!r}; use one of {LOOP_ORDERS}"
-    return tile_reason(v, BLOCK_SIZES, WARPS) or first_broken(RULES, v, p, dev)
+    extra_m = FA3_EXTRA_BLOCK_M if v.loop_order == "fa3" else ()
+    return tile_reason(v, BLOCK_SIZES, WARPS, extra_m) or first_broken(RULES, v, p, dev)
 
 
 def tile_reason(v: Variant | BwdVariant, blocks: tuple[int, ...],
-                warps: tuple[int, ...]) -> str | None:
+                warps: tuple[int, ...], extra_m: tuple[int, ...] = ()) -> str | None:
     """Why the tile knobs every variant kind has are outside its grid, or None."""
-    if v.block_m not in blocks or v.block_n not in blocks:
-        return f"block sizes must be among {blocks}"
+    if v.block_m not in blocks + extra_m or v.block_n not in blocks:
+        return f"block sizes must be among {blocks}" + (
+            f" (block_m also {extra_m})" if extra_m else "")
     if v.num_warps not in warps and v.num_warps != 1:
         return f"num_warps must be among {warps}"
     if v.num_stages < 1:
@@ -220,7 +228,7 @@ def all_points() -> list[Variant]:
     return [
         Variant(order, bm, bn, w, s, split, ws, tma, persist)
         for order, bm, bn, w, s, split, ws, tma, persist in itertools.product(
-            LOOP_ORDERS, BLOCK_SIZES, BLOCK_SIZES, WARPS, STAGES,
+            LOOP_ORDERS, BLOCK_SIZES + FA3_EXTRA_BLOCK_M, BLOCK_SIZES, WARPS, STAGES,
             (True, False), (False, True), (False, True), PERSISTENT,
         )
     ]

@@ -19,7 +19,7 @@ class Variant(Knobs):
         2); "fa1" is the 2022 paper's order: K/V blocks outer, Q blocks inner, with the running
         O, m and l kept in GPU memory between steps (one program per batch and head); "fa3"
         (Hopper, fp16/bf16, head dim 64 or 128) is fa2's order written in Gluon the
-        FlashAttention 3 way: a TMA producer warp, one or two consumer warpgroups of
+        FlashAttention 3 way: a TMA producer warp, one to three consumer warpgroups of
         16 x num_warps rows each (block_m / (16 x num_warps) of them), and the softmax of one
         K/V tile running under the tensor-core product of the previous one.
     block_m / block_n: rows of Q / K-V per tile. Larger tiles reuse more data per load but need
@@ -59,7 +59,10 @@ class Variant(Knobs):
         if self.loop_order == "fa3":
             # fa2's persistent grid is another schedule (measured 0.43-0.98x of its
             # one-program-per-tile grid on an H100): the twin keeps the plain one.
-            return replace(self, loop_order="fa2", use_tma=False, persistent=0)
+            # fa3's 192-row tile (three consumers) has no fa2 kernel: fa2 ranges need a power
+            # of two, so the twin takes 128 rows.
+            return replace(self, loop_order="fa2", use_tma=False, persistent=0,
+                           block_m=min(self.block_m, 128))
         return replace(self, use_tma=False)
 
     def __str__(self) -> str:

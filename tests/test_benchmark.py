@@ -17,6 +17,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from flashgen import reference
+from flashgen.bench import GATE_MAX_SEQ
 from flashgen.bench_memory import (
     MemoryRow,
     memory_modes,
@@ -236,7 +237,7 @@ def test_large_problems_are_checked_on_the_gate_problem() -> None:
                      timer=lambda fn: Timing(1.0, 1.0, 1.0, 1))
     (row,) = rows
     assert row.status == "ok" and row.checked_on is not None
-    assert row.checked_on.seq_q <= 1024 and row.checked_on.head_dim == 16
+    assert row.checked_on.seq_q <= GATE_MAX_SEQ and row.checked_on.head_dim == 16
     assert calls == [(1, 1, row.checked_on.seq_q, 16)]  # the fake timer never ran it
 
 

@@ -130,10 +130,12 @@ def test_fa3_compiles_for_hopper_with_its_machinery(
 
 FA3_POINTS = [flashgen.Variant("fa3", 128, 128, 4, 3), flashgen.Variant("fa3", 128, 64, 4, 2),
               flashgen.Variant("fa3", 128, 128, 8, 2), flashgen.Variant("fa3", 64, 64, 4, 4),
-              # persistent grid: two consumers, one consumer, and 8-warp consumers
+              # persistent grid: two consumers, one consumer, 8-warp consumers, three
               flashgen.Variant("fa3", 128, 128, 4, 2, persistent=1),
               flashgen.Variant("fa3", 64, 64, 4, 3, persistent=1),
-              flashgen.Variant("fa3", 128, 64, 8, 2, persistent=1)]
+              flashgen.Variant("fa3", 128, 64, 8, 2, persistent=1),
+              flashgen.Variant("fa3", 192, 128, 4, 2, persistent=1),
+              flashgen.Variant("fa3", 192, 64, 4, 2, persistent=1)]
 
 
 @pytest.mark.gpu
