@@ -266,12 +266,19 @@ def _fa2(bm: int, bn: int, warps: int, stages: int, *, ws: bool = False,
 #: released apart (2026-11-24), persistent m128 n128 s2 measured 1.00-1.11x cuDNN at D128
 #: N512-8k on an H100 (NOTES.md), so the persistent points now come first: a short re-tune
 #: (`--trials 3`) measures them and the strongest one-tile point.
+#: Three 64-row consumers (m192, D64) ran 1.03-1.06x cuDNN at N2k-4k without the mask, where
+#: m128 ran 0.99-1.02x, and lost at N512-1k (0.94-0.95 against 1.01-1.03; H100, 2026-11-24,
+#: `scripts/ab_templates.py`, NOTES.md "three consumers"). Under the causal mask they spill
+#: (160 registers a thread) and ran 0.40-0.87x, so `portfolio` leaves them out there.
 #: Keys from which the untuned default takes fa3 over fa2 at head dim 64 (see default_variant).
 FA3_DEFAULT_MIN_KEYS_D64 = 4096
+#: Keys from which the untuned default takes three consumers at head dim 64 without the mask.
+FA3_THREE_CONSUMERS_MIN_KEYS = 2048
 
 HOPPER_PORTFOLIO: dict[str, tuple[Variant, ...]] = {
     "d<=64": (
-        _fa3(128, 128, 4, 3, persistent=1), _fa3(128, 128, 4, 2, persistent=1),
+        _fa3(192, 128, 4, 3, persistent=1), _fa3(128, 128, 4, 3, persistent=1),
+        _fa3(128, 128, 4, 2, persistent=1), _fa3(192, 128, 4, 4, persistent=1),
         _fa3(128, 128, 4, 3), _fa3(128, 128, 4, 4), _fa3(128, 128, 4, 2), _fa3(128, 64, 4, 4),
         _fa3(128, 128, 8, 3),
         _fa2(64, 128, 4, 2), _fa2(128, 64, 8, 4), _fa2(128, 128, 4, 3), _fa2(128, 64, 4, 3),
@@ -298,7 +305,8 @@ def portfolio(problem: Problem, device: DeviceInfo | str | None = None) -> list[
     if not dev.is_hopper:
         return []
     picks = HOPPER_PORTFOLIO["d>=128" if problem.padded_head_dim >= 128 else "d<=64"]
-    return [v for v in picks if why_invalid(v, problem, dev) is None]
+    return [v for v in picks if why_invalid(v, problem, dev) is None
+            and not (problem.causal and v.block_m in FA3_EXTRA_BLOCK_M)]
 
 
 def default_variant(problem: Problem, device: DeviceInfo | str | None = None) -> Variant:
@@ -315,6 +323,10 @@ def default_variant(problem: Problem, device: DeviceInfo | str | None = None) ->
         # (H100, 2026-11-23: 0.67-0.89x cuDNN against fa2's 0.85-0.93x; NOTES.md "fa3").
         # On the persistent grid: with K and V released apart it ran 1.00-1.11x cuDNN at D128
         # N1k-8k where the one-tile kernel ran 0.89-1.05x (H100, 2026-11-24, NOTES.md).
+        # At D64 without the mask, three consumers from 2k keys (see HOPPER_PORTFOLIO).
+        *([Variant("fa3", 192, 128, 4, 3, persistent=1)]
+          if not big_d and not problem.causal
+          and problem.seq_k >= FA3_THREE_CONSUMERS_MIN_KEYS else []),
         *([Variant("fa3", 128, 128, 4, 2, persistent=1)]
           if big_d or problem.seq_k >= FA3_DEFAULT_MIN_KEYS_D64 else []),
         Variant("fa2", 128, 64, 8 if big_d else 4, 3 if dev.is_hopper else 2),

@@ -76,8 +76,16 @@ def test_portfolio_and_default_lead_with_fa3_on_hopper() -> None:
     for d in (64, 128):
         assert portfolio(_problem(d), HOPPER)[0].loop_order == "fa3"
         assert default_variant(_problem(d), HOPPER).loop_order == "fa3"
-    short = flashgen.Problem(8, 32, 32, 2048, 2048, 64, "fp16", False)
+    short = flashgen.Problem(8, 32, 32, 2048, 2048, 64, "fp16", True)
     assert default_variant(short, HOPPER).loop_order == "fa2"
+    # Without the mask, D64 takes three consumers from 2k keys; under it they spill, so the
+    # portfolio leaves them out there.
+    three = default_variant(replace(short, causal=False), HOPPER)
+    assert (three.loop_order, three.block_m, three.persistent) == ("fa3", 192, 1)
+    assert default_variant(replace(short, seq_q=1024, seq_k=1024, causal=False),
+                           HOPPER).loop_order == "fa2"
+    assert any(v.block_m == 192 for v in portfolio(replace(short, causal=False), HOPPER))
+    assert all(v.block_m != 192 for v in portfolio(short, HOPPER))
     assert default_variant(flashgen.Problem(8, 16, 16, 512, 512, 128, "bf16", True),
                            HOPPER).loop_order == "fa3"
     assert default_variant(_problem(128, "fp32"), HOPPER).loop_order == "fa2"
@@ -95,6 +103,9 @@ def test_pointer_twin_keeps_the_tiles_and_drops_tma() -> None:
     assert tma.pointer_twin() == flashgen.Variant("fa2", 128, 64, 8, 3)
     # fa3's persistent grid is its own schedule; the twin runs fa2's one program per tile.
     assert flashgen.Variant("fa3", 128, 64, 4, 3, persistent=1).pointer_twin() == v.pointer_twin()
+    # fa2 has no 192-row tile (its ranges are powers of two): the twin takes 128 rows.
+    assert flashgen.Variant("fa3", 192, 128, 4, 3, persistent=1).pointer_twin() == (
+        flashgen.Variant("fa2", 128, 128, 4, 3))
     fa2_persistent = flashgen.Variant("fa2", 128, 64, 8, 3, use_tma=True, persistent=1)
     assert fa2_persistent.pointer_twin().persistent == 1
 
