@@ -265,7 +265,9 @@ def _fa2(bm: int, bn: int, warps: int, stages: int, *, ws: bool = False,
 #: D64 and of GQA D128 up to 4k); fa2 kept only D64 N512 causal. Since a slot's K and V are
 #: released apart (2026-11-24), persistent m128 n128 s2 measured 1.00-1.11x cuDNN at D128
 #: N512-8k on an H100 (NOTES.md), so the persistent points now come first: a short re-tune
-#: (`--trials 3`) measures them and the strongest one-tile point.
+#: (`--trials 3`) measures them and the strongest one-tile point. Since each causal consumer
+#: stops at its own last visible key (2026-11-24), persistent m128 n64 s3 ran 0.95x cuDNN at
+#: D64 N512 causal (fa2's best 0.88x) and 1.00x at D128 N512 causal (0.96x before).
 #: Three 64-row consumers (m192, D64) ran 1.03-1.06x cuDNN at N2k-4k without the mask, where
 #: m128 ran 0.99-1.02x, and lost at N512-1k (0.94-0.95 against 1.01-1.03; H100, 2026-11-24,
 #: `scripts/ab_templates.py`, NOTES.md "three consumers"). Under the causal mask they spill
@@ -279,6 +281,7 @@ HOPPER_PORTFOLIO: dict[str, tuple[Variant, ...]] = {
     "d<=64": (
         _fa3(192, 128, 4, 3, persistent=1), _fa3(128, 128, 4, 3, persistent=1),
         _fa3(128, 128, 4, 2, persistent=1), _fa3(192, 128, 4, 4, persistent=1),
+        _fa3(128, 64, 4, 3, persistent=1),
         _fa3(128, 128, 4, 3), _fa3(128, 128, 4, 4), _fa3(128, 128, 4, 2), _fa3(128, 64, 4, 4),
         _fa3(128, 128, 8, 3),
         _fa2(64, 128, 4, 2), _fa2(128, 64, 8, 4), _fa2(128, 128, 4, 3), _fa2(128, 64, 4, 3),
