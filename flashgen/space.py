@@ -271,7 +271,7 @@ def _fa2(bm: int, bn: int, warps: int, stages: int, *, ws: bool = False,
 #: Three 64-row consumers (m192, D64) ran 1.03-1.06x cuDNN at N2k-4k without the mask, where
 #: m128 ran 0.99-1.02x, and lost at N512-1k (0.94-0.95 against 1.01-1.03; H100, 2026-11-24,
 #: `scripts/ab_templates.py`, NOTES.md "three consumers"). Under the causal mask they spill
-#: (160 registers a thread) and ran 0.40-0.87x, so `portfolio` leaves them out there.
+#: (160 registers a thread) and ran 0.40-0.86x, so `portfolio` leaves them out there.
 #: Keys from which the untuned default takes fa3 over fa2 at head dim 64 (see default_variant).
 FA3_DEFAULT_MIN_KEYS_D64 = 4096
 #: Keys from which the untuned default takes three consumers at head dim 64 without the mask.
