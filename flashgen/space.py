@@ -129,7 +129,7 @@ def tma_needs_hopper_and_aligned_rows(v: Variant, p: Problem, dev: DeviceInfo) -
 FA3_TILES = ((64, 4), (128, 4), (128, 8), (192, 4))
 #: fa3 block_m outside BLOCK_SIZES: three 64-row consumers (FlashAttention 3's D64 tile), 160
 #: registers a thread each. The persistent template alone has the third consumer.
-FA3_EXTRA_BLOCK_M = (192,)
+FA3_EXTRA_BLOCK_M = tuple(m for m, _ in FA3_TILES if m not in BLOCK_SIZES)
 FA3_HEAD_DIMS = (64, 128)
 
 
