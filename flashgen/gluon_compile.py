@@ -120,10 +120,11 @@ def exp_under_pv(machine_code: str) -> list[bool]:
 
 def report(variant: Variant, problem: Problem) -> dict[str, Any]:
     """What the compiled kernel holds: Hopper instructions in its PTX, shared memory,
-    ptxas's registers and spills (ptxas run again on the PTX with -v), and whether its
-    softmax runs under the P V product in the machine code."""
+    ptxas's registers and spills (ptxas run again on the PTX with -v), and in the machine
+    code whether its softmax runs under the P V product and how many byte permutes it has."""
     kernel = compile_fa3(variant, problem)
     ptx: str = kernel.asm["ptx"]
+    machine_code = sass(kernel.asm["cubin"])
     return {
         "shared": kernel.metadata.shared,
         "wgmma": ptx.count("wgmma.mma_async"),
@@ -131,7 +132,11 @@ def report(variant: Variant, problem: Problem) -> dict[str, Any]:
         "setmaxnreg": ptx.count("setmaxnreg"),
         "wait_one": ptx.count("wgmma.wait_group.sync.aligned 1"),
         "ptxas": ptxas_report(ptx),
-        "exp_under_pv": exp_under_pv(sass(kernel.asm["cubin"])),
+        "exp_under_pv": exp_under_pv(machine_code),
+        # Byte permutes: none in these kernels, but 192 when a branch took P, the P V
+        # product's operand, and ptxas then repacked P before every P V product of the loop
+        # (2-7% slower on the H100, NOTES.md "Half-width diagonal step").
+        "byte_permutes": sum(" PRMT " in line for line in machine_code.splitlines()),
     }
 
 

@@ -133,6 +133,8 @@ def test_fa3_compiles_for_hopper_with_its_machinery(
         # ... in the machine code too: ptxas had moved the P V wait ahead of the softmax
         # until _hold_softmax pinned it (the persistent kernel runs faster without the pin).
         assert found["exp_under_pv"] and all(found["exp_under_pv"]), found["exp_under_pv"]
+    # P reaches the P V product packed as the softmax wrote it, never repacked in the loop.
+    assert found["byte_permutes"] == 0, found["byte_permutes"]
     assert found["shared"] <= HOPPER.shared_memory
     assert any("0 bytes spill stores" in line for line in found["ptxas"]), found["ptxas"]
 
