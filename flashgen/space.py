@@ -97,9 +97,9 @@ def fa1_pipelining(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
 def fa1_has_no_fa2_knobs(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
     # fa1 masks every step and has no separate main loop: one point per tile shape.
     if v.loop_order == "fa1" and (
-        not v.split_mask or v.warp_specialize or v.use_tma or v.persistent
+        not v.split_mask or v.warp_specialize or v.use_tma or v.persistent or v.pingpong
     ):
-        return "split_mask/warp_specialize/use_tma/persistent are fa2 knobs"
+        return "split_mask/warp_specialize/use_tma/persistent are fa2 knobs, pingpong fa3's"
     return None
 
 
@@ -169,6 +169,18 @@ def fa3_tiles(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
     return None
 
 
+def pingpong_needs_fa3_consumers(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
+    # Turns are taken between consumer warpgroups of the persistent fa3 kernel: with one
+    # consumer there is no one to take turns with, and the other kernels have no such roles.
+    if not v.pingpong:
+        return None
+    if v.loop_order != "fa3" or not v.persistent:
+        return "pingpong is a knob of fa3 on the persistent grid"
+    if v.block_m // (16 * v.num_warps) < 2:
+        return "pingpong needs two or three fa3 consumers (block_m / (16 x num_warps) >= 2)"
+    return None
+
+
 def persistent_out_of_range(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
     if v.persistent not in PERSISTENT:
         return f"persistent must be among {PERSISTENT} (programs per SM; 0 is off)"
@@ -188,6 +200,7 @@ RULES: tuple[Rule, ...] = (
     tma_needs_hopper_and_aligned_rows,
     fa3_needs_hopper_and_16bit,
     fa3_tiles,
+    pingpong_needs_fa3_consumers,
 )
 
 
@@ -226,10 +239,10 @@ def first_broken(rules: tuple[Callable, ...], v: Variant | BwdVariant, p: Proble
 def all_points() -> list[Variant]:
     """Every point before the validity rules: the full grid."""
     return [
-        Variant(order, bm, bn, w, s, split, ws, tma, persist)
-        for order, bm, bn, w, s, split, ws, tma, persist in itertools.product(
+        Variant(order, bm, bn, w, s, split, ws, tma, persist, pp)
+        for order, bm, bn, w, s, split, ws, tma, persist, pp in itertools.product(
             LOOP_ORDERS, BLOCK_SIZES + FA3_EXTRA_BLOCK_M, BLOCK_SIZES, WARPS, STAGES,
-            (True, False), (False, True), (False, True), PERSISTENT,
+            (True, False), (False, True), (False, True), PERSISTENT, (False, True),
         )
     ]
 
@@ -240,8 +253,9 @@ def search_space(problem: Problem, device: DeviceInfo | str | None = None) -> li
     return [v for v in all_points() if why_invalid(v, problem, dev) is None]
 
 
-def _fa3(bm: int, bn: int, warps: int, stages: int, *, persistent: int = 0) -> Variant:
-    return Variant("fa3", bm, bn, warps, stages, persistent=persistent)
+def _fa3(bm: int, bn: int, warps: int, stages: int, *, persistent: int = 0,
+         pingpong: bool = False) -> Variant:
+    return Variant("fa3", bm, bn, warps, stages, persistent=persistent, pingpong=pingpong)
 
 
 def _fa2(bm: int, bn: int, warps: int, stages: int, *, ws: bool = False,
@@ -272,6 +286,12 @@ def _fa2(bm: int, bn: int, warps: int, stages: int, *, ws: bool = False,
 #: m128 ran 0.99-1.02x, and lost at N512-1k (0.94-0.95 against 1.01-1.03; H100, 2026-11-24,
 #: `scripts/ab_templates.py`, NOTES.md "three consumers"). Under the causal mask they spill
 #: (160 registers a thread) and ran 0.40-0.86x, so `portfolio` leaves them out there.
+#: With the consumers taking turns at the tensor cores (pingpong), persistent m128 n128 s2 ran
+#: 2-8% faster at D128 from N1k (N2k causal 1.02 -> 1.10x cuDNN), even at N512, and three
+#: consumers at D64 without the mask 1-5% faster (m192 n128 s3, N2k 1.04 -> 1.09x); two
+#: consumers at D64 and 64-key tiles ran 0-3% slower (H100, 2026-11-24,
+#: `scripts/ab_templates.py`, NOTES.md "ping-pong"). So ping-pong leads at D128 and among
+#: the three-consumer points, with the plain points right after it.
 #: Keys from which the untuned default takes fa3 over fa2 at head dim 64 (see default_variant).
 FA3_DEFAULT_MIN_KEYS_D64 = 4096
 #: Keys from which the untuned default takes three consumers at head dim 64 without the mask.
@@ -279,6 +299,7 @@ FA3_THREE_CONSUMERS_MIN_KEYS = 2048
 
 HOPPER_PORTFOLIO: dict[str, tuple[Variant, ...]] = {
     "d<=64": (
+        _fa3(192, 128, 4, 3, persistent=1, pingpong=True),
         _fa3(192, 128, 4, 3, persistent=1), _fa3(128, 128, 4, 3, persistent=1),
         _fa3(128, 128, 4, 2, persistent=1), _fa3(192, 128, 4, 4, persistent=1),
         _fa3(128, 64, 4, 3, persistent=1),
@@ -289,7 +310,8 @@ HOPPER_PORTFOLIO: dict[str, tuple[Variant, ...]] = {
         _fa2(64, 64, 4, 3, tma=False),
     ),
     "d>=128": (
-        _fa3(128, 128, 4, 2, persistent=1), _fa3(128, 64, 4, 3, persistent=1),
+        _fa3(128, 128, 4, 2, persistent=1, pingpong=True), _fa3(128, 128, 4, 2, persistent=1),
+        _fa3(128, 64, 4, 3, persistent=1), _fa3(128, 64, 4, 3, persistent=1, pingpong=True),
         _fa3(128, 128, 4, 3), _fa3(128, 64, 4, 4, persistent=1),
         _fa3(128, 64, 4, 3), _fa3(128, 128, 4, 2), _fa3(128, 64, 4, 4), _fa3(128, 128, 8, 2),
         _fa2(128, 128, 8, 3, ws=True), _fa2(128, 128, 8, 3), _fa2(256, 64, 8, 4, ws=True),
@@ -326,11 +348,12 @@ def default_variant(problem: Problem, device: DeviceInfo | str | None = None) ->
         # (H100, 2026-11-23: 0.67-0.89x cuDNN against fa2's 0.85-0.93x; NOTES.md "fa3").
         # On the persistent grid: with K and V released apart it ran 1.00-1.11x cuDNN at D128
         # N1k-8k where the one-tile kernel ran 0.89-1.05x (H100, 2026-11-24, NOTES.md).
-        # At D64 without the mask, three consumers from 2k keys (see HOPPER_PORTFOLIO).
-        *([Variant("fa3", 192, 128, 4, 3, persistent=1)]
+        # At D64 without the mask, three consumers from 2k keys. Three consumers, and two at
+        # D128, take turns at the tensor cores (pingpong, see HOPPER_PORTFOLIO).
+        *([Variant("fa3", 192, 128, 4, 3, persistent=1, pingpong=True)]
           if not big_d and not problem.causal
           and problem.seq_k >= FA3_THREE_CONSUMERS_MIN_KEYS else []),
-        *([Variant("fa3", 128, 128, 4, 2, persistent=1)]
+        *([Variant("fa3", 128, 128, 4, 2, persistent=1, pingpong=big_d)]
           if big_d or problem.seq_k >= FA3_DEFAULT_MIN_KEYS_D64 else []),
         Variant("fa2", 128, 64, 8 if big_d else 4, 3 if dev.is_hopper else 2),
         Variant("fa2", 128, 32, 8, 2),

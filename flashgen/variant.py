@@ -35,6 +35,9 @@ class Variant(Knobs):
         wave's idle SMs and the per-program setup. fa2: k programs per SM, each walking the
         tiles of its head. fa3: 1, one program per SM walking tiles of every head, its
         producer loading the next tile's Q and K/V while the consumers finish the current one.
+    pingpong (fa3, persistent, two or three consumers): the consumers take turns to issue their
+        tensor-core products (FlashAttention 3's ping-pong), so one consumer's products run
+        under the others' softmax; faster at D128, slower at D64 on an H100 (NOTES.md).
     """
 
     loop_order: LoopOrder = "fa2"
@@ -46,6 +49,7 @@ class Variant(Knobs):
     warp_specialize: bool = False
     use_tma: bool = False
     persistent: int = 0
+    pingpong: bool = False
 
     @property
     def needs_tma(self) -> bool:
@@ -62,14 +66,15 @@ class Variant(Knobs):
             # fa3's 192-row tile (three consumers) has no fa2 kernel: fa2 ranges need a power
             # of two, so the twin takes 128 rows.
             return replace(self, loop_order="fa2", use_tma=False, persistent=0,
-                           block_m=min(self.block_m, 128))
+                           pingpong=False, block_m=min(self.block_m, 128))
         return replace(self, use_tma=False)
 
     def __str__(self) -> str:
         flags = "".join(
             name
             for name, on in ((" nosplit", not self.split_mask), (" ws", self.warp_specialize),
-                             (" tma", self.use_tma), (f" p{self.persistent}", self.persistent))
+                             (" tma", self.use_tma), (f" p{self.persistent}", self.persistent),
+                             (" pp", self.pingpong))
             if on
         )  # fmt: skip
         return (

@@ -34,7 +34,10 @@ POINTS = [Variant("fa3", 128, 128, 4, 3), Variant("fa3", 128, 128, 4, 2),
           Variant("fa3", 64, 64, 4, 4, persistent=1), Variant("fa3", 64, 128, 4, 2, persistent=1),
           Variant("fa3", 64, 128, 4, 3, persistent=1),
           # three consumers (192 rows)
-          *(Variant("fa3", 192, n, 4, s, persistent=1) for n in (128, 64) for s in (2, 3, 4))]
+          *(Variant("fa3", 192, n, 4, s, persistent=1) for n in (128, 64) for s in (2, 3, 4)),
+          # consumers taking turns at the tensor cores
+          *(Variant("fa3", m, n, 4, s, persistent=1, pingpong=True)
+            for m, n, s in ((128, 128, 2), (128, 64, 3), (192, 128, 3), (192, 64, 3)))]
 
 
 def cudnn_ms(problem: Problem, bench: KernelBench) -> float:

@@ -18,6 +18,7 @@ from flashgen.check import compare, make_inputs
 from flashgen.forward import fa3_grid
 from flashgen.gluon_compile import report_in_subprocess
 from flashgen.hardware import INTERPRETER, DeviceInfo, device_info
+from flashgen.render import render
 from flashgen.render import template_name as render_template_name
 from flashgen.space import FA3_TILES, default_variant, portfolio
 
@@ -81,16 +82,38 @@ def test_portfolio_and_default_lead_with_fa3_on_hopper() -> None:
     # Without the mask, D64 takes three consumers from 2k keys; under it they spill, so the
     # portfolio leaves them out there.
     three = default_variant(replace(short, causal=False), HOPPER)
-    assert (three.loop_order, three.block_m, three.persistent) == ("fa3", 192, 1)
+    assert (three.loop_order, three.block_m, three.persistent, three.pingpong) == (
+        "fa3", 192, 1, True)
     assert default_variant(replace(short, seq_q=1024, seq_k=1024, causal=False),
                            HOPPER).loop_order == "fa2"
     assert any(v.block_m == 192 for v in portfolio(replace(short, causal=False), HOPPER))
     assert all(v.block_m != 192 for v in portfolio(short, HOPPER))
-    assert default_variant(flashgen.Problem(8, 16, 16, 512, 512, 128, "bf16", True),
-                           HOPPER).loop_order == "fa3"
+    d128 = default_variant(flashgen.Problem(8, 16, 16, 512, 512, 128, "bf16", True), HOPPER)
+    assert (d128.loop_order, d128.block_m, d128.pingpong) == ("fa3", 128, True)
+    # Two consumers at D64 run slower taking turns: the D64 default does not.
+    assert not default_variant(replace(short, seq_q=4096, seq_k=4096), HOPPER).pingpong
     assert default_variant(_problem(128, "fp32"), HOPPER).loop_order == "fa2"
     assert default_variant(_problem(96), HOPPER).loop_order == "fa2"
     assert default_variant(_problem(128), "cpu").loop_order == "fa2"
+
+
+def test_pingpong_is_a_knob_of_persistent_fa3_with_consumers_to_take_turns() -> None:
+    def reason(v: flashgen.Variant) -> str | None:
+        return flashgen.why_invalid(v, _problem(), HOPPER)
+
+    pp = flashgen.Variant("fa3", 128, 128, 4, 2, persistent=1, pingpong=True)
+    assert reason(pp) is None and str(pp).endswith(" pp")
+    three = replace(pp, block_m=192, num_stages=3)
+    assert flashgen.why_invalid(three, _problem(64), HOPPER) is None
+    assert "persistent grid" in reason(replace(pp, persistent=0))
+    assert "two or three" in reason(replace(pp, block_m=64))  # one 64-row consumer
+    assert "two or three" in reason(replace(pp, num_warps=8))  # one 128-row consumer
+    assert "pingpong" in reason(flashgen.Variant("fa2", 128, 64, 4, 3, pingpong=True))
+    assert "pingpong" in reason(flashgen.Variant("fa1", 64, 64, 4, 2, pingpong=True))
+    # Only the persistent template reads the knob, and only with it do turns get taken.
+    assert "PINGPONG: gl.constexpr = True" in render(pp, _problem())
+    assert "PINGPONG: gl.constexpr = False" in render(replace(pp, pingpong=False), _problem())
+    assert pp.pointer_twin() == flashgen.Variant("fa2", 128, 128, 4, 2)
 
 
 def test_pointer_twin_keeps_the_tiles_and_drops_tma() -> None:
@@ -111,18 +134,21 @@ def test_pointer_twin_keeps_the_tiles_and_drops_tma() -> None:
 
 
 @pytest.mark.parametrize(
-    ("block_m", "block_n", "warps", "stages", "d", "causal", "persistent"),
-    [(128, 128, 4, 3, 128, False, 0), (128, 64, 4, 4, 128, True, 0),
-     (128, 128, 8, 2, 64, True, 0), (64, 128, 4, 2, 64, False, 0),
-     (128, 64, 4, 3, 128, True, 1), (128, 128, 4, 2, 64, True, 1),
+    ("block_m", "block_n", "warps", "stages", "d", "causal", "persistent", "pingpong"),
+    [(128, 128, 4, 3, 128, False, 0, False), (128, 64, 4, 4, 128, True, 0, False),
+     (128, 128, 8, 2, 64, True, 0, False), (64, 128, 4, 2, 64, False, 0, False),
+     (128, 64, 4, 3, 128, True, 1, False), (128, 128, 4, 2, 64, True, 1, False),
      # 128-key tiles at D128 spilled 192-248 bytes while P was carried in fp32
-     (128, 128, 4, 2, 128, False, 1)],
+     (128, 128, 4, 2, 128, False, 1, False),
+     (128, 128, 4, 2, 128, False, 1, True), (128, 64, 4, 3, 64, True, 1, True)],
 )
 def test_fa3_compiles_for_hopper_with_its_machinery(
-    block_m: int, block_n: int, warps: int, stages: int, d: int, causal: bool, persistent: int
+    block_m: int, block_n: int, warps: int, stages: int, d: int, causal: bool, persistent: int,
+    pingpong: bool,
 ) -> None:
     pytest.importorskip("triton.experimental.gluon")
-    variant = flashgen.Variant("fa3", block_m, block_n, warps, stages, persistent=persistent)
+    variant = flashgen.Variant("fa3", block_m, block_n, warps, stages, persistent=persistent,
+                               pingpong=pingpong)
     problem = _problem(d, "bf16", causal)
     assert flashgen.why_invalid(variant, problem, HOPPER) is None
     found = report_in_subprocess(variant, problem)
@@ -148,7 +174,12 @@ FA3_POINTS = [flashgen.Variant("fa3", 128, 128, 4, 3), flashgen.Variant("fa3", 1
               flashgen.Variant("fa3", 64, 64, 4, 3, persistent=1),
               flashgen.Variant("fa3", 128, 64, 8, 2, persistent=1),
               flashgen.Variant("fa3", 192, 128, 4, 2, persistent=1),
-              flashgen.Variant("fa3", 192, 64, 4, 2, persistent=1)]
+              flashgen.Variant("fa3", 192, 64, 4, 2, persistent=1),
+              # consumers taking turns: two, two on 64-key tiles (empty turns for the tiles
+              # the first consumer skips under the mask), three
+              flashgen.Variant("fa3", 128, 128, 4, 2, persistent=1, pingpong=True),
+              flashgen.Variant("fa3", 128, 64, 4, 3, persistent=1, pingpong=True),
+              flashgen.Variant("fa3", 192, 128, 4, 3, persistent=1, pingpong=True)]
 
 
 @pytest.mark.gpu
