@@ -32,7 +32,9 @@ POINTS = [Variant("fa3", 128, 128, 4, 3), Variant("fa3", 128, 128, 4, 2),
           Variant("fa3", 128, 64, 4, 3, persistent=1), Variant("fa3", 128, 128, 4, 3, persistent=1),
           Variant("fa3", 128, 64, 4, 4, persistent=1), Variant("fa3", 64, 64, 4, 3, persistent=1),
           Variant("fa3", 64, 64, 4, 4, persistent=1), Variant("fa3", 64, 128, 4, 2, persistent=1),
-          Variant("fa3", 64, 128, 4, 3, persistent=1),
+          Variant("fa3", 64, 128, 4, 3, persistent=1), Variant("fa3", 128, 64, 4, 2, persistent=1),
+          # one consumer of 128 rows (8 warps)
+          *(Variant("fa3", 128, n, 8, s, persistent=1) for n, s in ((64, 2), (64, 3), (128, 2))),
           # three consumers (192 rows)
           *(Variant("fa3", 192, n, 4, s, persistent=1) for n in (128, 64) for s in (2, 3, 4)),
           # consumers taking turns at the tensor cores
