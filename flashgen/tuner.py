@@ -251,6 +251,7 @@ def tune_problem(
         again = [v for v in (_variant_of(space, r) for r in timed) if v is not None]
         stored = {j: r for j, r in stored.items() if r.status != "ok"}
     _resume(study, result, stored, problem, device, knobs, space)
+    resumed = set(result.outcomes)
     for variant in dict.fromkeys([*again, *_seeds(problem, device, db, versions, space)]):
         if variant.to_json() not in result.outcomes and space.why_invalid(
                 variant, problem, device) is None:
@@ -263,10 +264,12 @@ def tune_problem(
         if timeout is None:
             return True
         # A cold compile cache can spend a short budget on the first batch alone: until a
-        # variant has passed, the timeout stretches (up to OVERTIME x) rather than leave the
-        # problem with no winner after compiling candidates it never measured.
-        has_ok = any(o.status == "ok" for o in result.outcomes.values())
-        return clock() - start < (timeout if has_ok else OVERTIME * timeout)
+        # variant has passed in this run, the timeout stretches (up to OVERTIME x) rather
+        # than end the run on candidates it compiled and never measured. Resumed rows do not
+        # count: after a template change a key may hold only the rows of kernels that did
+        # not change, and a re-tune then measured none of the new ones (H200, 2026-11-24).
+        passed = any(o.status == "ok" for j, o in result.outcomes.items() if j not in resumed)
+        return clock() - start < (timeout if passed else OVERTIME * timeout)
 
     def record(variant: AnyVariant, outcome: Outcome, m: Measurement | None = None) -> None:
         db.record_trial(key, problem, variant, outcome.status, reason=outcome.reason,

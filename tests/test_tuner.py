@@ -214,6 +214,21 @@ def test_a_cold_first_batch_is_still_measured(db: TuningDB) -> None:
     assert result.measured == 1 and result.best is not None and result.winner is not None
 
 
+def test_a_cold_batch_is_measured_even_where_resumed_rows_passed(db: TuningDB) -> None:
+    # A re-tune after a template change: the key holds passed rows of kernels that did not
+    # change, and the new candidates' compiles outlast the budget.
+    tune(FakeBench(), db, trials=3)
+    now = [0.0]
+
+    class SlowCompile(FakeBench):
+        def compile(self, variants: Sequence[Variant]) -> dict[Variant, str]:
+            now[0] += 15.0
+            return super().compile(variants)
+
+    result = tune(SlowCompile(), db, timeout=10, batch=4, clock=lambda: now[0])
+    assert result.resumed == 3 and result.measured == 1
+
+
 def test_a_budget_is_required(db: TuningDB) -> None:
     with pytest.raises(ValueError):
         tune(FakeBench(), db)
