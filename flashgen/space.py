@@ -97,9 +97,9 @@ def fa1_pipelining(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
 def fa1_has_no_fa2_knobs(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
     # fa1 masks every step and has no separate main loop: one point per tile shape.
     if v.loop_order == "fa1" and (
-        not v.split_mask or v.warp_specialize or v.use_tma or v.persistent or v.pingpong
+        not v.split_mask or v.warp_specialize or v.use_tma or v.persistent
     ):
-        return "split_mask/warp_specialize/use_tma/persistent are fa2 knobs, pingpong fa3's"
+        return "split_mask/warp_specialize/use_tma/persistent are fa2 knobs"
     return None
 
 
