@@ -168,7 +168,7 @@ def _prepare_tma(variant: Variant, problem: Problem, strict: bool,
         lse = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
         if fa3:
             # Each consumer warpgroup moves its own 16 x num_warps rows of Q and O.
-            rows = 16 * variant.num_warps
+            rows = variant.fa3_rows
             grid, extra = fa3_grid(variant, nq, b * hq, q.device)
             kernel[grid](
                 _gluon_descriptor(q, rows), _gluon_descriptor(k, bn), _gluon_descriptor(v, bn),

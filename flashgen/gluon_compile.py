@@ -62,7 +62,7 @@ def compile_fa3(variant: Variant, problem: Problem, capability: int = 90) -> Any
 
     if variant.loop_order != "fa3":
         raise ValueError(f"{variant} is not an fa3 variant")
-    args = example_args(problem.head_dim, problem.torch_dtype, 16 * variant.num_warps,
+    args = example_args(problem.head_dim, problem.torch_dtype, variant.fa3_rows,
                         variant.block_n)
     if variant.persistent:
         args.append(8)  # B * H_Q: the persistent kernel enumerates the tiles itself

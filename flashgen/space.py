@@ -176,7 +176,7 @@ def pingpong_needs_fa3_consumers(v: Variant, p: Problem, dev: DeviceInfo) -> str
         return None
     if v.loop_order != "fa3" or not v.persistent:
         return "pingpong is a knob of fa3 on the persistent grid"
-    if v.block_m // (16 * v.num_warps) < 2:
+    if v.fa3_consumers < 2:
         return "pingpong needs two or three fa3 consumers (block_m / (16 x num_warps) >= 2)"
     return None
 

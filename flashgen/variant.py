@@ -56,6 +56,17 @@ class Variant(Knobs):
         """Whether the kernel reads its inputs through TMA descriptors (16-byte aligned rows)."""
         return self.use_tma or self.loop_order == "fa3"
 
+    @property
+    def fa3_rows(self) -> int:
+        """Query rows of one fa3 consumer warpgroup: 16 a warp (the warpgroup MMA's M is 64
+        rows per four warps). Also the block of Q and O that one TMA copy moves."""
+        return 16 * self.num_warps
+
+    @property
+    def fa3_consumers(self) -> int:
+        """fa3 consumer warpgroups per program: each takes fa3_rows of the block_m rows."""
+        return self.block_m // self.fa3_rows
+
     def pointer_twin(self) -> Variant:
         """The same tiles, warps and stages with plain pointer loads: what runs on inputs
         that TMA cannot address (and what ahead-of-time export compiles), computing the same
