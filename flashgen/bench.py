@@ -8,6 +8,7 @@ overflows (Triton's OutOfResources) and wrong answers come back as failed `Measu
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import zlib
@@ -96,6 +97,21 @@ def describe_failure(exc: BaseException, limit: int = 400) -> str:
     if len(text) > limit:
         text = text[: limit - 3] + "..."
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _import_kernel_modules() -> None:
+    """Import what the generated kernels import, once, on this thread.
+
+    Why: when the first batch of a run imported `triton.language` from several compile
+    threads at once, Python's import-deadlock guard handed one of them the half-initialised
+    module, and that variant was recorded as failed ("partially initialized module
+    'triton.language' has no attribute 'core'"; 2 such trials in the shipped DB, both at the
+    start of an H200 tuning run).
+    """
+    import triton.language  # noqa: F401
+
+    with contextlib.suppress(ImportError):  # a Triton without Gluon runs no fa3 kernels
+        from triton.experimental.gluon import language  # noqa: F401
 
 
 def _shrink_lengths(nq: int, nk: int) -> tuple[int, int]:
@@ -193,6 +209,7 @@ class KernelBench:
         if not self.on_gpu or not variants:
             return {}
         _ = self.inputs  # made once here, not raced for by the threads
+        _import_kernel_modules()
         failures: dict[Variant, str] = {}
         workers = max(1, min(self.compile_workers, len(variants)))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="flashgen-compile") \
