@@ -70,6 +70,23 @@ def test_fa3_persistent_is_one_program_per_sm_with_its_own_o_buffer() -> None:
         (8, 48), ())
 
 
+def test_persistent_causal_kernels_alone_take_the_row_bound_mask() -> None:
+    # The causal kernel masks against each row's last visible key (`_mask_bound`); the one
+    # without the mask keeps `_mask_scores` for the ragged tail, so it renders as it did
+    # before the row-bound mask and its tuned rows stay carried (scripts/carry_rows.py).
+    # Partitions follow the consumer count: one `_consume` each, then the producer.
+    for m, consumers in ((128, 2), (192, 3)):
+        v = flashgen.Variant("fa3", m, 128, 4, 2, persistent=1)
+        assert (v.fa3_rows, v.fa3_consumers) == (64, consumers)
+        causal = render(v, _problem(64, causal=True))
+        full = render(v, _problem(64))
+        assert "= _mask_bound(s" in causal and "= _mask_scores(s" not in causal
+        assert "_mask_bound" not in full and "= _mask_scores(s" in full
+        for source in (causal, full):
+            assert source.count("(_consume, (") == consumers
+            assert source.count("(_produce, (") == 1
+
+
 def test_portfolio_and_default_lead_with_fa3_on_hopper() -> None:
     # The tuner measures fa3 first on Hopper (every candidate passes the reference check
     # before it can win). Untuned, fa3 serves D128 and long D64; short D64, fp32, other head
