@@ -47,6 +47,9 @@ class Choice(NamedTuple):
     variant: dict[str, Any]
     how: str  # "exact", "nearest" or "default"
     reason: str
+    #: the variant of the "<role>_plain" kernels, where there are any: what runs on inputs
+    #: that TMA cannot address
+    twin: dict[str, Any] | None = None
 
 
 def tuned_gpus() -> dict[str, str]:
@@ -140,16 +143,19 @@ def _choose(mode: str, table: _Table, dtype: str, causal: bool, d: int, group: i
             continue
         got = (e["seq_q_bucket"], e["seq_k_bucket"])
         if got == (want_q, want_k):
-            return Choice(e["kernels"], e["variant"], "exact", f"tuned winner for bucket {got}")
+            return Choice(e["kernels"], e["variant"], "exact", f"tuned winner for bucket {got}",
+                          e.get("twin"))
         return Choice(e["kernels"], e["variant"], "nearest",
-                      f"no winner for bucket {(want_q, want_k)}; nearest valid tuned bucket {got}")
+                      f"no winner for bucket {(want_q, want_k)}; nearest valid tuned bucket {got}",
+                      e.get("twin"))
     for source in (table, _GENERIC):
         grid = source.defaults[mode].get((dtype, causal, d))
         if grid is not None:
             e = grid[(_clamp(nq), _clamp(nk))]
             why = "generic default" if source is _GENERIC else "default"
             return Choice(e["kernels"], e["variant"], "default",
-                          f"{why}: nothing tuned fits {dtype} causal={causal} D={d} GQA={group}")
+                          f"{why}: nothing tuned fits {dtype} causal={causal} D={d} GQA={group}",
+                          e.get("twin"))
     have = sorted({f"{k[0]} causal={k[1]} D={k[2]}" for k in _GENERIC.defaults[mode]})
     raise ValueError(
         f"this export has no {mode} kernel for {dtype} causal={causal} head dim {d}; it holds: "
@@ -314,6 +320,9 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
         )  # fmt: skip
         return out, lse
     args: tuple = (q, k, v, out, lse)
+    # A TMA kernel's twin has its own tiles and grid (an fa3 twin is a plain fa2 kernel).
+    var = choice.twin or var
+    launch = {"num_warps": var["num_warps"], "num_stages": var["num_stages"]}
     if var["loop_order"] == "fa1":
         # fa1 keeps the running output, max and sum in fp32 scratch between K/V tiles.
         acc = torch.zeros((b * hq, nq, padded), device=q.device, dtype=torch.float32)
@@ -333,33 +342,60 @@ def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
               out: torch.Tensor, lse: torch.Tensor, causal: bool,
               scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     choice = _pick("bwd", q, k, causal)
-    var, names = choice.variant, choice.kernels
+    var, names = choice.variant, dict(choice.kernels)
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    fa3 = var.get("fa3", "none")
+    if fa3 != "none" and (lse.stride(-1) != 1 or not _tma_ready(q, k, v, do, dq, dk, dv)):
+        # The Gluon kernels need TMA-addressable rows; the Triton twin computes the same.
+        assert choice.twin is not None, "an fa3 backward entry ships its twin"
+        var, fa3 = choice.twin, "none"
+        names.update(dkdv=names["dkdv_plain"], dq=names["dq_plain"])
     launch = {"num_warps": var["num_warps"], "num_stages": var["num_stages"]}
     delta = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
     _kernel(names["preprocess"], "attn_bwd_preprocess")[
         (_cdiv(nq, _TABLE["preprocess_block_m"]), b * hq)
     ](out, do, delta, *out.stride(), *do.stride(), *delta.stride(), nq, hq)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    atomic = var["dq_mode"] == "atomic"
-    # Atomic mode sums each K block's share of dQ into a zeroed fp32 buffer.
-    dq_acc = torch.zeros((b, hq, nq, d), device=q.device, dtype=torch.float32) if atomic else dq
-    rows = (*lse.stride(), *delta.stride())
-    _kernel(names["dkdv"], "attn_bwd_dkdv")[(_cdiv(nk, var["block_n"]), b * hkv)](
-        q, k, v, do, lse, delta, dk, dv, dq_acc,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *rows,
-        *dk.stride(), *dv.stride(), *dq_acc.stride(),
-        scale, nq, nk, hkv, hq // hkv, **launch,
-    )  # fmt: skip
-    if atomic:
-        dq.copy_(dq_acc)
+    tail = (scale, nq, nk)
+    if fa3 == "both":
+        # Gluon dK/dV: consumers own 64 keys each; Q and dO stream in block_m-row tiles.
+        bm = var["block_m"]
+        _kernel(names["dkdv"], "attn_bwd_dkdv")[(_cdiv(nk, var["block_n"]), b * hkv)](
+            *(_gluon_descriptor(t, r) for t, r in ((q, bm), (k, 64), (v, 64), (do, bm),
+                                                   (dk, 64), (dv, 64))),
+            lse, delta, *lse.stride()[:2], *delta.stride()[:2], *tail, hkv, hq // hkv,
+            num_warps=4,
+        )  # fmt: skip
+    else:
+        atomic = var["dq_mode"] == "atomic"
+        # Atomic mode sums each K block's share of dQ into a zeroed fp32 buffer.
+        dq_acc = (torch.zeros((b, hq, nq, d), device=q.device, dtype=torch.float32)
+                  if atomic else dq)
+        _kernel(names["dkdv"], "attn_bwd_dkdv")[(_cdiv(nk, var["block_n"]), b * hkv)](
+            q, k, v, do, lse, delta, dk, dv, dq_acc,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride(),
+            *delta.stride(), *dk.stride(), *dv.stride(), *dq_acc.stride(),
+            *tail, hkv, hq // hkv, **launch,
+        )  # fmt: skip
+        if atomic:
+            dq.copy_(dq_acc)
+            return dq, dk, dv
+    if fa3 != "none":
+        # Gluon dQ: consumers own 64 query rows each; K and V stream in block_m-row tiles.
+        bm = var["block_m"]
+        _kernel(names["dq"], "attn_bwd_dq")[(_cdiv(nq, var["block_n"]), b * hq)](
+            *(_gluon_descriptor(t, r) for t, r in ((q, 64), (k, bm), (v, bm), (do, 64),
+                                                   (dq, 64))),
+            lse, delta, *lse.stride()[:2], *delta.stride()[:2], *tail, hq, hq // hkv,
+            num_warps=4,
+        )  # fmt: skip
     else:
         # The dQ kernel owns block_n query rows per program (flashgen's BwdVariant pair swap).
         _kernel(names["dq"], "attn_bwd_dq")[(_cdiv(nq, var["block_n"]), b * hq)](
             q, k, v, do, lse, delta, dq,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *rows, *dq.stride(),
-            scale, nq, nk, hq, hq // hkv, **launch,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride(),
+            *delta.stride(), *dq.stride(), *tail, hq, hq // hkv, **launch,
         )  # fmt: skip
     return dq, dk, dv
 

@@ -7,7 +7,9 @@ import math
 import torch
 
 from flashgen.bwd_render import PREPROCESS_BLOCK_M, load_bwd_kernel
+from flashgen.bwd_space import bwd_pointer_twin
 from flashgen.bwd_variant import BwdVariant
+from flashgen.forward import _gluon_descriptor, tma_ready
 from flashgen.problem import Problem
 
 
@@ -30,11 +32,19 @@ def run_backward(
     the gradients keep their input's dtype, shape and memory layout. With GQA, dk and dv sum
     the contributions of every query head that shares the key/value head.
 
+    A variant with Gluon (fa3) kernels needs 16-byte aligned rows (`tma_ready`); on inputs
+    that are not, its `pointer_twin` runs, which computes the same gradients.
+
     Inputs are not validated here (as for `run_forward`): the autograd layer checks them.
     """
     scale = 1.0 / math.sqrt(problem.head_dim) if scale is None else float(scale)
-    b, hq, nq, d = q.shape
+    b, hq, nq, _ = q.shape
     hkv, nk = k.shape[1], k.shape[2]
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    if variant.fa3 != "none" and (lse.stride(-1) != 1 or not tma_ready(q, k, v, do, dq, dk, dv)):
+        variant = bwd_pointer_twin(variant, problem, q.device)
     launch = {"num_warps": variant.num_warps, "num_stages": variant.num_stages}
 
     delta = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
@@ -42,10 +52,43 @@ def run_backward(
     preprocess[(_cdiv(nq, PREPROCESS_BLOCK_M), b * hq)](
         out, do, delta, *out.stride(), *do.stride(), *delta.stride(), nq, hq
     )
+    if variant.gluon("dkdv"):
+        # Each consumer warpgroup owns 64 keys: K, V, dK and dV move in 64-row tiles.
+        load_bwd_kernel("dkdv", variant, problem)[(_cdiv(nk, variant.block_n), b * hkv)](
+            *(_gluon_descriptor(t, rows) for t, rows in (
+                (q, variant.block_m), (k, 64), (v, 64), (do, variant.block_m), (dk, 64),
+                (dv, 64))),
+            lse, delta, *lse.stride()[:2], *delta.stride()[:2], scale, nq, nk, hkv,
+            problem.group, num_warps=4,
+        )  # fmt: skip
+    else:
+        _triton_dkdv(q, k, v, do, lse, delta, dq, dk, dv, variant, problem, scale, launch)
+    if variant.gluon("dq"):
+        # Each consumer warpgroup owns 64 query rows; K and V stream in block_m-row tiles.
+        load_bwd_kernel("dq", variant, problem)[(_cdiv(nq, variant.block_n), b * hq)](
+            *(_gluon_descriptor(t, rows) for t, rows in (
+                (q, 64), (k, variant.block_m), (v, variant.block_m), (do, 64), (dq, 64))),
+            lse, delta, *lse.stride()[:2], *delta.stride()[:2], scale, nq, nk, hq,
+            problem.group, num_warps=4,
+        )  # fmt: skip
+    elif variant.dq_mode == "separate":
+        dq_kernel = load_bwd_kernel("dq", variant, problem)
+        # The dQ kernel owns block_n query rows per program (the pair swaps; see BwdVariant).
+        dq_kernel[(_cdiv(nq, variant.block_n), b * hq)](
+            q, k, v, do, lse, delta, dq,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride(),
+            *delta.stride(), *dq.stride(), scale, nq, nk, hq, problem.group, **launch,
+        )  # fmt: skip
+    return dq, dk, dv
 
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
+
+def _triton_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
+                 lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
+                 dv: torch.Tensor, variant: BwdVariant, problem: Problem, scale: float,
+                 launch: dict[str, int]) -> None:
+    """The Triton dK/dV kernel; in the atomic dq mode it also fills `dq`."""
+    b, hq, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
     atomic = variant.dq_mode == "atomic"
     # The atomic mode sums dQ shares from every K block, so it needs a zeroed fp32 buffer.
     dq_target = torch.zeros((b, hq, nq, d), device=q.device, dtype=torch.float32) if atomic else dq
@@ -61,16 +104,6 @@ def run_backward(
 
     if atomic:
         dq.copy_(dq_target)
-    else:
-        dq_kernel = load_bwd_kernel("dq", variant, problem)
-        # The dQ kernel owns block_n query rows per program (the pair swaps; see BwdVariant).
-        dq_kernel[(_cdiv(nq, variant.block_n), b * hq)](
-            q, k, v, do, lse, delta, dq,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *rows, *dq.stride(),
-            scale, nq, nk, hq, problem.group,
-            **launch,
-        )  # fmt: skip
-    return dq, dk, dv
 
 
 def _cdiv(a: int, b: int) -> int:

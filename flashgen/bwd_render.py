@@ -8,11 +8,12 @@ each one may read. `flashgen.render.template_hash("bwd")` covers these templates
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from flashgen.bwd_variant import BwdVariant
 from flashgen.problem import Problem
-from flashgen.render import _load_module, _render, source_hash
+from flashgen.render import _load_module, _make_environment, _render, source_hash
 
 BwdKernel = Literal["preprocess", "dkdv", "dq"]
 BWD_KERNELS: tuple[str, ...] = ("preprocess", "dkdv", "dq")
@@ -22,8 +23,9 @@ BWD_KERNELS: tuple[str, ...] = ("preprocess", "dkdv", "dq")
 PREPROCESS_BLOCK_M = 64
 
 
-def bwd_template_name(kernel: BwdKernel) -> str:
-    return f"attn_bwd_{kernel}.py.jinja"
+def bwd_template_name(kernel: BwdKernel, variant: BwdVariant | None = None) -> str:
+    fa3 = "_fa3" if variant is not None and variant.gluon(kernel) else ""
+    return f"attn_bwd_{kernel}{fa3}.py.jinja"
 
 
 def bwd_render_context(kernel: BwdKernel, variant: BwdVariant, problem: Problem) -> dict[str, Any]:
@@ -37,6 +39,16 @@ def bwd_render_context(kernel: BwdKernel, variant: BwdVariant, problem: Problem)
         context["block_m"] = PREPROCESS_BLOCK_M
         return context
     context["causal"] = problem.causal
+    if variant.gluon(kernel):
+        # Gluon kernels (Hopper, fp16/bf16 only): no precision or atomic switch; both keep
+        # the owned tile as block_n's and the streamed one as block_m's in their own terms.
+        owned, streamed = variant.block_n, variant.block_m
+        if kernel == "dkdv":
+            context.update(block_n=owned, block_m=streamed)
+        else:
+            context.update(block_m=owned, block_n=streamed)
+        context["stages"] = variant.num_stages
+        return context
     # fp32 inputs get true fp32 products: tf32 would lose ~3 decimal digits.
     context["dot_precision"] = "ieee" if problem.dtype == "fp32" else "tf32"
     if kernel == "dkdv":
@@ -55,12 +67,26 @@ def bwd_render_context(kernel: BwdKernel, variant: BwdVariant, problem: Problem)
 def render_bwd(kernel: BwdKernel, variant: BwdVariant, problem: Problem) -> str:
     """The Triton source of one backward kernel (cached on what its template reads)."""
     context = tuple(sorted(bwd_render_context(kernel, variant, problem).items()))
-    return _render(bwd_template_name(kernel), context)
+    return _render(bwd_template_name(kernel, variant), context)
+
+
+def render_bwd_with(templates: Mapping[str, str], kernel: BwdKernel, variant: BwdVariant,
+                    problem: Problem) -> str:
+    """What `render_bwd` gives with other template texts (say an earlier revision's): lets a
+    tool check that a template change leaves a stored variant's kernels byte-identical."""
+    env = _make_environment(templates.get)
+    return env.get_template(bwd_template_name(kernel, variant)).render(
+        **bwd_render_context(kernel, variant, problem))
+
+
+def bwd_roles(variant: BwdVariant) -> tuple[BwdKernel, ...]:
+    """The kernels `variant` launches: the atomic dq mode has no dQ kernel."""
+    return ("preprocess", "dkdv") + (("dq",) if variant.dq_mode == "separate" else ())
 
 
 @functools.lru_cache(maxsize=1024)
 def load_bwd_kernel(kernel: BwdKernel, variant: BwdVariant, problem: Problem) -> Any:
-    """The Triton JIT function `attn_bwd_<kernel>` (compiled lazily by Triton at launch).
+    """The Triton (or Gluon) JIT function `attn_bwd_<kernel>` (compiled lazily at launch).
 
     Memoised: every backward call looks up three kernels, and rendering plus hashing their
     sources each time was about a quarter of a training step's host overhead."""

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from dataclasses import replace
 
-from flashgen.bwd_variant import DQ_MODES, BwdVariant
+from flashgen.bwd_variant import DQ_MODES, FA3_KERNELS, BwdVariant
 from flashgen.hardware import DeviceInfo, device_info
 from flashgen.problem import Problem
 from flashgen.space import MAX_ACC_PER_THREAD, first_broken, tile_reason
@@ -65,7 +66,33 @@ def shared_memory_overflow(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | 
     return None
 
 
+def fa3_unavailable(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:
+    # The Gluon kernels: Hopper's wgmma and TMA, 64-row consumer warpgroups of 4 warps.
+    if v.fa3 == "none":
+        return None
+    if not dev.is_hopper:
+        return "fa3 backward kernels are Gluon kernels for Hopper (sm_90)"
+    if p.dtype not in ("fp16", "bf16"):
+        return f"fa3 backward kernels take fp16 or bf16, not {p.dtype}"
+    if p.head_dim not in (64, 128):
+        return f"fa3 backward kernels need head_dim 64 or 128 (TMA tiles), not {p.head_dim}"
+    if v.dq_mode != "separate":
+        return "fa3 backward kernels leave dQ to the dQ kernel: dq_mode must be 'separate'"
+    if v.num_warps != 4:
+        return f"fa3 backward kernels run 4-warp consumers, not num_warps {v.num_warps}"
+    if v.block_n not in (64, 128):
+        return f"fa3 backward kernels own 64 rows per consumer: block_n 64 or 128, not {v.block_n}"
+    if v.block_m < 32:
+        return f"fa3 backward kernels stream tiles of 32 rows or more, not {v.block_m}"
+    if v.gluon("dkdv") and p.head_dim == 128 and v.block_m > 64:
+        # dK and dV of a consumer's 64 keys take 128 of its 240 registers at D128.
+        return f"fa3 dK/dV at head_dim 128 spills with block_m {v.block_m} (at most 64)"
+    return None
+
+
 def accumulators_too_large(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:
+    if v.gluon("dkdv"):
+        return None  # one consumer per 64 keys; fa3_unavailable bounds its tiles
     # dK/dV is the heavier kernel: dK and dV (2 x block_n x D fp32) plus two live
     # block_n x block_m score tiles (P and dP, then dS) sit in registers across its threads.
     threads = 32 * v.num_warps
@@ -79,6 +106,7 @@ def accumulators_too_large(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | 
 
 
 def too_many_warps(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:
+    # fa3's num_warps is always 4 (per consumer); fa3_unavailable checks it.
     # The owned tile's rows are split across warps, at least 16 rows per warp's matrix
     # instructions; more warps than that leave some idle or duplicate work.
     if v.num_warps > max(1, v.block_n // 16) * 2:
@@ -87,6 +115,7 @@ def too_many_warps(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:
 
 
 BWD_RULES: tuple[BwdRule, ...] = (
+    fa3_unavailable,
     block_m_longer_than_needed,
     block_n_longer_than_needed,
     shared_memory_overflow,
@@ -102,15 +131,17 @@ def why_invalid_bwd(
     dev = device_info(device)
     if v.dq_mode not in DQ_MODES:
         return f"unknown dq_mode {v.dq_mode!r}; use one of {DQ_MODES}"
+    if v.fa3 not in FA3_KERNELS:
+        return f"unknown fa3 {v.fa3!r}; use one of {FA3_KERNELS}"
     return tile_reason(v, BWD_BLOCK_SIZES, BWD_WARPS) or first_broken(BWD_RULES, v, p, dev)
 
 
 def all_bwd_points() -> list[BwdVariant]:
     """Every point before the validity rules: the full grid."""
     return [
-        BwdVariant(bm, bn, w, s, mode)
-        for mode, bm, bn, w, s in itertools.product(
-            DQ_MODES, BWD_BLOCK_SIZES, BWD_BLOCK_SIZES, BWD_WARPS, BWD_STAGES
+        BwdVariant(bm, bn, w, s, mode, fa3)
+        for fa3, mode, bm, bn, w, s in itertools.product(
+            FA3_KERNELS, DQ_MODES, BWD_BLOCK_SIZES, BWD_BLOCK_SIZES, BWD_WARPS, BWD_STAGES
         )
     ]
 
@@ -121,8 +152,13 @@ def bwd_search_space(problem: Problem, device: DeviceInfo | str | None = None) -
     return [v for v in all_bwd_points() if why_invalid_bwd(v, problem, dev) is None]
 
 
-def default_bwd_variant(problem: Problem, device: DeviceInfo | str | None = None) -> BwdVariant:
+def default_bwd_variant(problem: Problem, device: DeviceInfo | str | None = None,
+                        fa3: bool = True) -> BwdVariant:
     """A hand-picked backward variant valid for any problem: the answer when nothing was tuned.
+
+    On Hopper at fp16/bf16 and D 64 or 128 the Gluon (fa3) kernels come first, unless `fa3`
+    is False: both at D128, the dQ one at D64, where the Triton dK/dV kernel is faster
+    (H100, 2026-11-24, NOTES.md).
 
     Untimed guesses for H100/H200 in the spirit of FlashAttention 2's backward: a big owned
     key tile (128) with a narrower query step, more warps as the head dim grows, smaller
@@ -148,6 +184,9 @@ def default_bwd_variant(problem: Problem, device: DeviceInfo | str | None = None
         first = [BwdVariant(64, 128, 8, 2), BwdVariant(32, 128, 8, 2)]
     else:
         first = [BwdVariant(32, 64, 8, 2), BwdVariant(32, 64, 8, 1)]
+    if fa3:
+        gluon = [BwdVariant(32, 128, 4, 3, fa3="dq"), BwdVariant(64, 128, 4, 2, fa3="both")]
+        first = [*(gluon if d <= 64 else gluon[::-1]), *first]
     prefs = [
         *first,
         BwdVariant(64, 64, 4, 2),
@@ -161,3 +200,36 @@ def default_bwd_variant(problem: Problem, device: DeviceInfo | str | None = None
         if why_invalid_bwd(v, problem, dev) is None:
             return v
     raise AssertionError(f"no default backward variant fits {problem}")
+
+
+#: Gluon (fa3) points measured before the sampler's on Hopper (see `bwd_portfolio`).
+HOPPER_BWD_PORTFOLIO: tuple[BwdVariant, ...] = (
+    BwdVariant(64, 128, 4, 2, fa3="both"),
+    BwdVariant(64, 128, 4, 3, fa3="both"),
+    BwdVariant(32, 128, 4, 3, fa3="dq"),
+    BwdVariant(64, 128, 4, 3, fa3="dq"),
+    BwdVariant(128, 128, 4, 2, fa3="dq"),
+)
+
+
+def bwd_portfolio(problem: Problem, device: DeviceInfo | str | None = None) -> list[BwdVariant]:
+    """Points the tuner measures first on Hopper: the Gluon kernels' configurations that ran
+    fastest in their first measurement (H100, 2026-11-24, NOTES.md), where valid, then the
+    all-Triton default, so every key also holds the Triton kernels' time."""
+    dev = device_info(device)
+    if not dev.is_hopper:
+        return []
+    points = [v for v in HOPPER_BWD_PORTFOLIO if why_invalid_bwd(v, problem, dev) is None]
+    return [*points, default_bwd_variant(problem, dev, fa3=False)]
+
+
+def bwd_pointer_twin(variant: BwdVariant, problem: Problem,
+                     device: DeviceInfo | str | None = None) -> BwdVariant:
+    """The variant with every kernel a Triton one: what runs where the Gluon kernels cannot
+    (inputs TMA cannot address), computing the same gradients. The same tiles where the
+    Triton kernels take them, else 8 warps, else the Triton default."""
+    twin = replace(variant, fa3="none")
+    for candidate in (twin, replace(twin, num_warps=8)):
+        if why_invalid_bwd(candidate, problem, device) is None:
+            return candidate
+    return default_bwd_variant(problem, device, fa3=False)

@@ -9,6 +9,8 @@ from flashgen.knobs import Knobs
 
 DqMode = Literal["separate", "atomic"]
 DQ_MODES: tuple[str, ...] = ("separate", "atomic")
+Fa3Kernels = Literal["none", "dq", "both"]
+FA3_KERNELS: tuple[str, ...] = ("none", "dq", "both")
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,11 @@ class BwdVariant(Knobs):
     dq_mode: "separate" runs the dQ kernel (deterministic, recomputes S and dP); "atomic" adds
         each K block's share of dQ with fp32 atomics inside the dK/dV kernel (no recompute,
         but atomic traffic, an fp32 scratch buffer and a run-to-run nondeterministic sum order).
+    fa3: which kernels are the Gluon (FlashAttention-3 style, Hopper) ones: "none", "dq" (the
+        dQ kernel; dK/dV stays Triton's) or "both". Their consumer warpgroups own 64 rows each
+        (block_n / 64 of them, 4 warps each, num_warps = 4), a producer warp feeds them by TMA.
+        On an H100 (2026-11-24) the Gluon dK/dV kernel ran 1.10-1.26x the Triton one at D128
+        and 0.91-0.98x at D64, the Gluon dQ kernel 1.06-1.47x at both (NOTES.md), hence "dq".
     """
 
     kind = "backward variant"
@@ -38,9 +45,16 @@ class BwdVariant(Knobs):
     num_warps: int = 8
     num_stages: int = 2
     dq_mode: DqMode = "separate"
+    fa3: Fa3Kernels = "none"
 
     def __str__(self) -> str:
+        fa3 = {"none": "", "dq": " fa3-dq", "both": " fa3"}.get(self.fa3, f" fa3={self.fa3}")
         return (
             f"bwd-{self.dq_mode} m{self.block_m} n{self.block_n} "
-            f"w{self.num_warps} s{self.num_stages}"
+            f"w{self.num_warps} s{self.num_stages}{fa3}"
         )
+
+    def gluon(self, kernel: str) -> bool:
+        """Whether backward kernel `kernel` ("preprocess", "dkdv", "dq") is a Gluon one."""
+        return (kernel == "dq" and self.fa3 in ("dq", "both")) or (
+            kernel == "dkdv" and self.fa3 == "both")

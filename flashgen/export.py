@@ -9,7 +9,8 @@ dispatch table `table.json`, and a fixed runtime (`flashgen/_export_runtime.py`,
     PACKAGE/table.json       per GPU: tuned forward/backward entries and default grids;
                              plus generic defaults for GPUs or Tritons that were not tuned
     PACKAGE/kernels/*.py     fwd_<hash>.py, bwd_{preprocess,dkdv,dq}_<hash>.py (a use_tma
-                             or fa3 forward also gets its pointer twin, for unaligned inputs)
+                             or fa3 forward, or an fa3 backward, also gets its pointer twin,
+                             for unaligned inputs; the entry names the twin's variant)
     PACKAGE/README.md        what was exported, from where
 
 Backward winners are exported where the database has them; the default backward grid is
@@ -26,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import flashgen
-from flashgen.bwd_render import PREPROCESS_BLOCK_M, render_bwd
+from flashgen.bwd_render import PREPROCESS_BLOCK_M, bwd_roles, render_bwd
+from flashgen.bwd_space import bwd_pointer_twin
 from flashgen.bwd_variant import BwdVariant
 from flashgen.export_select import (
     GENERIC,
@@ -70,36 +72,57 @@ class _Kernels:
         self.sources[name] = source
         return name
 
-    def of(self, mode: str, variant: AnyVariant, problem: Problem) -> dict[str, str]:
-        """The kernel modules that run `variant`, by role."""
+    def of(self, mode: str, variant: AnyVariant, problem: Problem,
+           twin: AnyVariant | None = None) -> dict[str, str]:
+        """The kernel modules that run `variant`, by role; `twin`'s as "<role>_plain"."""
         if mode == "fwd":
             assert isinstance(variant, Variant)
             kernels = {"fwd": self.add("fwd", render(variant, problem))}
-            if variant.needs_tma:
-                # TMA needs 16-byte aligned rows; other inputs run the pointer twin, the
-                # same function (as flashgen's dispatch does).
-                kernels["fwd_plain"] = self.add("fwd", render(variant.pointer_twin(), problem))
+            if twin is not None:
+                assert isinstance(twin, Variant)
+                kernels["fwd_plain"] = self.add("fwd", render(twin, problem))
             return kernels
         assert isinstance(variant, BwdVariant)
-        roles = ("preprocess", "dkdv") + (("dq",) if variant.dq_mode == "separate" else ())
-        return {r: self.add(f"bwd_{r}", render_bwd(r, variant, problem))  # type: ignore[arg-type]
-                for r in roles}
+        roles = bwd_roles(variant)
+        kernels = {r: self.add(f"bwd_{r}", render_bwd(r, variant, problem)) for r in roles}
+        if twin is not None:
+            assert isinstance(twin, BwdVariant)
+            kernels.update({f"{r}_plain": self.add(f"bwd_{r}", render_bwd(r, twin, problem))
+                            for r in roles[1:]})
+        return kernels
 
 
-def _entry(kernels: _Kernels, mode: str, variant: AnyVariant, problem: Problem) -> dict[str, Any]:
-    return {
-        "kernels": kernels.of(mode, variant, problem),
+def _twin(mode: str, variant: AnyVariant, problem: Problem,
+          device: DeviceInfo) -> AnyVariant | None:
+    """What runs on inputs TMA cannot address (16-byte aligned rows), computing the same, as
+    flashgen's dispatch does: a use_tma or fa3 forward's pointer twin, an fa3 backward's
+    Triton twin. None for variants that need no TMA."""
+    if isinstance(variant, Variant):
+        return variant.pointer_twin() if variant.needs_tma else None
+    return bwd_pointer_twin(variant, problem, device) if variant.fa3 != "none" else None
+
+
+def _entry(kernels: _Kernels, mode: str, variant: AnyVariant, problem: Problem,
+           device: DeviceInfo) -> dict[str, Any]:
+    twin = _twin(mode, variant, problem, device)
+    entry = {
+        "kernels": kernels.of(mode, variant, problem, twin),
         "variant": variant.to_dict(),
         "need": list(tile_needs(mode, variant, problem)),
     }
+    if twin is not None:
+        # The twin's own tiles and warps: an fa3 forward's twin is a plain fa2 grid (and at
+        # most 128 rows), an fa3 backward's may take 8 warps.
+        entry["twin"] = twin.to_dict()
+    return entry
 
 
-def _tuned(kernels: _Kernels, mode: str, row: Sourced) -> dict[str, Any]:
+def _tuned(kernels: _Kernels, mode: str, row: Sourced, device: DeviceInfo) -> dict[str, Any]:
     k = row.winner.key
     return {
         "dtype": k.dtype, "causal": k.causal, "head_dim": k.head_dim, "gqa": k.gqa,
         "seq_q_bucket": k.seq_q_bucket, "seq_k_bucket": k.seq_k_bucket,
-        **_entry(kernels, mode, row.winner.variant, row.winner.problem),
+        **_entry(kernels, mode, row.winner.variant, row.winner.problem, device),
         "tflops": row.winner.tflops, "source": row.source(),
     }
 
@@ -109,7 +132,8 @@ def _defaults(kernels: _Kernels, families: list[Family], device: DeviceInfo) -> 
     for mode in ("fwd", "bwd"):
         out[f"{mode}_defaults"] = [
             {"dtype": fam[0], "causal": fam[1], "head_dim": fam[2],
-             "seq_q_bucket": nq, "seq_k_bucket": nk, **_entry(kernels, mode, variant, problem)}
+             "seq_q_bucket": nq, "seq_k_bucket": nk,
+             **_entry(kernels, mode, variant, problem, device)}
             for fam in families
             for nq, nk, variant, problem in default_grid(mode, fam, device)
         ]
@@ -121,8 +145,8 @@ def _gpu_table(kernels: _Kernels, gpu: GpuWinners, families: list[Family]) -> di
     return {
         "capability": f"{major}.{minor}", "sm_count": gpu.device.sm_count,
         "device_key": gpu.device_key, "triton_version": gpu.triton_version,
-        "fwd": [_tuned(kernels, "fwd", s) for s in gpu.fwd],
-        "bwd": [_tuned(kernels, "bwd", s) for s in gpu.bwd],
+        "fwd": [_tuned(kernels, "fwd", s, gpu.device) for s in gpu.fwd],
+        "bwd": [_tuned(kernels, "bwd", s, gpu.device) for s in gpu.bwd],
         **_defaults(kernels, families, gpu.device),
     }
 

@@ -7,6 +7,7 @@ interpreter swaps Triton's library functions for Python ones that Gluon cannot c
 
     python -m flashgen.gluon_compile '{"loop_order": "fa3", ...}' 2,16,16,4096,4096,128 \
         --dtype bf16 --causal
+    python -m flashgen.gluon_compile '{"fa3": "both", ...}' 2,16,16,4096,4096,128 --bwd dkdv
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 
+from flashgen.bwd_variant import BwdVariant
 from flashgen.problem import Problem
 from flashgen.variant import Variant
 
@@ -67,6 +69,26 @@ def compile_fa3(variant: Variant, problem: Problem, capability: int = 90) -> Any
     if variant.persistent:
         args.append(8)  # B * H_Q: the persistent kernel enumerates the tiles itself
     return compile_gluon(load_kernel(variant, problem), args, {}, variant.num_warps, capability)
+
+
+def compile_fa3_bwd(kernel: str, variant: BwdVariant, problem: Problem,
+                    capability: int = 90) -> Any:
+    """Triton's compiled Gluon backward kernel `kernel` ("dkdv" or "dq") of `variant`."""
+    from flashgen.bwd_render import load_bwd_kernel
+    from flashgen.forward import _gluon_descriptor
+
+    if not variant.gluon(kernel):
+        raise ValueError(f"the {kernel} kernel of {variant} is not a Gluon one")
+    t = torch.empty(2, 4, 256, problem.head_dim, dtype=problem.torch_dtype)
+    # Owned tiles move 64 rows per consumer, streamed ones block_m rows (see BwdVariant).
+    streamed, owned = _gluon_descriptor(t, variant.block_m), _gluon_descriptor(t, 64)
+    if kernel == "dkdv":  # q, k, v, do, dk, dv
+        descriptors = [streamed, owned, owned, streamed, owned, owned]
+    else:  # q, k, v, do, dq
+        descriptors = [owned, streamed, streamed, owned, owned]
+    rows = torch.empty(4, dtype=torch.float32)
+    args = [*descriptors, rows, rows, 1024, 256, 1024, 256, 0.125, 250, 250, 4, 1]
+    return compile_gluon(load_bwd_kernel(kernel, variant, problem), args, {}, 4, capability)
 
 
 def _nvidia_tool(name: str) -> str:
@@ -118,11 +140,18 @@ def exp_under_pv(machine_code: str) -> list[bool]:
     return found
 
 
-def report(variant: Variant, problem: Problem) -> dict[str, Any]:
+def report(variant: Variant | BwdVariant, problem: Problem,
+           bwd: str | None = None) -> dict[str, Any]:
     """What the compiled kernel holds: Hopper instructions in its PTX, shared memory,
     ptxas's registers and spills (ptxas run again on the PTX with -v), and in the machine
-    code whether its softmax runs under the P V product and how many byte permutes it has."""
-    kernel = compile_fa3(variant, problem)
+    code whether its softmax runs under the P V product and how many byte permutes it has.
+    With `bwd` ("dkdv" or "dq"), that backward kernel of BwdVariant `variant`."""
+    if bwd is not None:
+        assert isinstance(variant, BwdVariant)
+        kernel = compile_fa3_bwd(bwd, variant, problem)
+    else:
+        assert isinstance(variant, Variant)
+        kernel = compile_fa3(variant, problem)
     ptx: str = kernel.asm["ptx"]
     machine_code = sass(kernel.asm["cubin"])
     return {
@@ -140,13 +169,15 @@ def report(variant: Variant, problem: Problem) -> dict[str, Any]:
     }
 
 
-def report_in_subprocess(variant: Variant, problem: Problem) -> dict[str, Any]:
+def report_in_subprocess(variant: Variant | BwdVariant, problem: Problem,
+                         bwd: str | None = None) -> dict[str, Any]:
     """`report` in a fresh process without TRITON_INTERPRET (see the module docstring)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     shape = ",".join(str(x) for x in (problem.batch, problem.heads_q, problem.heads_kv,
                                       problem.seq_q, problem.seq_k, problem.head_dim))
     cmd = [sys.executable, "-m", "flashgen.gluon_compile", variant.to_json(), shape,
            "--dtype", problem.dtype] + (["--causal"] if problem.causal else [])
+    cmd += ["--bwd", bwd] if bwd else []
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if done.returncode:
         raise RuntimeError(f"compile failed:\n{done.stderr[-3000:]}")
@@ -159,9 +190,12 @@ def main() -> None:
     ap.add_argument("shape", help="B,Hq,Hkv,Nq,Nk,D")
     ap.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--bwd", choices=["dkdv", "dq"],
+                    help="a backward kernel of a BwdVariant (given as JSON) instead")
     args = ap.parse_args()
     problem = Problem.parse(args.shape, args.dtype, args.causal)
-    print(json.dumps(report(Variant.from_json(args.variant), problem)))
+    variant = (BwdVariant if args.bwd else Variant).from_json(args.variant)
+    print(json.dumps(report(variant, problem, args.bwd)))
 
 
 if __name__ == "__main__":

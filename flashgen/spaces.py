@@ -11,7 +11,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from flashgen.bwd_space import bwd_search_space, default_bwd_variant, why_invalid_bwd
+from flashgen.bwd_space import (
+    bwd_portfolio,
+    bwd_search_space,
+    default_bwd_variant,
+    why_invalid_bwd,
+)
 from flashgen.bwd_variant import BwdVariant
 from flashgen.hardware import DeviceInfo
 from flashgen.problem import Problem
@@ -42,7 +47,7 @@ class ModeSpace(Generic[V]):
 SPACES: dict[str, ModeSpace] = {
     "fwd": ModeSpace("fwd", Variant, search_space, why_invalid, default_variant, portfolio),
     "bwd": ModeSpace("bwd", BwdVariant, bwd_search_space, why_invalid_bwd, default_bwd_variant,
-                     lambda problem, device: []),
+                     bwd_portfolio),
 }
 
 

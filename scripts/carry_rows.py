@@ -18,6 +18,7 @@ rows still keyed by REV's hash once the carry is done, so `flashgen tune` on tho
 fills the gap. Retired trials stay, as history.
 
     python scripts/carry_rows.py tuning_db/flashgen.db --rev 9f884c0 [--dry-run] [--drop-retired]
+        [--mode bwd]
 """
 
 from __future__ import annotations
@@ -34,15 +35,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rehash_db import rekey, rows_keyed, templates_at
 
+from flashgen.bwd_render import bwd_roles, render_bwd, render_bwd_with
+from flashgen.bwd_variant import BwdVariant
 from flashgen.problem import Problem
 from flashgen.render import family_hash, render, render_with, template_hash
 from flashgen.variant import Variant
 
 
-def _unchanged(old_texts: dict[str, str], variant: Variant, problem: Problem) -> bool:
-    """Whether `variant`'s kernel renders byte-identical with the old and current templates
-    (False where either set has no template for it)."""
+def _unchanged(old_texts: dict[str, str], variant: Variant | BwdVariant,
+               problem: Problem) -> bool:
+    """Whether `variant`'s kernels render byte-identical with the old and current templates
+    (False where either set has no template for one); a backward variant's every kernel."""
     try:
+        if isinstance(variant, BwdVariant):
+            return all(render_bwd_with(old_texts, r, variant, problem)
+                       == render_bwd(r, variant, problem) for r in bwd_roles(variant))
         return render_with(old_texts, variant, problem) == render(variant, problem)
     except jinja2.TemplateNotFound:
         return False
@@ -52,8 +59,7 @@ def carry(path: Path, rev: str, mode: str = "fwd", dry_run: bool = False,
           drop_retired: bool = False) -> dict[str, tuple[int, int]]:
     """Re-key `mode` rows tuned with `rev`'s templates whose kernels did not change;
     (carried, left) counts per table."""
-    if mode != "fwd":
-        raise ValueError("only forward rows are carried (backward kernels render in roles)")
+    variant_type = {"fwd": Variant, "bwd": BwdVariant}[mode]
     old_texts = templates_at(rev)
     old, new = family_hash(old_texts, mode), template_hash(mode)
     same: dict[tuple[str, str], bool] = {}
@@ -71,7 +77,7 @@ def carry(path: Path, rev: str, mode: str = "fwd", dry_run: bool = False,
                     continue
                 pair = (row["variant_json"], row["problem_json"])
                 if pair not in same:
-                    same[pair] = _unchanged(old_texts, Variant.from_json(pair[0]),
+                    same[pair] = _unchanged(old_texts, variant_type.from_json(pair[0]),
                                             Problem.from_dict(json.loads(pair[1])))
                 if same[pair]:
                     rekey(conn, table, row, new)
@@ -98,8 +104,10 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="count, change nothing")
     parser.add_argument("--drop-retired", action="store_true",
                         help="delete the winners left keyed by REV's hash (trials stay)")
+    parser.add_argument("--mode", choices=["fwd", "bwd"], default="fwd",
+                        help="which family's rows to carry (default: fwd)")
     args = parser.parse_args()
-    carry(args.db, args.rev, dry_run=args.dry_run, drop_retired=args.drop_retired)
+    carry(args.db, args.rev, args.mode, dry_run=args.dry_run, drop_retired=args.drop_retired)
 
 
 if __name__ == "__main__":

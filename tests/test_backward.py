@@ -17,7 +17,10 @@ import flashgen
 from flashgen.backward import run_backward
 from flashgen.bwd_render import BWD_KERNELS, render_bwd
 from flashgen.bwd_space import (
+    HOPPER_BWD_PORTFOLIO,
     all_bwd_points,
+    bwd_pointer_twin,
+    bwd_portfolio,
     bwd_search_space,
     bwd_shared_memory_bytes,
     default_bwd_variant,
@@ -293,6 +296,112 @@ def test_bwd_render_ignores_lengths_and_is_covered_by_template_hash() -> None:
     assert {f"attn_bwd_{k}.py.jinja" for k in BWD_KERNELS} <= set(_templates())
 
 
+# ------------------------------------------------------------- fa3 (Gluon) backward, CPU
+HOPPER = DeviceInfo("H-test", (9, 0), 132, 232448)
+AMPERE = DeviceInfo("A-test", (8, 0), 108, 232448)
+
+
+def _fa3_problem(d: int, dtype: str = "bf16", causal: bool = True) -> flashgen.Problem:
+    return flashgen.Problem(2, 8, 2, 1000, 1000, d, dtype, causal)
+
+
+def test_fa3_backward_points_exist_only_where_the_gluon_kernels_run() -> None:
+    for d in (64, 128):
+        space = bwd_search_space(_fa3_problem(d), HOPPER)
+        assert {v.fa3 for v in space} == {"none", "dq", "both"}
+        for device in (AMPERE, INTERPRETER):
+            assert {v.fa3 for v in bwd_search_space(_fa3_problem(d), device)} == {"none"}
+        assert bwd_portfolio(_fa3_problem(d), HOPPER)
+        assert not bwd_portfolio(_fa3_problem(d), AMPERE)
+    for problem in (_fa3_problem(96), _fa3_problem(64, "fp32")):
+        assert {v.fa3 for v in bwd_search_space(problem, HOPPER)} == {"none"}
+    reasons = {
+        BwdVariant(64, 128, 4, 2, "atomic", "both"): "dq_mode",
+        BwdVariant(64, 128, 8, 2, fa3="dq"): "num_warps",
+        BwdVariant(64, 32, 4, 2, fa3="both"): "block_n",
+        BwdVariant(16, 128, 4, 2, fa3="dq"): "32 rows",
+        BwdVariant(128, 128, 4, 2, fa3="both"): "spills",
+        BwdVariant(64, 128, 4, 2, fa3="all"): "unknown fa3",
+    }
+    for variant, why in reasons.items():
+        assert why in (why_invalid_bwd(variant, _fa3_problem(128), HOPPER) or ""), variant
+    # The Triton dK/dV kernel of the "dq" mode keeps its own register rule.
+    assert why_invalid_bwd(BwdVariant(64, 128, 4, 2, fa3="dq"), _fa3_problem(128), HOPPER)
+
+
+def test_fa3_backward_defaults_and_twins() -> None:
+    assert default_bwd_variant(_fa3_problem(64), HOPPER).fa3 == "dq"
+    assert default_bwd_variant(_fa3_problem(128), HOPPER).fa3 == "both"
+    assert default_bwd_variant(_fa3_problem(128), HOPPER, fa3=False).fa3 == "none"
+    assert default_bwd_variant(_fa3_problem(128), AMPERE).fa3 == "none"
+    # Rows stored before the knob existed load as all-Triton variants.
+    assert BwdVariant.from_json('{"block_m": 32, "block_n": 64}').fa3 == "none"
+    for d in (64, 128):
+        problem = _fa3_problem(d)
+        for variant in bwd_search_space(problem, HOPPER):
+            if variant.fa3 != "none":
+                twin = bwd_pointer_twin(variant, problem, HOPPER)
+                assert twin.fa3 == "none"
+                assert why_invalid_bwd(twin, problem, HOPPER) is None
+    same = BwdVariant(32, 128, 4, 3, fa3="dq")
+    assert bwd_pointer_twin(same, _fa3_problem(64), HOPPER) == BwdVariant(32, 128, 4, 3)
+
+
+def test_fa3_backward_renders_gluon_for_its_kernels_only() -> None:
+    problem = _fa3_problem(64)
+    dq_only, both = BwdVariant(32, 128, 4, 3, fa3="dq"), BwdVariant(64, 128, 4, 2, fa3="both")
+    triton = BwdVariant(32, 128, 4, 3)
+    assert render_bwd("dkdv", dq_only, problem) == render_bwd("dkdv", triton, problem)
+    assert render_bwd("preprocess", both, problem) == render_bwd("preprocess", triton, problem)
+    for kernel, variant in (("dq", dq_only), ("dq", both), ("dkdv", both)):
+        source = render_bwd(kernel, variant, problem)  # type: ignore[arg-type]
+        assert "gl.warp_specialize" in source and f"def attn_bwd_{kernel}(" in source
+        ast.parse(source)
+    # The owned tile is block_n in both kernels: 128 keys in dK/dV, 128 query rows in dQ.
+    assert "BLOCK_N: gl.constexpr = 128" in render_bwd("dkdv", both, problem)
+    assert "BLOCK_M: gl.constexpr = 128" in render_bwd("dq", both, problem)
+    assert "BLOCK_N: gl.constexpr = 32" in render_bwd("dq", dq_only, problem)
+
+
+@pytest.mark.parametrize(
+    ("kernel", "variant", "d", "causal"),
+    [("dkdv", BwdVariant(64, 128, 4, 2, fa3="both"), 128, True),
+     ("dkdv", BwdVariant(64, 128, 4, 3, fa3="both"), 64, False),
+     ("dkdv", BwdVariant(64, 64, 4, 2, fa3="both"), 128, False),
+     ("dq", BwdVariant(32, 128, 4, 3, fa3="dq"), 64, True),
+     ("dq", BwdVariant(64, 128, 4, 2, fa3="both"), 128, False),
+     ("dq", BwdVariant(128, 128, 4, 2, fa3="dq"), 128, True)],
+)
+def test_fa3_backward_compiles_for_hopper(kernel: str, variant: BwdVariant, d: int,
+                                          causal: bool) -> None:
+    pytest.importorskip("triton.experimental.gluon")
+    from flashgen.gluon_compile import report_in_subprocess
+
+    problem = _fa3_problem(d, causal=causal)
+    found = report_in_subprocess(variant, problem, kernel)
+    assert found["wgmma"] and found["tma"]  # warpgroup MMA; TMA loads and the stores
+    assert found["setmaxnreg"]  # the producer warp hands its registers to the consumers
+    assert found["wait_one"]  # exponentials while the second score product runs
+    assert found["shared"] <= HOPPER.shared_memory
+
+
+@interpreter
+def test_fa3_variant_on_unaligned_inputs_runs_its_pointer_twin() -> None:
+    """TMA cannot address rows that are not 16-byte aligned: the Triton twin runs instead,
+    and computes the same gradients (on the interpreter, which has no Gluon)."""
+    q, k, v = make_inputs(1, 2, 1, 40, 40, 64, torch.float32, seed=5)
+
+    def unaligned(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.numel() + 1, dtype=t.dtype)[1:].view(t.shape).copy_(t)
+
+    q, k, v = (unaligned(t) for t in (q, k, v))
+    do = _upstream_grad(q, 5, "bhnd")
+    problem = flashgen.Problem.from_tensors(q, k, v, True)
+    out, lse = flashgen.attention(q, k, v, causal=True, return_lse=True)
+    grads = run_backward(do, q, k, v, out, lse, BwdVariant(16, 64, 4, 1, fa3="dq"), problem)
+    assert compare_grads(grads, q, k, v, do, True).ok
+
+
 # ---------------------------------------------------------------------------------- GPU
 GPU_SHAPES = [(128, 64), (1000, 64), (2048, 64), (1000, 128), (2048, 128)]
 
@@ -338,3 +447,49 @@ def test_gpu_search_space_sample() -> None:
     space = bwd_search_space(problem, "cuda")
     for variant in space[:: max(1, len(space) // 12)]:
         _backward(11, True, 777, 777, 64, torch.bfloat16, (4, 2), "bhnd", "cuda", variant, 2)
+
+
+FA3_BWD_POINTS = [*HOPPER_BWD_PORTFOLIO, BwdVariant(32, 64, 4, 2, fa3="both"),
+                  BwdVariant(128, 64, 4, 3, fa3="dq"), BwdVariant(64, 128, 4, 4, fa3="dq")]
+
+
+@gpu
+@pytest.mark.parametrize("variant", FA3_BWD_POINTS, ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_fa3_backward(variant: BwdVariant, causal: bool) -> None:
+    """The Gluon kernels against the float64 reference: ragged and cross lengths (N_Q above
+    and below N_K), GQA, both memory layouts, both 16-bit dtypes, D64 and D128."""
+    from flashgen.hardware import device_info
+
+    if not device_info("cuda").is_hopper:
+        pytest.skip("the fa3 backward kernels are Gluon kernels for Hopper")
+    ran = 0
+    for i, (d, dtype, nq, nk, layout) in enumerate([
+        (64, torch.float16, 333, 517, "bnhd"), (64, torch.bfloat16, 517, 333, "bhnd"),
+        (128, torch.bfloat16, 333, 517, "bhnd"), (128, torch.float16, 1000, 1000, "bnhd"),
+    ]):
+        problem = flashgen.Problem(2, 8, 2, nq, nk, d, DTYPE_NAMES[dtype], causal)
+        if why_invalid_bwd(variant, problem, "cuda") is None:
+            _backward(i, causal, nq, nk, d, dtype, (8, 2), layout, "cuda", variant, batch=2)
+            ran += 1
+    assert ran, f"{variant} fits none of the shapes"
+
+
+@gpu
+def test_gpu_fa3_backward_unaligned_inputs() -> None:
+    from flashgen.hardware import device_info
+
+    if not device_info("cuda").is_hopper:
+        pytest.skip("the fa3 backward kernels are Gluon kernels for Hopper")
+    q, k, v = make_inputs(2, 8, 2, 700, 700, 128, torch.bfloat16, "cuda", seed=9)
+
+    def unaligned(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(
+            t.shape).copy_(t)
+
+    q, k, v = (unaligned(t) for t in (q, k, v))
+    do = _upstream_grad(q, 9, "bhnd")
+    problem = flashgen.Problem.from_tensors(q, k, v, True)
+    out, lse = flashgen.attention(q, k, v, causal=True, return_lse=True)
+    grads = run_backward(do, q, k, v, out, lse, BwdVariant(64, 128, 4, 2, fa3="both"), problem)
+    assert compare_grads(grads, q, k, v, do, True).ok

@@ -21,7 +21,8 @@ import torch
 from typer.testing import CliRunner
 
 import flashgen
-from flashgen.bwd_space import default_bwd_variant, why_invalid_bwd
+from flashgen.bwd_render import render_bwd
+from flashgen.bwd_space import bwd_pointer_twin, default_bwd_variant, why_invalid_bwd
 from flashgen.bwd_variant import BwdVariant
 from flashgen.check import compare, make_inputs
 from flashgen.check_grads import compare_grads
@@ -314,6 +315,42 @@ def test_an_fa3_winner_ships_with_its_pointer_twin(tmp_path: Path) -> None:
                  for role in ("fwd", "fwd_plain"))
     assert "@gluon.jit" in fwd.read_text()
     assert twin.read_text() == flashgen.render(V_FA3.pointer_twin(), P_FA3)
+    assert entry["twin"] == V_FA3.pointer_twin().to_dict()
+
+
+def test_a_persistent_fa3_winner_names_its_twins_own_grid(tmp_path: Path) -> None:
+    # The twin of a persistent 192-row fa3 winner is a plain 128-row fa2 kernel: the runtime
+    # must size its grid from the twin, not from the winner (one program per tile).
+    db = tmp_path / "h200.db"
+    winner = flashgen.Variant("fa3", 192, 128, 4, 2, persistent=1, pingpong=True)
+    _store(db, P_FA3, winner, H200)
+    _export("--db", str(db), "--out", str(tmp_path), "--name", "fgk_p")
+    table = json.loads((tmp_path / "fgk_p" / "table.json").read_text())
+    (entry,) = table["gpus"]["NVIDIA H200"]["fwd"]
+    assert entry["twin"]["persistent"] == 0 and entry["twin"]["block_m"] == 128
+
+
+def test_an_fa3_backward_winner_ships_with_its_triton_twin(tmp_path: Path) -> None:
+    db = tmp_path / "h200.db"
+    winner = BwdVariant(64, 128, 4, 2, fa3="both")
+    _store(db, P_FA3, winner, H200, mode="bwd")
+    _export("--db", str(db), "--out", str(tmp_path), "--name", "fgk_fa3_bwd")
+    table = json.loads((tmp_path / "fgk_fa3_bwd" / "table.json").read_text())
+    (entry,) = table["gpus"]["NVIDIA H200"]["bwd"]
+    twin = bwd_pointer_twin(winner, P_FA3, H200)
+    assert entry["variant"] == winner.to_dict() and entry["twin"] == twin.to_dict()
+    kernels = tmp_path / "fgk_fa3_bwd" / "kernels"
+
+    def text(role: str) -> str:
+        return (kernels / f"{entry['kernels'][role]}.py").read_text()
+
+    for role in ("dkdv", "dq"):
+        assert "@gluon.jit" in text(role)
+        assert text(f"{role}_plain") == render_bwd(role, twin, P_FA3)
+    # On Hopper the defaults are fa3 kernels too, each with its twin.
+    defaults = table["gpus"]["NVIDIA H200"]["bwd_defaults"]
+    assert {e["variant"]["fa3"] for e in defaults} >= {"dq"}
+    assert all("twin" in e for e in defaults if e["variant"]["fa3"] != "none")
 
 
 def test_cli_refusals(tmp_path: Path) -> None:
