@@ -207,8 +207,6 @@ HOPPER_BWD_PORTFOLIO: tuple[BwdVariant, ...] = (
     BwdVariant(64, 128, 4, 2, fa3="both"),
     BwdVariant(64, 128, 4, 3, fa3="both"),
     BwdVariant(32, 128, 4, 3, fa3="dq"),
-    BwdVariant(64, 128, 4, 3, fa3="dq"),
-    BwdVariant(128, 128, 4, 2, fa3="dq"),
 )
 
 
