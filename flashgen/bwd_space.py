@@ -156,9 +156,10 @@ def default_bwd_variant(problem: Problem, device: DeviceInfo | str | None = None
                         fa3: bool = True) -> BwdVariant:
     """A hand-picked backward variant valid for any problem: the answer when nothing was tuned.
 
-    On Hopper at fp16/bf16 and D 64 or 128 the Gluon (fa3) kernels come first, unless `fa3`
-    is False: both at D128, the dQ one at D64, where the Triton dK/dV kernel is faster
-    (H100, 2026-11-24, NOTES.md).
+    On Hopper at fp16/bf16 the Gluon (fa3) kernels come first, unless `fa3` is False: at D128,
+    and at D64 under the causal mask. Where the tuner chose on fa-bench (H100 and H200,
+    2026-11-24, NOTES.md) they won every D128 key and most causal D64 ones; D64 without the
+    mask mostly kept the Triton kernels (by 1-7% up to N=4k).
 
     Untimed guesses for H100/H200 in the spirit of FlashAttention 2's backward: a big owned
     key tile (128) with a narrower query step, more warps as the head dim grows, smaller
@@ -184,9 +185,8 @@ def default_bwd_variant(problem: Problem, device: DeviceInfo | str | None = None
         first = [BwdVariant(64, 128, 8, 2), BwdVariant(32, 128, 8, 2)]
     else:
         first = [BwdVariant(32, 64, 8, 2), BwdVariant(32, 64, 8, 1)]
-    if fa3:
-        gluon = [BwdVariant(32, 128, 4, 3, fa3="dq"), BwdVariant(64, 128, 4, 2, fa3="both")]
-        first = [*(gluon if d <= 64 else gluon[::-1]), *first]
+    if fa3 and (d > 64 or problem.causal):
+        first = [BwdVariant(64, 128, 4, 2 if d > 64 else 3, fa3="both"), *first]
     prefs = [
         *first,
         BwdVariant(64, 64, 4, 2),

@@ -35,8 +35,10 @@ class BwdVariant(Knobs):
     fa3: which kernels are the Gluon (FlashAttention-3 style, Hopper) ones: "none", "dq" (the
         dQ kernel; dK/dV stays Triton's) or "both". Their consumer warpgroups own 64 rows each
         (block_n / 64 of them, 4 warps each, num_warps = 4), a producer warp feeds them by TMA.
-        On an H100 (2026-11-24) the Gluon dK/dV kernel ran 1.10-1.26x the Triton one at D128
-        and 0.91-0.98x at D64, the Gluon dQ kernel 1.06-1.47x at both (NOTES.md), hence "dq".
+        On an H100 (2026-11-24, each kernel alone against the Triton one) the Gluon dK/dV
+        kernel ran 1.10-1.26x at D128 and 0.82-0.99x at D64, the Gluon dQ kernel 1.06-1.47x
+        with 64- or 128-key tiles (NOTES.md). "dq" pairs the Triton dK/dV kernel with the Gluon
+        dQ one; its dQ tiles are then block_m keys, and at 32 it won no fa-bench key.
     """
 
     kind = "backward variant"

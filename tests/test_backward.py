@@ -333,8 +333,9 @@ def test_fa3_backward_points_exist_only_where_the_gluon_kernels_run() -> None:
 
 
 def test_fa3_backward_defaults_and_twins() -> None:
-    assert default_bwd_variant(_fa3_problem(64), HOPPER).fa3 == "dq"
-    assert default_bwd_variant(_fa3_problem(128), HOPPER).fa3 == "both"
+    assert default_bwd_variant(_fa3_problem(64), HOPPER).fa3 == "both"
+    assert default_bwd_variant(_fa3_problem(64, causal=False), HOPPER).fa3 == "none"
+    assert default_bwd_variant(_fa3_problem(128, causal=False), HOPPER).fa3 == "both"
     assert default_bwd_variant(_fa3_problem(128), HOPPER, fa3=False).fa3 == "none"
     assert default_bwd_variant(_fa3_problem(128), AMPERE).fa3 == "none"
     # Rows stored before the knob existed load as all-Triton variants.

@@ -332,12 +332,12 @@ def test_a_persistent_fa3_winner_names_its_twins_own_grid(tmp_path: Path) -> Non
 
 def test_an_fa3_backward_winner_ships_with_its_triton_twin(tmp_path: Path) -> None:
     db = tmp_path / "h200.db"
-    winner = BwdVariant(64, 128, 4, 2, fa3="both")
-    _store(db, P_FA3, winner, H200, mode="bwd")
+    winner, problem = BwdVariant(64, 128, 4, 2, fa3="both"), P_FA3.with_(head_dim=128)
+    _store(db, problem, winner, H200, mode="bwd")
     _export("--db", str(db), "--out", str(tmp_path), "--name", "fgk_fa3_bwd")
     table = json.loads((tmp_path / "fgk_fa3_bwd" / "table.json").read_text())
     (entry,) = table["gpus"]["NVIDIA H200"]["bwd"]
-    twin = bwd_pointer_twin(winner, P_FA3, H200)
+    twin = bwd_pointer_twin(winner, problem, H200)
     assert entry["variant"] == winner.to_dict() and entry["twin"] == twin.to_dict()
     kernels = tmp_path / "fgk_fa3_bwd" / "kernels"
 
@@ -346,10 +346,10 @@ def test_an_fa3_backward_winner_ships_with_its_triton_twin(tmp_path: Path) -> No
 
     for role in ("dkdv", "dq"):
         assert "@gluon.jit" in text(role)
-        assert text(f"{role}_plain") == render_bwd(role, twin, P_FA3)
-    # On Hopper the defaults are fa3 kernels too, each with its twin.
+        assert text(f"{role}_plain") == render_bwd(role, twin, problem)
+    # On Hopper the D128 defaults are fa3 kernels too, each with its twin.
     defaults = table["gpus"]["NVIDIA H200"]["bwd_defaults"]
-    assert {e["variant"]["fa3"] for e in defaults} >= {"dq"}
+    assert "both" in {e["variant"]["fa3"] for e in defaults}  # short lengths: Triton
     assert all("twin" in e for e in defaults if e["variant"]["fa3"] != "none")
 
 
