@@ -394,15 +394,23 @@ def test_fa3_variant_on_unaligned_inputs_runs_its_pointer_twin() -> None:
     """TMA cannot address rows that are not 16-byte aligned: the Triton twin runs instead,
     and computes the same gradients (on the interpreter, which has no Gluon)."""
     q, k, v = make_inputs(1, 2, 1, 40, 40, 64, torch.float32, seed=5)
+    _check_unaligned(q, k, v, 5, BwdVariant(16, 64, 4, 1, fa3="dq"))
+
+
+def _check_unaligned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seed: int,
+                     variant: BwdVariant) -> None:
+    """`variant`'s causal backward on copies of q, k, v that start one element past a
+    16-byte boundary (TMA cannot address them), against the reference."""
 
     def unaligned(t: torch.Tensor) -> torch.Tensor:
-        return torch.empty(t.numel() + 1, dtype=t.dtype)[1:].view(t.shape).copy_(t)
+        return torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(
+            t.shape).copy_(t)
 
     q, k, v = (unaligned(t) for t in (q, k, v))
-    do = _upstream_grad(q, 5, "bhnd")
+    do = _upstream_grad(q, seed, "bhnd")
     problem = flashgen.Problem.from_tensors(q, k, v, True)
     out, lse = flashgen.attention(q, k, v, causal=True, return_lse=True)
-    grads = run_backward(do, q, k, v, out, lse, BwdVariant(16, 64, 4, 1, fa3="dq"), problem)
+    grads = run_backward(do, q, k, v, out, lse, variant, problem)
     assert compare_grads(grads, q, k, v, do, True).ok
 
 
@@ -486,14 +494,4 @@ def test_gpu_fa3_backward_unaligned_inputs() -> None:
     if not device_info("cuda").is_hopper:
         pytest.skip("the fa3 backward kernels are Gluon kernels for Hopper")
     q, k, v = make_inputs(2, 8, 2, 700, 700, 128, torch.bfloat16, "cuda", seed=9)
-
-    def unaligned(t: torch.Tensor) -> torch.Tensor:
-        return torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(
-            t.shape).copy_(t)
-
-    q, k, v = (unaligned(t) for t in (q, k, v))
-    do = _upstream_grad(q, 9, "bhnd")
-    problem = flashgen.Problem.from_tensors(q, k, v, True)
-    out, lse = flashgen.attention(q, k, v, causal=True, return_lse=True)
-    grads = run_backward(do, q, k, v, out, lse, BwdVariant(64, 128, 4, 2, fa3="both"), problem)
-    assert compare_grads(grads, q, k, v, do, True).ok
+    _check_unaligned(q, k, v, 9, BwdVariant(64, 128, 4, 2, fa3="both"))
