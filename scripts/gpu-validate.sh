@@ -27,6 +27,9 @@ for what in "${@:-tests}"; do
       stage "fa3 (Gluon) gpu tests, one-tile and persistent, then fa3 points vs cuDNN"
       timeout 330 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fa3.py \
         >"$out/t/fa3.log" 2>&1; tail -3 "$out/t/fa3.log"
+      stage "fa3 (Gluon) backward gpu tests"
+      timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_backward.py \
+        -k fa3 >"$out/t/fa3-bwd.log" 2>&1; tail -3 "$out/t/fa3-bwd.log"
       timeout 300 python3 scripts/sweep_fa3.py --dtypes fp16 --csv "$out/sweep-fa3.csv" \
         2>&1 | tee "$out/t/sweep-fa3.log" | cut -c1-400
       ;;
