@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import sqlite3
+import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -207,10 +208,28 @@ class TuningDB:
         # `timeout` is SQLite's busy timeout: a writer waits that long for the lock.
         conn = sqlite3.connect(str(self.path), timeout=BUSY_TIMEOUT_S)
         self.db = sqlite_utils.Database(conn)
-        self.db.enable_wal()
+        self._enable_wal()
         with self._write():
             migrations.apply(self.db)
             self.db.execute(f"PRAGMA user_version = {len(migrations.applied(self.db))}")
+
+    def _enable_wal(self) -> None:
+        """Switch the file to WAL mode, retrying while another process holds it.
+
+        Why: changing the journal mode can fail at once with "database is locked" rather
+        than wait out the busy timeout, and two processes opening a new file race through
+        it (seen in CI, 2026-11-25: one of two writers in the concurrency test died here)."""
+        deadline = time.monotonic() + BUSY_TIMEOUT_S
+        delay = 0.01
+        while True:
+            try:
+                self.db.enable_wal()
+                return
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)
 
     @classmethod
     def open_readonly(cls, path: str | Path) -> TuningDB:
