@@ -330,6 +330,28 @@ def test_a_persistent_fa3_winner_names_its_twins_own_grid(tmp_path: Path) -> Non
     assert entry["twin"]["persistent"] == 0 and entry["twin"]["block_m"] == 128
 
 
+@pytest.mark.interpreter
+def test_exported_fa3_winner_runs_its_twin_on_the_twins_grid(tmp_path: Path) -> None:
+    """On rows TMA cannot address, the exported runtime runs a persistent fa3 winner's fa2
+    twin, one program per Q tile: sized from the winner's persistent grid instead, it left
+    every tile after the first unwritten (the interpreter counts as one SM)."""
+    problem = flashgen.Problem(1, 2, 2, 300, 300, 16, "fp16", False)  # three 128-row tiles
+    _store(tmp_path / "t.db", problem, flashgen.Variant("fa3", 128, 64, 4, 2, persistent=1),
+           INTERPRETER)
+    _export("--db", str(tmp_path / "t.db"), "--out", str(tmp_path), "--name", "fgk_twin_grid")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        package = importlib.import_module("fgk_twin_grid")
+    finally:
+        sys.path.remove(str(tmp_path))
+    q, k, v = make_inputs(1, 2, 2, 300, 300, 16, torch.float16, seed=3)
+    q = torch.nn.functional.pad(q, (0, 1))[..., :16]  # rows of 17 halves: too ragged for TMA
+    assert package.explain(q, k, v).how == "exact"
+    out, lse = package.attention(q, k, v, return_lse=True)
+    result = compare(out, q, k, v, False, lse=lse)
+    assert result.ok, result.reason
+
+
 def test_an_fa3_backward_winner_ships_with_its_triton_twin(tmp_path: Path) -> None:
     db = tmp_path / "h200.db"
     winner, problem = BwdVariant(64, 128, 4, 2, fa3="both"), P_FA3.with_(head_dim=128)
