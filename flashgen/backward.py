@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from flashgen.bwd_render import PREPROCESS_BLOCK_M, load_bwd_kernel
+from flashgen.bwd_render import PREPROCESS_BLOCK_M, BwdKernel, load_bwd_kernel
 from flashgen.bwd_space import bwd_pointer_twin
 from flashgen.bwd_variant import BwdVariant
 from flashgen.forward import _gluon_descriptor, tma_ready
@@ -53,24 +53,13 @@ def run_backward(
         out, do, delta, *out.stride(), *do.stride(), *delta.stride(), nq, hq
     )
     if variant.gluon("dkdv"):
-        # Each consumer warpgroup owns 64 keys: K, V, dK and dV move in 64-row tiles.
-        load_bwd_kernel("dkdv", variant, problem)[(_cdiv(nk, variant.block_n), b * hkv)](
-            *(_gluon_descriptor(t, rows) for t, rows in (
-                (q, variant.block_m), (k, 64), (v, 64), (do, variant.block_m), (dk, 64),
-                (dv, 64))),
-            lse, delta, *lse.stride()[:2], *delta.stride()[:2], scale, nq, nk, hkv,
-            problem.group, num_warps=4,
-        )  # fmt: skip
+        _launch_fa3("dkdv", variant, problem, (_cdiv(nk, variant.block_n), b * hkv),
+                    (q, k, v, do, dk, dv), lse, delta, scale, hkv)
     else:
         _triton_dkdv(q, k, v, do, lse, delta, dq, dk, dv, variant, problem, scale, launch)
     if variant.gluon("dq"):
-        # Each consumer warpgroup owns 64 query rows; K and V stream in block_m-row tiles.
-        load_bwd_kernel("dq", variant, problem)[(_cdiv(nq, variant.block_n), b * hq)](
-            *(_gluon_descriptor(t, rows) for t, rows in (
-                (q, 64), (k, variant.block_m), (v, variant.block_m), (do, 64), (dq, 64))),
-            lse, delta, *lse.stride()[:2], *delta.stride()[:2], scale, nq, nk, hq,
-            problem.group, num_warps=4,
-        )  # fmt: skip
+        _launch_fa3("dq", variant, problem, (_cdiv(nq, variant.block_n), b * hq),
+                    (q, k, v, do, dq), lse, delta, scale, hq)
     elif variant.dq_mode == "separate":
         dq_kernel = load_bwd_kernel("dq", variant, problem)
         # The dQ kernel owns block_n query rows per program (the pair swaps; see BwdVariant).
@@ -80,6 +69,27 @@ def run_backward(
             *delta.stride(), *dq.stride(), scale, nq, nk, hq, problem.group, **launch,
         )  # fmt: skip
     return dq, dk, dv
+
+
+def fa3_tile_rows(kernel: str, block_m: int) -> tuple[int, ...]:
+    """Rows of the TMA tile of each tensor a Gluon backward kernel takes, in argument order:
+    an owned tensor moves 64 rows per consumer warpgroup, a streamed one block_m rows."""
+    if kernel == "dkdv":  # q, k, v, do, dk, dv: K and V owned
+        return (block_m, 64, 64, block_m, 64, 64)
+    return (64, block_m, block_m, 64, 64)  # q, k, v, do, dq: Q and dO owned
+
+
+def _launch_fa3(kernel: BwdKernel, variant: BwdVariant, problem: Problem,
+                grid: tuple[int, int], tensors: tuple[torch.Tensor, ...], lse: torch.Tensor,
+                delta: torch.Tensor, scale: float, heads: int) -> None:
+    """One Gluon backward kernel on `tensors` (q, k, v, do, then its outputs); `heads`: the
+    heads its grid spans, H_KV or H_Q."""
+    rows = fa3_tile_rows(kernel, variant.block_m)
+    load_bwd_kernel(kernel, variant, problem)[grid](
+        *(_gluon_descriptor(t, r) for t, r in zip(tensors, rows, strict=True)),
+        lse, delta, *lse.stride()[:2], *delta.stride()[:2], scale, tensors[0].shape[2],
+        tensors[1].shape[2], heads, problem.group, num_warps=4,
+    )  # fmt: skip
 
 
 def _triton_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,

@@ -74,18 +74,14 @@ def compile_fa3(variant: Variant, problem: Problem, capability: int = 90) -> Any
 def compile_fa3_bwd(kernel: str, variant: BwdVariant, problem: Problem,
                     capability: int = 90) -> Any:
     """Triton's compiled Gluon backward kernel `kernel` ("dkdv" or "dq") of `variant`."""
+    from flashgen.backward import fa3_tile_rows
     from flashgen.bwd_render import load_bwd_kernel
     from flashgen.forward import _gluon_descriptor
 
     if not variant.gluon(kernel):
         raise ValueError(f"the {kernel} kernel of {variant} is not a Gluon one")
     t = torch.empty(2, 4, 256, problem.head_dim, dtype=problem.torch_dtype)
-    # Owned tiles move 64 rows per consumer, streamed ones block_m rows (see BwdVariant).
-    streamed, owned = _gluon_descriptor(t, variant.block_m), _gluon_descriptor(t, 64)
-    if kernel == "dkdv":  # q, k, v, do, dk, dv
-        descriptors = [streamed, owned, owned, streamed, owned, owned]
-    else:  # q, k, v, do, dq
-        descriptors = [owned, streamed, streamed, owned, owned]
+    descriptors = [_gluon_descriptor(t, r) for r in fa3_tile_rows(kernel, variant.block_m)]
     rows = torch.empty(4, dtype=torch.float32)
     args = [*descriptors, rows, rows, 1024, 256, 1024, 256, 0.125, 250, 250, 4, 1]
     return compile_gluon(load_bwd_kernel(kernel, variant, problem), args, {}, 4, capability)
