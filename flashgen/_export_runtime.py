@@ -382,8 +382,9 @@ def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             dq.copy_(dq_acc)
             return dq, dk, dv
     if fa3 != "none":
-        # Gluon dQ: consumers own 64 query rows each; K and V stream in block_m-row tiles.
-        bm = var["block_m"]
+        # Gluon dQ: consumers own 64 query rows each; K and V stream in dq_block_m-row tiles
+        # (0 or absent: block_m).
+        bm = var.get("dq_block_m") or var["block_m"]
         _kernel(names["dq"], "attn_bwd_dq")[(_cdiv(nq, var["block_n"]), b * hq)](
             *(_gluon_descriptor(t, r) for t, r in ((q, 64), (k, bm), (v, bm), (do, 64),
                                                    (dq, 64))),

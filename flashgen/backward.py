@@ -71,12 +71,14 @@ def run_backward(
     return dq, dk, dv
 
 
-def fa3_tile_rows(kernel: str, block_m: int) -> tuple[int, ...]:
+def fa3_tile_rows(kernel: str, variant: BwdVariant) -> tuple[int, ...]:
     """Rows of the TMA tile of each tensor a Gluon backward kernel takes, in argument order:
-    an owned tensor moves 64 rows per consumer warpgroup, a streamed one block_m rows."""
+    an owned tensor moves 64 rows per consumer warpgroup, a streamed one the kernel's
+    streamed tile (`BwdVariant.streamed`)."""
+    rows = variant.streamed(kernel)
     if kernel == "dkdv":  # q, k, v, do, dk, dv: K and V owned
-        return (block_m, 64, 64, block_m, 64, 64)
-    return (64, block_m, block_m, 64, 64)  # q, k, v, do, dq: Q and dO owned
+        return (rows, 64, 64, rows, 64, 64)
+    return (64, rows, rows, 64, 64)  # q, k, v, do, dq: Q and dO owned
 
 
 def _launch_fa3(kernel: BwdKernel, variant: BwdVariant, problem: Problem,
@@ -84,7 +86,7 @@ def _launch_fa3(kernel: BwdKernel, variant: BwdVariant, problem: Problem,
                 delta: torch.Tensor, scale: float, heads: int) -> None:
     """One Gluon backward kernel on `tensors` (q, k, v, do, then its outputs); `heads`: the
     heads its grid spans, H_KV or H_Q."""
-    rows = fa3_tile_rows(kernel, variant.block_m)
+    rows = fa3_tile_rows(kernel, variant)
     load_bwd_kernel(kernel, variant, problem)[grid](
         *(_gluon_descriptor(t, r) for t, r in zip(tensors, rows, strict=True)),
         lse, delta, *lse.stride()[:2], *delta.stride()[:2], scale, tensors[0].shape[2],

@@ -42,7 +42,7 @@ def bwd_render_context(kernel: BwdKernel, variant: BwdVariant, problem: Problem)
     if variant.gluon(kernel):
         # Gluon kernels (Hopper, fp16/bf16 only): no precision or atomic switch; both keep
         # the owned tile as block_n's and the streamed one as block_m's in their own terms.
-        owned, streamed = variant.block_n, variant.block_m
+        owned, streamed = variant.block_n, variant.streamed(kernel)
         if kernel == "dkdv":
             context.update(block_n=owned, block_m=streamed)
         else:

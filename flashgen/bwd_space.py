@@ -19,6 +19,9 @@ from flashgen.space import MAX_ACC_PER_THREAD, first_broken, tile_reason
 BWD_BLOCK_SIZES = (16, 32, 64, 128)
 BWD_WARPS = (2, 4, 8)
 BWD_STAGES = (1, 2, 3, 4)
+#: The Gluon dQ kernel's own streamed tile (`BwdVariant.dq_block_m`); 0 follows block_m. Its
+#: 32-key tiles were the slow ones, so only the longer two are offered.
+DQ_BLOCK_SIZES = (0, 64, 128)
 
 
 def _pow2_at_least_16(n: int) -> int:
@@ -35,7 +38,8 @@ def bwd_shared_memory_bytes(v: BwdVariant, p: Problem) -> int:
     elem = 4 if p.dtype == "fp32" else 2
     d = p.padded_head_dim
     stages = max(1, v.num_stages)
-    return elem * (d * (2 * v.block_n + 2 * v.block_m * stages) + v.block_n * v.block_m)
+    streamed = max(v.streamed("dkdv"), v.streamed("dq"))
+    return elem * (d * (2 * v.block_n + 2 * streamed * stages) + v.block_n * streamed)
 
 
 BwdRule = Callable[[BwdVariant, Problem, DeviceInfo], str | None]
@@ -45,8 +49,10 @@ def block_m_longer_than_needed(v: BwdVariant, p: Problem, dev: DeviceInfo) -> st
     # block_m steps over queries in dK/dV and over keys in the separate dQ kernel.
     if v.block_m > _pow2_at_least_16(p.seq_q):
         return f"block_m {v.block_m} is longer than the {p.seq_q} queries need"
-    if v.dq_mode == "separate" and v.block_m > _pow2_at_least_16(p.seq_k):
-        return f"block_m {v.block_m} is longer than the dQ kernel's {p.seq_k} keys need"
+    keys = v.streamed("dq")
+    if v.dq_mode == "separate" and keys > _pow2_at_least_16(p.seq_k):
+        knob = "dq_block_m" if keys != v.block_m else "block_m"
+        return f"{knob} {keys} is longer than the dQ kernel's {p.seq_k} keys need"
     return None
 
 
@@ -63,6 +69,17 @@ def shared_memory_overflow(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | 
     need = bwd_shared_memory_bytes(v, p)
     if need > dev.shared_memory:
         return f"needs ~{need} B of shared memory, device has {dev.shared_memory}"
+    return None
+
+
+def dq_tile_unused(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:
+    # dq_block_m is the Gluon dQ kernel's alone; anywhere else it would only repeat a point.
+    if v.dq_block_m not in DQ_BLOCK_SIZES:
+        return f"dq_block_m must be among {DQ_BLOCK_SIZES} (0: block_m), not {v.dq_block_m}"
+    if v.dq_block_m and not v.gluon("dq"):
+        return "dq_block_m sets the Gluon dQ kernel's tile: it needs fa3 'dq' or 'both'"
+    if v.dq_block_m == v.block_m:
+        return f"dq_block_m {v.dq_block_m} repeats block_m: leave it 0"
     return None
 
 
@@ -115,6 +132,7 @@ def too_many_warps(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:
 
 
 BWD_RULES: tuple[BwdRule, ...] = (
+    dq_tile_unused,
     fa3_unavailable,
     block_m_longer_than_needed,
     block_n_longer_than_needed,
@@ -139,9 +157,10 @@ def why_invalid_bwd(
 def all_bwd_points() -> list[BwdVariant]:
     """Every point before the validity rules: the full grid."""
     return [
-        BwdVariant(bm, bn, w, s, mode, fa3)
-        for fa3, mode, bm, bn, w, s in itertools.product(
-            FA3_KERNELS, DQ_MODES, BWD_BLOCK_SIZES, BWD_BLOCK_SIZES, BWD_WARPS, BWD_STAGES
+        BwdVariant(bm, bn, w, s, mode, fa3, dq_bm)
+        for fa3, mode, bm, bn, w, s, dq_bm in itertools.product(
+            FA3_KERNELS, DQ_MODES, BWD_BLOCK_SIZES, BWD_BLOCK_SIZES, BWD_WARPS, BWD_STAGES,
+            DQ_BLOCK_SIZES,
         )
     ]
 
@@ -206,7 +225,9 @@ def default_bwd_variant(problem: Problem, device: DeviceInfo | str | None = None
 HOPPER_BWD_PORTFOLIO: tuple[BwdVariant, ...] = (
     BwdVariant(64, 128, 4, 2, fa3="both"),
     BwdVariant(64, 128, 4, 3, fa3="both"),
-    BwdVariant(32, 128, 4, 3, fa3="dq"),
+    # The Triton dK/dV tile that wins at D64, with the Gluon dQ kernel on its own tiles.
+    BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_m=64),
+    BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_m=128),
 )
 
 
@@ -226,7 +247,7 @@ def bwd_pointer_twin(variant: BwdVariant, problem: Problem,
     """The variant with every kernel a Triton one: what runs where the Gluon kernels cannot
     (inputs TMA cannot address), computing the same gradients. The same tiles where the
     Triton kernels take them, else 8 warps, else the Triton default."""
-    twin = replace(variant, fa3="none")
+    twin = replace(variant, fa3="none", dq_block_m=0)
     for candidate in (twin, replace(twin, num_warps=8)):
         if why_invalid_bwd(candidate, problem, device) is None:
             return candidate

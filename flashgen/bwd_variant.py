@@ -38,7 +38,12 @@ class BwdVariant(Knobs):
         On an H100 (2026-11-24, each kernel alone against the Triton one) the Gluon dK/dV
         kernel ran 1.10-1.26x at D128 and 0.82-0.99x at D64, the Gluon dQ kernel 1.06-1.47x
         with 64- or 128-key tiles (NOTES.md). "dq" pairs the Triton dK/dV kernel with the Gluon
-        dQ one; its dQ tiles are then block_m keys, and at 32 it won no fa-bench key.
+        dQ one.
+    dq_block_m: the keys the Gluon dQ kernel streams per step; 0 takes block_m. Why a knob of
+        its own: the Triton dK/dV kernel does best streaming 32 queries at D64 (block_m 32),
+        while the Gluon dQ kernel ran 1.06-1.19x the Triton one with 64- or 128-key tiles and
+        0.76-0.86x with 32 (H100, 2026-11-24, each kernel alone; NOTES.md). With dQ tied to
+        block_m, "dq" won no fa-bench key. Only the Gluon dQ kernel reads it (rule-checked).
     """
 
     kind = "backward variant"
@@ -48,15 +53,24 @@ class BwdVariant(Knobs):
     num_stages: int = 2
     dq_mode: DqMode = "separate"
     fa3: Fa3Kernels = "none"
+    dq_block_m: int = 0
 
     def __str__(self) -> str:
         fa3 = {"none": "", "dq": " fa3-dq", "both": " fa3"}.get(self.fa3, f" fa3={self.fa3}")
         return (
             f"bwd-{self.dq_mode} m{self.block_m} n{self.block_n} "
             f"w{self.num_warps} s{self.num_stages}{fa3}"
+            + (f" dq-m{self.dq_block_m}" if self.dq_block_m else "")
         )
 
     def gluon(self, kernel: str) -> bool:
         """Whether backward kernel `kernel` ("preprocess", "dkdv", "dq") is a Gluon one."""
         return (kernel == "dq" and self.fa3 in ("dq", "both")) or (
             kernel == "dkdv" and self.fa3 == "both")
+
+    def streamed(self, kernel: str) -> int:
+        """Rows of the tile that backward kernel `kernel` streams past its owned one per step:
+        queries in dK/dV, keys in dQ (`dq_block_m` where the Gluon dQ kernel has one set)."""
+        if kernel == "dq" and self.gluon("dq") and self.dq_block_m:
+            return self.dq_block_m
+        return self.block_m

@@ -81,7 +81,7 @@ def compile_fa3_bwd(kernel: str, variant: BwdVariant, problem: Problem,
     if not variant.gluon(kernel):
         raise ValueError(f"the {kernel} kernel of {variant} is not a Gluon one")
     t = torch.empty(2, 4, 256, problem.head_dim, dtype=problem.torch_dtype)
-    descriptors = [_gluon_descriptor(t, r) for r in fa3_tile_rows(kernel, variant.block_m)]
+    descriptors = [_gluon_descriptor(t, r) for r in fa3_tile_rows(kernel, variant)]
     rows = torch.empty(4, dtype=torch.float32)
     args = [*descriptors, rows, rows, 1024, 256, 1024, 256, 0.125, 250, 250, 4, 1]
     return compile_gluon(load_bwd_kernel(kernel, variant, problem), args, {}, 4, capability)

@@ -156,17 +156,22 @@ def _resume(study: optuna.Study, result: TuneResult, rows: dict[str, TrialRow],
             space: ModeSpace) -> None:
     """Tell the study what earlier runs measured, so it is neither measured nor sampled
     blindly again. Rows of variants this code cannot build or no longer allows (the
-    validity rules may have changed since) are left out."""
-    for variant_json, row in rows.items():
+    validity rules may have changed since) are left out. A row stored before a knob existed
+    counts as that knob's default, as it loads: it is the same kernel."""
+    latest: dict[str, tuple[AnyVariant, TrialRow]] = {}
+    for row in sorted(rows.values(), key=lambda r: r.id):
+        variant = _variant_of(space, row)
+        if variant is not None:
+            latest[variant.to_json()] = (variant, row)
+    for variant_json, (variant, row) in latest.items():
         outcome = _outcome_of_row(row)
         if outcome.status == "ok" and outcome.median_ms is None:
             continue
-        variant = _variant_of(space, row)
-        if variant is None or space.why_invalid(variant, problem, device) is not None:
+        if space.why_invalid(variant, problem, device) is not None:
             continue
         result.note(variant_json, outcome)
         result.resumed += 1
-        params = row.variant
+        params = variant.to_dict()
         if set(params) != set(knobs) or any(params[k] not in knobs[k] for k in knobs):
             continue  # stored under an older grid: kept as a known outcome only
         state = TrialState.COMPLETE if outcome.status == "ok" else TrialState.FAIL

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import flashgen
-from flashgen.backward import run_backward
+from flashgen.backward import fa3_tile_rows, run_backward
 from flashgen.bwd_render import BWD_KERNELS, render_bwd
 from flashgen.bwd_space import (
     HOPPER_BWD_PORTFOLIO,
@@ -325,6 +325,9 @@ def test_fa3_backward_points_exist_only_where_the_gluon_kernels_run() -> None:
         BwdVariant(16, 128, 4, 2, fa3="dq"): "32 rows",
         BwdVariant(128, 128, 4, 2, fa3="both"): "spills",
         BwdVariant(64, 128, 4, 2, fa3="all"): "unknown fa3",
+        BwdVariant(32, 128, 4, 3, dq_block_m=64): "needs fa3",
+        BwdVariant(64, 128, 4, 2, fa3="both", dq_block_m=64): "repeats block_m",
+        BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_m=96): "dq_block_m must be among",
     }
     for variant, why in reasons.items():
         assert why in (why_invalid_bwd(variant, _fa3_problem(128), HOPPER) or ""), variant
@@ -349,6 +352,28 @@ def test_fa3_backward_defaults_and_twins() -> None:
                 assert why_invalid_bwd(twin, problem, HOPPER) is None
     same = BwdVariant(32, 128, 4, 3, fa3="dq")
     assert bwd_pointer_twin(same, _fa3_problem(64), HOPPER) == BwdVariant(32, 128, 4, 3)
+    own_dq = BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_m=128)
+    assert bwd_pointer_twin(own_dq, _fa3_problem(64), HOPPER) == BwdVariant(32, 128, 4, 3)
+
+
+def test_the_gluon_dq_kernel_streams_its_own_tile() -> None:
+    """dq_block_m reaches the dQ kernel's template, TMA tiles and the shared-memory rule, and
+    nothing else: the Triton dK/dV kernel of the "dq" mode renders as without it."""
+    problem = _fa3_problem(64)
+    own, follows = (BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_m=m) for m in (128, 0))
+    assert (own.streamed("dq"), own.streamed("dkdv")) == (128, 32)
+    assert (follows.streamed("dq"), BwdVariant(32, 128, 4, 3, dq_block_m=64).streamed("dq")) \
+        == (32, 32)  # 0 follows block_m; a Triton dQ kernel ignores the knob
+    assert fa3_tile_rows("dq", own) == (64, 128, 128, 64, 64)
+    assert fa3_tile_rows("dkdv", own) == (32, 64, 64, 32, 64, 64)
+    assert "BLOCK_N: gl.constexpr = 128" in render_bwd("dq", own, problem)
+    assert render_bwd("dkdv", own, problem) == render_bwd("dkdv", follows, problem)
+    assert bwd_shared_memory_bytes(own, problem) > bwd_shared_memory_bytes(follows, problem)
+    assert "fa3-dq dq-m128" in str(own) and "dq-m" not in str(follows)
+    # The dQ kernel's keys bound its tile, as block_m's are bounded.
+    short = flashgen.Problem(1, 2, 2, 100, 40, 64, "fp16", False)
+    assert "dq_block_m 128 is longer" in (why_invalid_bwd(own, short, HOPPER) or "")
+    assert BwdVariant.from_json('{"block_m": 32, "fa3": "dq"}').dq_block_m == 0
 
 
 def test_fa3_backward_renders_gluon_for_its_kernels_only() -> None:
@@ -374,7 +399,8 @@ def test_fa3_backward_renders_gluon_for_its_kernels_only() -> None:
      ("dkdv", BwdVariant(64, 64, 4, 2, fa3="both"), 128, False),
      ("dq", BwdVariant(32, 128, 4, 3, fa3="dq"), 64, True),
      ("dq", BwdVariant(64, 128, 4, 2, fa3="both"), 128, False),
-     ("dq", BwdVariant(128, 128, 4, 2, fa3="dq"), 128, True)],
+     ("dq", BwdVariant(128, 128, 4, 2, fa3="dq"), 128, True),
+     ("dq", BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_m=128), 64, False)],
 )
 def test_fa3_backward_compiles_for_hopper(kernel: str, variant: BwdVariant, d: int,
                                           causal: bool) -> None:
@@ -462,7 +488,8 @@ def test_gpu_search_space_sample() -> None:
 
 
 FA3_BWD_POINTS = [*HOPPER_BWD_PORTFOLIO, BwdVariant(32, 64, 4, 2, fa3="both"),
-                  BwdVariant(128, 64, 4, 3, fa3="dq"), BwdVariant(32, 128, 4, 4, fa3="dq")]
+                  BwdVariant(128, 64, 4, 3, fa3="dq"), BwdVariant(32, 128, 4, 4, fa3="dq"),
+                  BwdVariant(64, 128, 4, 2, fa3="both", dq_block_m=128)]
 
 
 @gpu

@@ -570,3 +570,30 @@ def test_gpu_python_export_hit_miss_and_training(tmp_path: Path,
         out.backward(do)
         grads = compare_grads(tuple(t.grad for t in leaves), q, k, v, do, True)
         assert grads.ok, (n, grads.reason)
+
+
+@pytest.mark.gpu
+def test_gpu_exported_gluon_dq_on_its_own_tiles_trains(tmp_path: Path) -> None:
+    """A backward winner whose Gluon dQ kernel streams its own tile (dq_block_m) runs from
+    the exported package with that tile's TMA descriptors, aligned and not."""
+    dev = flashgen.device_info("cuda")
+    if not dev.is_hopper:
+        pytest.skip("the Gluon backward kernels need Hopper")
+    problem = flashgen.Problem(2, 8, 2, 1024, 1024, 64, "fp16", True)
+    winner = BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_m=128)
+    _store(tmp_path / "t.db", problem, winner, dev, mode="bwd")
+    _export("--db", str(tmp_path / "t.db"), "--out", str(tmp_path), "--name", "fgk_gpu_dq")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        fgk = importlib.import_module("fgk_gpu_dq")
+    finally:
+        sys.path.remove(str(tmp_path))
+    for n, pad in ((1000, 0), (700, 3)):  # pad 3: rows TMA cannot address, the twin runs
+        q, k, v = make_inputs(2, 8, 2, n, n, 64 + pad, torch.float16, "cuda", seed=n)
+        q, k, v = (t[..., :64] for t in (q, k, v))
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        out = fgk.attention(*leaves, causal=True)
+        do = torch.randn_like(out)
+        out.backward(do)
+        grads = compare_grads(tuple(t.grad for t in leaves), q, k, v, do, True)
+        assert grads.ok, (n, grads.reason)

@@ -4,6 +4,7 @@ kernel runs), plus the pieces around it: gate shapes, timing statistics, presets
 from __future__ import annotations
 
 import itertools
+import json
 import random
 from collections.abc import Sequence
 from dataclasses import fields
@@ -244,6 +245,22 @@ def test_rerun_resumes_without_measuring_again(db: TuningDB) -> None:
     assert again.best == min(first.measured + second.measured, key=made_up_ms)
     measured_rows = [r for r in db.trials() if r.status != "pruned"]
     assert len(measured_rows) == 24  # nothing stored twice
+
+
+def test_rows_stored_before_a_knob_existed_resume_as_its_default(db: TuningDB) -> None:
+    """A knob added later (here: as if `pingpong` were new) leaves older rows without it in
+    their JSON; they load with its default, so a re-run must count them as measured."""
+    first = FakeBench()
+    done = tune(first, db, trials=12, seed=1)
+    for row in db.db["trials"].rows:
+        knobs = json.loads(row["variant_json"])
+        assert knobs.pop("pingpong") is False
+        db.db["trials"].update(row["id"], {"variant_json": json.dumps(knobs, sort_keys=True)})
+    second = FakeBench()
+    again = tune(second, db, trials=12, seed=1)
+    assert again.resumed == done.measured == 12
+    assert not set(first.measured) & set(second.measured)
+    assert len([r for r in db.trials() if r.status != "pruned"]) == 24
 
 
 def test_remeasure_times_the_stored_variants_again_fastest_first(db: TuningDB) -> None:
