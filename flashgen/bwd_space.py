@@ -175,10 +175,10 @@ def default_bwd_variant(problem: Problem, device: DeviceInfo | str | None = None
                         fa3: bool = True) -> BwdVariant:
     """A hand-picked backward variant valid for any problem: the answer when nothing was tuned.
 
-    On Hopper at fp16/bf16 the Gluon (fa3) kernels come first, unless `fa3` is False: at D128,
-    and at D64 under the causal mask. Where the tuner chose on fa-bench (H100 and H200,
-    2026-11-24, NOTES.md) they won every D128 key and most causal D64 ones; D64 without the
-    mask mostly kept the Triton kernels (by 1-7% up to N=4k).
+    On Hopper at fp16/bf16 Gluon (fa3) kernels come first, unless `fa3` is False: both at
+    D128, where they won every fa-bench key (H100 and H200, 2026-11-24); at D64 the Gluon dQ
+    kernel on 64-key tiles beside the Triton dK/dV kernel, which won 45 of the 48 D64 keys
+    of the two GPUs (with 64- or 128-key dQ tiles, 2026-11-25; NOTES.md).
 
     Untimed guesses for H100/H200 in the spirit of FlashAttention 2's backward: a big owned
     key tile (128) with a narrower query step, more warps as the head dim grows, smaller
@@ -204,8 +204,10 @@ def default_bwd_variant(problem: Problem, device: DeviceInfo | str | None = None
         first = [BwdVariant(64, 128, 8, 2), BwdVariant(32, 128, 8, 2)]
     else:
         first = [BwdVariant(32, 64, 8, 2), BwdVariant(32, 64, 8, 1)]
-    if fa3 and (d > 64 or problem.causal):
-        first = [BwdVariant(64, 128, 4, 2 if d > 64 else 3, fa3="both"), *first]
+    if fa3 and d > 64:
+        first = [BwdVariant(64, 128, 4, 2, fa3="both"), *first]
+    elif fa3:
+        first = [BwdVariant(32, 128, 4, deep, fa3="dq", dq_block_m=64), *first]
     prefs = [
         *first,
         BwdVariant(64, 64, 4, 2),

@@ -336,8 +336,12 @@ def test_fa3_backward_points_exist_only_where_the_gluon_kernels_run() -> None:
 
 
 def test_fa3_backward_defaults_and_twins() -> None:
-    assert default_bwd_variant(_fa3_problem(64), HOPPER).fa3 == "both"
-    assert default_bwd_variant(_fa3_problem(64, causal=False), HOPPER).fa3 == "none"
+    for causal in (False, True):
+        assert default_bwd_variant(_fa3_problem(64, causal=causal), HOPPER) == BwdVariant(
+            32, 128, 4, 3, fa3="dq", dq_block_m=64)
+    # Keys too short for a 64-key dQ tile fall back to the Triton kernels.
+    short = flashgen.Problem(1, 2, 2, 40, 40, 64, "fp16", False)
+    assert default_bwd_variant(short, HOPPER).fa3 == "none"
     assert default_bwd_variant(_fa3_problem(128, causal=False), HOPPER).fa3 == "both"
     assert default_bwd_variant(_fa3_problem(128), HOPPER, fa3=False).fa3 == "none"
     assert default_bwd_variant(_fa3_problem(128), AMPERE).fa3 == "none"
