@@ -63,6 +63,16 @@ def _export(*args: str) -> str:
     return result.output
 
 
+def _export_and_import(tmp_path: Path, name: str) -> ModuleType:
+    """Export the winners of tmp_path/t.db as package `name` and import it from there."""
+    _export("--db", str(tmp_path / "t.db"), "--out", str(tmp_path), "--name", name)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(tmp_path))
+
+
 # ---- the Python package, run where flashgen and its tuning stack cannot be imported --------
 
 #: Run in a fresh interpreter: blocks the tuning stack, imports three exported packages and
@@ -338,12 +348,7 @@ def test_exported_fa3_winner_runs_its_twin_on_the_twins_grid(tmp_path: Path) -> 
     problem = flashgen.Problem(1, 2, 2, 300, 300, 16, "fp16", False)  # three 128-row tiles
     _store(tmp_path / "t.db", problem, flashgen.Variant("fa3", 128, 64, 4, 2, persistent=1),
            INTERPRETER)
-    _export("--db", str(tmp_path / "t.db"), "--out", str(tmp_path), "--name", "fgk_twin_grid")
-    sys.path.insert(0, str(tmp_path))
-    try:
-        package = importlib.import_module("fgk_twin_grid")
-    finally:
-        sys.path.remove(str(tmp_path))
+    package = _export_and_import(tmp_path, "fgk_twin_grid")
     q, k, v = make_inputs(1, 2, 2, 300, 300, 16, torch.float16, seed=3)
     q = torch.nn.functional.pad(q, (0, 1))[..., :16]  # rows of 17 halves: too ragged for TMA
     assert package.explain(q, k, v).how == "exact"
@@ -551,13 +556,7 @@ def test_gpu_python_export_hit_miss_and_training(tmp_path: Path,
         pytest.skip("TMA and fa3 need Hopper")
     problem = flashgen.Problem(2, 8, 2, 1024, 1024, 64, "fp16", True)
     _store(tmp_path / "t.db", problem, tuned, dev)
-    name = f"fgk_gpu_{GPU_EXPORTED.index(tuned)}"
-    _export("--db", str(tmp_path / "t.db"), "--out", str(tmp_path), "--name", name)
-    sys.path.insert(0, str(tmp_path))
-    try:
-        fgk_gpu = importlib.import_module(name)
-    finally:
-        sys.path.remove(str(tmp_path))
+    fgk_gpu = _export_and_import(tmp_path, f"fgk_gpu_{GPU_EXPORTED.index(tuned)}")
     for n, how in ((1000, "exact"), (3000, "nearest"), (40, "default")):
         q, k, v = make_inputs(2, 8, 2, n, n, 64, torch.float16, "cuda", seed=n)
         choice = fgk_gpu.explain(q, k, v, causal=True)
@@ -582,18 +581,15 @@ def test_gpu_exported_gluon_dq_on_its_own_tiles_trains(tmp_path: Path) -> None:
     problem = flashgen.Problem(2, 8, 2, 1024, 1024, 64, "fp16", True)
     winner = BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_m=128)
     _store(tmp_path / "t.db", problem, winner, dev, mode="bwd")
-    _export("--db", str(tmp_path / "t.db"), "--out", str(tmp_path), "--name", "fgk_gpu_dq")
-    sys.path.insert(0, str(tmp_path))
-    try:
-        fgk = importlib.import_module("fgk_gpu_dq")
-    finally:
-        sys.path.remove(str(tmp_path))
+    fgk = _export_and_import(tmp_path, "fgk_gpu_dq")
     for n, pad in ((1000, 0), (700, 3)):  # pad 3: rows TMA cannot address, the twin runs
-        q, k, v = make_inputs(2, 8, 2, n, n, 64 + pad, torch.float16, "cuda", seed=n)
-        q, k, v = (t[..., :64] for t in (q, k, v))
-        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
-        out = fgk.attention(*leaves, causal=True)
+        padded = make_inputs(2, 8, 2, n, n, 64 + pad, torch.float16, "cuda", seed=n)
+        leaves = [t.clone().requires_grad_(True) for t in padded]
+        q, k, v = (t[..., :64] for t in leaves)  # views: row strides of 64 + pad elements
+        assert all(t.stride(-2) == 64 + pad for t in (q, k, v))
+        out = fgk.attention(q, k, v, causal=True)
         do = torch.randn_like(out)
         out.backward(do)
-        grads = compare_grads(tuple(t.grad for t in leaves), q, k, v, do, True)
+        grads = compare_grads(tuple(t.grad[..., :64] for t in leaves), *(t.detach() for t in
+                              (q, k, v)), do, True)
         assert grads.ok, (n, grads.reason)
