@@ -21,6 +21,7 @@ import torch
 from typer.testing import CliRunner
 
 import flashgen
+from flashgen.backward import fa3_tile_rows
 from flashgen.bwd_render import render_bwd
 from flashgen.bwd_space import bwd_pointer_twin, default_bwd_variant, why_invalid_bwd
 from flashgen.bwd_variant import BwdVariant
@@ -593,3 +594,38 @@ def test_gpu_exported_gluon_dq_on_its_own_tiles_trains(tmp_path: Path) -> None:
         grads = compare_grads(tuple(t.grad[..., :64] for t in leaves), *(t.detach() for t in
                               (q, k, v)), do, True)
         assert grads.ok, (n, grads.reason)
+
+
+GLUON_BWD_WINNERS = [BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_m=128),
+                     BwdVariant(64, 128, 4, 2, fa3="both", dq_block_m=128),
+                     BwdVariant(64, 128, 4, 3, fa3="both")]
+
+
+@pytest.mark.parametrize("winner", GLUON_BWD_WINNERS, ids=str)
+def test_exported_gluon_backward_uses_flashgens_tiles(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      winner: BwdVariant) -> None:
+    """The exported runtime repeats flashgen's Gluon backward launch (it runs without
+    flashgen), so its TMA tiles must stay `fa3_tile_rows`'s, dq_block_m included. Checked
+    without a GPU: the descriptors and launches are recorded, no kernel runs."""
+    _store(tmp_path / "t.db", P_FA3, winner, H200, mode="bwd")
+    package = _export_and_import(tmp_path, f"fgk_rows_{GLUON_BWD_WINNERS.index(winner)}")
+    launches: dict[str, tuple[Any, ...]] = {}
+
+    class Recorder:
+        def __init__(self, module: str, function: str) -> None:
+            self.function = function
+
+        def __getitem__(self, grid: tuple[int, ...]) -> Any:
+            return lambda *args, **kw: launches.__setitem__(self.function, args)
+
+    monkeypatch.setattr(package, "_device_name", lambda device: "NVIDIA H200")
+    monkeypatch.setattr(package, "_gluon_descriptor", lambda t, rows: ("tma", rows))
+    monkeypatch.setattr(package, "_kernel", Recorder)
+    q, k, v = make_inputs(1, 2, 2, 256, 256, 64, torch.bfloat16, seed=4)
+    lse = torch.zeros(1, 2, 256)
+    package._backward(torch.randn_like(q), q, k, v, torch.empty_like(q), lse, False, 0.125)
+    for kernel in ("dkdv", "dq"):
+        rows = tuple(a[1] for a in launches[f"attn_bwd_{kernel}"]
+                     if isinstance(a, tuple) and a[:1] == ("tma",))
+        assert rows == (fa3_tile_rows(kernel, winner) if winner.gluon(kernel) else ()), kernel
