@@ -225,7 +225,9 @@ def show(
     path = db or default_db_path()
     if not path.exists():
         raise _fail(f"no tuning database at {path}")
-    with TuningDB(path) as database:
+    # Read only: `show` must not migrate or re-journal the file it lists (say the database
+    # shipped inside the installed package, which may not be writable at all).
+    with TuningDB.open_readonly(path) as database:
         winners = [w for w in database.all_winners() if not current or is_current(w)]
     if as_json:
         typer.echo(json.dumps([{**w.to_dict(), "current": is_current(w)} for w in winners],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,11 @@ from typer.testing import CliRunner
 
 from flashgen.cli import app
 from flashgen.db import TuningDB
-from flashgen.hardware import CPU_INTERPRETER
+from flashgen.hardware import CPU_INTERPRETER, INTERPRETER
+from flashgen.problem import Problem
+from flashgen.space import default_variant
+from flashgen.timing import Timing
+from flashgen.tuning_key import TuningKey
 
 runner = CliRunner()
 
@@ -76,6 +81,30 @@ def test_bad_arguments_are_explained(args: list[str], message: str) -> None:
 def test_show_without_a_database_says_so(tmp_path: Path) -> None:
     result = runner.invoke(app, ["show", "--db", str(tmp_path / "none.db")])
     assert result.exit_code == 2 and "no tuning database" in result.output
+
+
+def test_show_leaves_the_database_untouched(tmp_path: Path) -> None:
+    """`show` lists a file it may not write (the database shipped in the package, journaled
+    DELETE): it used to open it read-write, which switched it to WAL and rewrote its header."""
+    db_path = tmp_path / "shipped.db"
+    problem = Problem(1, 2, 1, 32, 32, 16)
+    with TuningDB(db_path) as db:
+        key = TuningKey.for_problem(problem, INTERPRETER, "fwd")
+        db.record_trial(key, problem, default_variant(problem, INTERPRETER), "ok",
+                        timing=Timing(1.0, 0.9, 1.1, 5), tflops=1.0)
+        db.update_winner(key)
+    with sqlite3.connect(db_path) as conn:
+        conn.execute("PRAGMA journal_mode=DELETE")
+    before = db_path.read_bytes()
+    db_path.chmod(0o444)
+    try:
+        result = runner.invoke(app, ["show", "--db", str(db_path), "--json"])
+    finally:
+        db_path.chmod(0o644)
+    assert result.exit_code == 0, result.output
+    assert len(json.loads(result.output)) == 1
+    assert db_path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shipped.db"]  # no -wal, no -shm
 
 
 def _flashgen(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
