@@ -92,8 +92,7 @@ class _Kernels:
         return kernels
 
 
-def _twin(mode: str, variant: AnyVariant, problem: Problem,
-          device: DeviceInfo) -> AnyVariant | None:
+def _twin(variant: AnyVariant, problem: Problem, device: DeviceInfo) -> AnyVariant | None:
     """What runs on inputs TMA cannot address (16-byte aligned rows), computing the same, as
     flashgen's dispatch does: a use_tma or fa3 forward's pointer twin, an fa3 backward's
     Triton twin. None for variants that need no TMA."""
@@ -104,7 +103,7 @@ def _twin(mode: str, variant: AnyVariant, problem: Problem,
 
 def _entry(kernels: _Kernels, mode: str, variant: AnyVariant, problem: Problem,
            device: DeviceInfo) -> dict[str, Any]:
-    twin = _twin(mode, variant, problem, device)
+    twin = _twin(variant, problem, device)
     entry = {
         "kernels": kernels.of(mode, variant, problem, twin),
         "variant": variant.to_dict(),
