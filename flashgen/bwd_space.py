@@ -230,6 +230,10 @@ HOPPER_BWD_PORTFOLIO: tuple[BwdVariant, ...] = (
     # The Triton dK/dV tile that wins at D64, with the Gluon dQ kernel on its own tiles.
     BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_m=64),
     BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_m=128),
+    # D64 only: the Gluon dK/dV kernel's 128-row step, which issues S^T alone (it spilled
+    # 952 B with S^T and dP^T in flight together; NOTES.md), with dQ on 128- or 64-key tiles.
+    BwdVariant(128, 128, 4, 2, fa3="both"),
+    BwdVariant(128, 128, 4, 2, fa3="both", dq_block_m=64),
 )
 
 
