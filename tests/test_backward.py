@@ -402,9 +402,8 @@ def test_fa3_backward_renders_gluon_for_its_kernels_only() -> None:
     [("dkdv", BwdVariant(64, 128, 4, 2, fa3="both"), 128, "bf16", True),
      ("dkdv", BwdVariant(64, 128, 4, 3, fa3="both"), 64, "bf16", False),
      ("dkdv", BwdVariant(64, 64, 4, 2, fa3="both"), 128, "bf16", False),
-     # fp16: in bf16 the 128-row step still spills (452-496 B) and the tuner finds it slow.
      ("dkdv", BwdVariant(128, 128, 4, 2, fa3="both"), 64, "fp16", True),
-     ("dkdv", BwdVariant(128, 128, 4, 2, fa3="both", dq_block_m=64), 64, "fp16", False),
+     ("dkdv", BwdVariant(128, 128, 4, 2, fa3="both", dq_block_m=64), 64, "bf16", False),
      ("dq", BwdVariant(32, 128, 4, 3, fa3="dq"), 64, "bf16", True),
      ("dq", BwdVariant(64, 128, 4, 2, fa3="both"), 128, "bf16", False),
      ("dq", BwdVariant(128, 128, 4, 2, fa3="dq"), 128, "bf16", True),
@@ -423,8 +422,9 @@ def test_fa3_backward_compiles_for_hopper(kernel: str, variant: BwdVariant, d: i
     assert found["shared"] <= HOPPER.shared_memory
     if kernel == "dkdv" and variant.block_m == 128:
         # The 128-row step issues S^T alone; with S^T and dP^T in flight together this
-        # kernel spilled 952 bytes (sm_90a, Triton 3.6), with S^T alone 8.
-        assert _spill_store_bytes(found["ptxas"]) <= 32, found["ptxas"]
+        # kernel spilled 428-952 bytes (sm_90a, Triton 3.6), with S^T alone 8 in fp16 and
+        # 84-96 in bf16 (452-496 before bf16's P was rounded by packed conversions).
+        assert _spill_store_bytes(found["ptxas"]) <= 128, found["ptxas"]
 
 
 def _spill_store_bytes(ptxas: list[str]) -> int:
