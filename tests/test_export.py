@@ -598,7 +598,9 @@ def test_gpu_exported_gluon_dq_on_its_own_tiles_trains(tmp_path: Path) -> None:
 
 GLUON_BWD_WINNERS = [BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_m=128),
                      BwdVariant(64, 128, 4, 2, fa3="both", dq_block_m=128),
-                     BwdVariant(64, 128, 4, 3, fa3="both")]
+                     BwdVariant(64, 128, 4, 3, fa3="both"),
+                     # the D64 shipped winners' 128-row dK/dV step, dQ on 64-key tiles
+                     BwdVariant(128, 128, 4, 2, fa3="both", dq_block_m=64)]
 
 
 @pytest.mark.parametrize("winner", GLUON_BWD_WINNERS, ids=str)
