@@ -181,6 +181,19 @@ def pingpong_needs_fa3_consumers(v: Variant, p: Problem, dev: DeviceInfo) -> str
     return None
 
 
+def head_units_need_causal_persistent_fa3(v: Variant, p: Problem,
+                                         dev: DeviceInfo) -> str | None:
+    # A head's Q tiles differ in length only under the causal mask, where a program walks
+    # them in pairs or (this knob) whole heads; without the mask every tile is its own unit.
+    if not v.head_units:
+        return None
+    if v.loop_order != "fa3" or not v.persistent:
+        return "head_units is a knob of fa3 on the persistent grid"
+    if not p.causal:
+        return "head_units is a schedule for the causal mask (without it tiles are equal)"
+    return None
+
+
 def persistent_out_of_range(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
     if v.persistent not in PERSISTENT:
         return f"persistent must be among {PERSISTENT} (programs per SM; 0 is off)"
@@ -201,6 +214,7 @@ RULES: tuple[Rule, ...] = (
     fa3_needs_hopper_and_16bit,
     fa3_tiles,
     pingpong_needs_fa3_consumers,
+    head_units_need_causal_persistent_fa3,
 )
 
 
@@ -239,10 +253,11 @@ def first_broken(rules: tuple[Callable, ...], v: Variant | BwdVariant, p: Proble
 def all_points() -> list[Variant]:
     """Every point before the validity rules: the full grid."""
     return [
-        Variant(order, bm, bn, w, s, split, ws, tma, persist, pp)
-        for order, bm, bn, w, s, split, ws, tma, persist, pp in itertools.product(
+        Variant(order, bm, bn, w, s, split, ws, tma, persist, pp, heads)
+        for order, bm, bn, w, s, split, ws, tma, persist, pp, heads in itertools.product(
             LOOP_ORDERS, BLOCK_SIZES + FA3_EXTRA_BLOCK_M, BLOCK_SIZES, WARPS, STAGES,
             (True, False), (False, True), (False, True), PERSISTENT, (False, True),
+            (False, True),
         )
     ]
 
@@ -254,8 +269,9 @@ def search_space(problem: Problem, device: DeviceInfo | str | None = None) -> li
 
 
 def _fa3(bm: int, bn: int, warps: int, stages: int, *, persistent: int = 0,
-         pingpong: bool = False) -> Variant:
-    return Variant("fa3", bm, bn, warps, stages, persistent=persistent, pingpong=pingpong)
+         pingpong: bool = False, heads: bool = False) -> Variant:
+    return Variant("fa3", bm, bn, warps, stages, persistent=persistent, pingpong=pingpong,
+                   head_units=heads)
 
 
 def _fa2(bm: int, bn: int, warps: int, stages: int, *, ws: bool = False,
@@ -292,6 +308,11 @@ def _fa2(bm: int, bn: int, warps: int, stages: int, *, ws: bool = False,
 #: consumers at D64 and 64-key tiles ran 0-3% slower (H100, 2026-11-24,
 #: `scripts/ab_templates.py`, NOTES.md "ping-pong"). So ping-pong leads at D128 and among
 #: the three-consumer points, with the plain points right after it.
+#: Under the causal mask a program of the persistent kernel may take whole heads instead of
+#: tile pairs (head_units): at D64 N512 m128 n128 s3 ran 0.996x cuDNN against 0.90x in pairs
+#: and 0.98x for the best pair point, but slower from N1k and at D128 (0.75x; H100,
+#: 2026-11-25, `scripts/ab_templates.py`, NOTES.md), so it sits in the D64 list only, where
+#: the rules keep it to causal problems.
 #: Keys from which the untuned default takes fa3 over fa2 at head dim 64 (see default_variant).
 FA3_DEFAULT_MIN_KEYS_D64 = 4096
 #: Keys from which the untuned default takes three consumers at head dim 64 without the mask.
@@ -303,6 +324,8 @@ HOPPER_PORTFOLIO: dict[str, tuple[Variant, ...]] = {
         _fa3(192, 128, 4, 3, persistent=1), _fa3(128, 128, 4, 3, persistent=1),
         _fa3(128, 128, 4, 2, persistent=1), _fa3(192, 128, 4, 4, persistent=1),
         _fa3(128, 64, 4, 3, persistent=1),
+        _fa3(128, 128, 4, 3, persistent=1, heads=True),
+        _fa3(128, 128, 4, 2, persistent=1, heads=True),
         _fa3(128, 128, 4, 3), _fa3(128, 128, 4, 4), _fa3(128, 128, 4, 2), _fa3(128, 64, 4, 4),
         _fa3(128, 128, 8, 3),
         _fa2(64, 128, 4, 2), _fa2(128, 64, 8, 4), _fa2(128, 128, 4, 3), _fa2(128, 64, 4, 3),

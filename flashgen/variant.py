@@ -38,6 +38,11 @@ class Variant(Knobs):
     pingpong (fa3, persistent, two or three consumers): the consumers take turns to issue their
         tensor-core products (FlashAttention 3's ping-pong), so one consumer's products run
         under the others' softmax; faster at D128, slower at D64 on an H100 (NOTES.md).
+    head_units (fa3, persistent, causal): a program takes a whole head's Q tiles at a time
+        (its pairs one after the other: longest, shortest, next longest, ...) instead of one
+        pair, so every tile after the first reads K/V the same program has just read. At D64
+        N512 (m128 n128 s3, H100) it ran 0.996x cuDNN where pairs ran 0.90x (the best pair
+        point 0.98x); at D128 it ran 0.75x against 0.99x (2026-11-25, NOTES.md).
     """
 
     loop_order: LoopOrder = "fa2"
@@ -50,6 +55,7 @@ class Variant(Knobs):
     use_tma: bool = False
     persistent: int = 0
     pingpong: bool = False
+    head_units: bool = False
 
     @property
     def needs_tma(self) -> bool:
@@ -77,7 +83,7 @@ class Variant(Knobs):
             # fa3's 192-row tile (three consumers) has no fa2 kernel: fa2 ranges need a power
             # of two, so the twin takes 128 rows.
             return replace(self, loop_order="fa2", use_tma=False, persistent=0,
-                           pingpong=False, block_m=min(self.block_m, 128))
+                           pingpong=False, head_units=False, block_m=min(self.block_m, 128))
         return replace(self, use_tma=False)
 
     def __str__(self) -> str:
@@ -85,7 +91,7 @@ class Variant(Knobs):
             name
             for name, on in ((" nosplit", not self.split_mask), (" ws", self.warp_specialize),
                              (" tma", self.use_tma), (f" p{self.persistent}", self.persistent),
-                             (" pp", self.pingpong))
+                             (" pp", self.pingpong), (" heads", self.head_units))
             if on
         )  # fmt: skip
         return (

@@ -9,6 +9,7 @@ the numbers are checked on the GPU machine (`gpu` tests).
 from __future__ import annotations
 
 from dataclasses import replace
+from types import FunctionType, SimpleNamespace
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from flashgen.check import compare, make_inputs
 from flashgen.forward import fa3_grid
 from flashgen.gluon_compile import report_in_subprocess
 from flashgen.hardware import INTERPRETER, DeviceInfo, device_info
-from flashgen.render import render
+from flashgen.render import _load_module, render, source_hash
 from flashgen.render import template_name as render_template_name
 from flashgen.space import FA3_TILES, default_variant, portfolio
 
@@ -85,6 +86,78 @@ def test_persistent_causal_kernels_alone_take_the_row_bound_mask() -> None:
         for source in (causal, full):
             assert source.count("(_consume, (") == consumers
             assert source.count("(_produce, (") == 1
+
+
+def _tile_order(variant: flashgen.Variant, problem: flashgen.Problem,
+                programs: int) -> list[list[tuple[int, int]]]:
+    """The (head, Q tile) sequence each program of the persistent kernel walks, got by
+    running the rendered kernel's own `_units`, `_unit_len` and `_tile` as plain Python
+    (Gluon cannot run on the CPU; these helpers are scalar integer code)."""
+    source = render(variant, problem)
+    module = _load_module(source_hash(source), source)
+    shim = SimpleNamespace(cdiv=lambda a, b: -(-a // b), minimum=min, maximum=max)
+    units, unit_len, tile = (FunctionType(getattr(module, name).fn.__code__,
+                                          {**getattr(module, name).fn.__globals__, "gl": shim})
+                             for name in ("_units", "_unit_len", "_tile"))
+    num_m = -(-problem.seq_q // variant.block_m)
+    bh = problem.batch * problem.heads_q
+    order = []
+    for pid in range(programs):
+        tiles = []
+        for u in range(pid, units(num_m, bh), programs):
+            for h in range(unit_len(u, num_m)):
+                b, head, row = tile(u, h, num_m, problem.heads_q, variant.block_m)
+                tiles.append((b * problem.heads_q + head, row // variant.block_m))
+        order.append(tiles)
+    return order
+
+
+@pytest.mark.parametrize("heads", [False, True], ids=["pairs", "heads"])
+@pytest.mark.parametrize(
+    "shape, programs",
+    [((32, 32, 32, 512, 512, 64), 132), ((2, 30, 30, 1000, 1000, 64), 132),
+     ((3, 7, 7, 384, 384, 64), 20), ((1, 3, 3, 256, 256, 64), 4),
+     ((4, 16, 4, 700, 530, 64), 132)],
+    ids=str,
+)
+def test_persistent_causal_tile_order_covers_every_tile_once(
+    shape: tuple[int, ...], programs: int, heads: bool
+) -> None:
+    # Under the mask a program walks tile pairs (the longest of a head with its shortest)
+    # or, with head_units, whole heads: their pairs in turn, so each tile after the first
+    # reads K/V that program has just read. Either way every tile runs once.
+    variant = flashgen.Variant("fa3", 128, 128, 4, 3, persistent=1, head_units=heads)
+    problem = flashgen.Problem(*shape, "fp16", True)
+    order = _tile_order(variant, problem, programs)
+    num_m = -(-problem.seq_q // 128)
+    walked = [t for tiles in order for t in tiles]
+    assert sorted(walked) == [(bh, m) for bh in range(shape[0] * shape[1])
+                              for m in range(num_m)]
+    first = [tiles[:num_m] for tiles in order if tiles]
+    if heads:  # one head per unit, long and short tiles in turn
+        assert all(len({bh for bh, _ in unit}) == 1 for unit in first)
+        assert [m for _, m in first[0]] == [num_m - 1, 0, num_m - 2, 1, num_m - 3, 2,
+                                            num_m - 4, 3][:num_m]
+    else:  # a pair: the longest tile of a head, then its shortest
+        assert [m for _, m in order[0][:2]] == [num_m - 1, 0][:num_m]
+
+
+def test_head_units_is_a_causal_knob_of_persistent_fa3() -> None:
+    heads = flashgen.Variant("fa3", 128, 128, 4, 3, persistent=1, head_units=True)
+    assert str(heads) == "fa3 m128 n128 w4 s3 p1 heads"
+    assert flashgen.why_invalid(heads, _problem(64, causal=True), HOPPER) is None
+    assert "causal" in flashgen.why_invalid(heads, _problem(64), HOPPER)
+    assert "persistent grid" in flashgen.why_invalid(
+        replace(heads, persistent=0), _problem(64, causal=True), HOPPER)
+    assert not heads.pointer_twin().head_units
+    # In the D64 portfolio for the causal mask only; the kernels without the knob render as
+    # before it existed (their tuned rows carry over, scripts/carry_rows.py).
+    assert heads in portfolio(_problem(64, causal=True), HOPPER)
+    assert not any(v.head_units for v in portfolio(_problem(64), HOPPER))
+    assert not any(v.head_units for v in portfolio(_problem(128, causal=True), HOPPER))
+    pairs = render(replace(heads, head_units=False), _problem(64, causal=True))
+    assert "return BH * gl.cdiv(num_m, 2)" in pairs and "return BH\n" not in pairs
+    assert "    return BH\n" in render(heads, _problem(64, causal=True))
 
 
 def test_portfolio_and_default_lead_with_fa3_on_hopper() -> None:
@@ -196,7 +269,9 @@ FA3_POINTS = [flashgen.Variant("fa3", 128, 128, 4, 3), flashgen.Variant("fa3", 1
               # the first consumer skips under the mask), three
               flashgen.Variant("fa3", 128, 128, 4, 2, persistent=1, pingpong=True),
               flashgen.Variant("fa3", 128, 64, 4, 3, persistent=1, pingpong=True),
-              flashgen.Variant("fa3", 192, 128, 4, 3, persistent=1, pingpong=True)]
+              flashgen.Variant("fa3", 192, 128, 4, 3, persistent=1, pingpong=True),
+              # whole heads per unit under the causal mask (pairs without it)
+              flashgen.Variant("fa3", 128, 128, 4, 3, persistent=1, head_units=True)]
 
 
 @pytest.mark.gpu
@@ -262,3 +337,4 @@ def test_fa3_persistent_chains_many_tiles_per_program_on_gpu(
     out, lse = flashgen.attention(q, k, v, causal=causal, variant=variant, return_lse=True)
     check = compare(out, q, k, v, causal, None, lse)
     assert check.ok, check.reason
+
