@@ -95,18 +95,21 @@ def _tile_order(variant: flashgen.Variant, problem: flashgen.Problem,
     (Gluon cannot run on the CPU; these helpers are scalar integer code)."""
     source = render(variant, problem)
     module = _load_module(source_hash(source), source)
-    shim = SimpleNamespace(cdiv=lambda a, b: -(-a // b), minimum=min, maximum=max)
-    units, unit_len, tile = (FunctionType(getattr(module, name).fn.__code__,
-                                          {**getattr(module, name).fn.__globals__, "gl": shim})
-                             for name in ("_units", "_unit_len", "_tile"))
+    shim = SimpleNamespace(cdiv=lambda a, b: -(-a // b), minimum=min, maximum=max,
+                           num_programs=lambda axis: programs)
+    fn = {name: FunctionType(getattr(module, name).fn.__code__,
+                             {**getattr(module, name).fn.__globals__, "gl": shim})
+          for name in ("_units", "_unit_len", "_tile", "_whole_heads") if hasattr(module, name)}
     num_m = -(-problem.seq_q // variant.block_m)
     bh = problem.batch * problem.heads_q
+    heads = (fn["_whole_heads"](num_m, bh),) if "_whole_heads" in fn else ()
     order = []
     for pid in range(programs):
         tiles = []
-        for u in range(pid, units(num_m, bh), programs):
-            for h in range(unit_len(u, num_m)):
-                b, head, row = tile(u, h, num_m, problem.heads_q, variant.block_m)
+        for u in range(pid, fn["_units"](num_m, bh, *heads), programs):
+            for h in range(fn["_unit_len"](u, num_m, *heads)):
+                b, head, row = fn["_tile"](u, h, num_m, problem.heads_q, variant.block_m,
+                                           *heads)
                 tiles.append((b * problem.heads_q + head, row // variant.block_m))
         order.append(tiles)
     return order
@@ -115,9 +118,9 @@ def _tile_order(variant: flashgen.Variant, problem: flashgen.Problem,
 @pytest.mark.parametrize("heads", [False, True], ids=["pairs", "heads"])
 @pytest.mark.parametrize(
     "shape, programs",
-    [((32, 32, 32, 512, 512, 64), 132), ((2, 30, 30, 1000, 1000, 64), 132),
+    [((32, 32, 32, 512, 512, 64), 132), ((2, 66, 66, 1000, 1000, 64), 132),
      ((3, 7, 7, 384, 384, 64), 20), ((1, 3, 3, 256, 256, 64), 4),
-     ((4, 16, 4, 700, 530, 64), 132)],
+     ((4, 16, 4, 700, 530, 64), 132), ((1, 8, 8, 512, 512, 64), 32)],
     ids=str,
 )
 def test_persistent_causal_tile_order_covers_every_tile_once(
@@ -134,6 +137,12 @@ def test_persistent_causal_tile_order_covers_every_tile_once(
     assert sorted(walked) == [(bh, m) for bh in range(shape[0] * shape[1])
                               for m in range(num_m)]
     first = [tiles[:num_m] for tiles in order if tiles]
+    # Whole heads only where they keep the programs as busy as pairs: with 8 heads on 32
+    # programs (a small batch) the launch takes pairs, 16 busy programs instead of 8.
+    bh, cost = shape[0] * shape[1], num_m * (num_m + 1) // 2  # a head's K/V tiles
+    heads = heads and (-(-bh // programs) * cost
+                       <= -(-bh * -(-num_m // 2) // programs) * (num_m + 1))
+    assert sum(map(bool, order)) == min(programs, bh if heads else bh * -(-num_m // 2))
     if heads:  # one head per unit, long and short tiles in turn
         assert all(len({bh for bh, _ in unit}) == 1 for unit in first)
         assert [m for _, m in first[0]] == [num_m - 1, 0, num_m - 2, 1, num_m - 3, 2,
@@ -156,8 +165,8 @@ def test_head_units_is_a_causal_knob_of_persistent_fa3() -> None:
     assert not any(v.head_units for v in portfolio(_problem(64), HOPPER))
     assert not any(v.head_units for v in portfolio(_problem(128, causal=True), HOPPER))
     pairs = render(replace(heads, head_units=False), _problem(64, causal=True))
-    assert "return BH * gl.cdiv(num_m, 2)" in pairs and "return BH\n" not in pairs
-    assert "    return BH\n" in render(heads, _problem(64, causal=True))
+    assert "_whole_heads" not in pairs
+    assert "heads = _whole_heads(num_m, BH)" in render(heads, _problem(64, causal=True))
 
 
 def test_portfolio_and_default_lead_with_fa3_on_hopper() -> None:
@@ -338,3 +347,27 @@ def test_fa3_persistent_chains_many_tiles_per_program_on_gpu(
     check = compare(out, q, k, v, causal, None, lse)
     assert check.ok, check.reason
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(4, 33, 11, 512, 512), (2, 66, 66, 1000, 1000)], ids=str)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_fa3_persistent_whole_heads_on_gpu(
+    shape: tuple[int, ...], d: int, dtype: torch.dtype
+) -> None:
+    # 132 heads: enough for one per program on an H100 or H200, so the head_units kernel
+    # takes whole heads (the shapes of the other tests are too small and fall back to
+    # pairs); GQA, and a ragged last tile.
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("needs a Hopper GPU")
+    variant = flashgen.Variant("fa3", 128, 128, 4, 3 if d == 64 else 2, persistent=1,
+                               head_units=True)
+    q, k, v = make_inputs(*shape, d, dtype, "cuda", seed=d + shape[3])
+    problem = flashgen.Problem.from_tensors(q, k, v, causal=True)
+    programs = fa3_grid(variant, shape[3], shape[0] * shape[1], q.device)[0][0]
+    order = _tile_order(variant, problem, programs)
+    assert all(len({bh for bh, _ in tiles}) == 1 for tiles in order)  # a head a program
+    out, lse = flashgen.attention(q, k, v, causal=True, variant=variant, return_lse=True)
+    check = compare(out, q, k, v, True, None, lse)
+    assert check.ok, check.reason
