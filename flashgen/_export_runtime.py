@@ -124,13 +124,25 @@ def _fits(e: dict[str, Any], nq: int, nk: int) -> bool:
     return max(16, _bucket(nq)) >= need_q and max(16, _bucket(nk)) >= need_k
 
 
+def _heads_fit(var: dict[str, Any], nq: int, heads: int, sms: int) -> bool:
+    """flashgen's head_units rule (space.py, repeated here: the runtime cannot import it): a
+    whole-heads winner serves only launches with heads enough to keep its programs as busy
+    as tile pairs would, so a small batch takes the next winner instead."""
+    if not var.get("head_units"):
+        return True
+    num_m = _cdiv(nq, var["block_m"])
+    programs = min(num_m * heads, sms)
+    return (_cdiv(heads, programs) * num_m * (num_m + 1) // 2
+            <= _cdiv(heads * _cdiv(num_m, 2), programs) * (num_m + 1))
+
+
 def _clamp(n: int) -> int:
     return min(_LENGTHS[-1], max(_LENGTHS[0], _bucket(n)))
 
 
 @functools.lru_cache(maxsize=4096)  # per shape: later calls skip the search
 def _choose(mode: str, table: _Table, dtype: str, causal: bool, d: int, group: int, nq: int,
-            nk: int) -> Choice:
+            nk: int, heads: int = 1, sms: int = 1) -> Choice:
     want_q, want_k = _bucket(nq), _bucket(nk)
 
     def distance(e: dict[str, Any]) -> tuple[float, int]:
@@ -139,7 +151,7 @@ def _choose(mode: str, table: _Table, dtype: str, causal: bool, d: int, group: i
         return dist, -e["seq_q_bucket"]  # ties: the longer bucket, as flashgen does
 
     for e in sorted(table.tuned[mode].get((dtype, causal, d, group), []), key=distance):
-        if not _fits(e, nq, nk):
+        if not _fits(e, nq, nk) or not _heads_fit(e["variant"], nq, heads, sms):
             continue
         got = (e["seq_q_bucket"], e["seq_k_bucket"])
         if got == (want_q, want_k):
@@ -252,7 +264,8 @@ def _problem(q: torch.Tensor, k: torch.Tensor, causal: bool) -> tuple:
 
 
 def _pick(mode: str, q: torch.Tensor, k: torch.Tensor, causal: bool) -> Choice:
-    return _choose(mode, _table(_device_name(q.device)), *_problem(q, k, causal))
+    return _choose(mode, _table(_device_name(q.device)), *_problem(q, k, causal),
+                   q.shape[0] * q.shape[1], _sm_count(q.device))
 
 
 def _tma_ready(*tensors: torch.Tensor) -> bool:

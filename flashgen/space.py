@@ -191,6 +191,17 @@ def head_units_need_causal_persistent_fa3(v: Variant, p: Problem,
         return "head_units is a knob of fa3 on the persistent grid"
     if not p.causal:
         return "head_units is a schedule for the causal mask (without it tiles are equal)"
+    # A program per SM (at most one per tile). A head costs its busiest program num_m
+    # (num_m + 1) / 2 K/V tiles, a pair num_m + 1: with fewer heads than programs (a small
+    # batch served a winner tuned at a large one) whole heads leave programs idle that
+    # pairs would use, so dispatch takes another winner there.
+    num_m, heads = -(-p.seq_q // v.block_m), p.batch * p.heads_q
+    programs = min(num_m * heads, dev.sm_count)
+    pairs = -(-num_m // 2)
+    if (-(-heads // programs) * num_m * (num_m + 1) // 2
+            > -(-heads * pairs // programs) * (num_m + 1)):
+        return (f"head_units: {heads} heads of {num_m} Q tiles would keep fewer of the "
+                f"{programs} programs busy than tile pairs")
     return None
 
 

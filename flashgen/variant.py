@@ -42,7 +42,8 @@ class Variant(Knobs):
         (its pairs one after the other: longest, shortest, next longest, ...) instead of one
         pair, so every tile after the first reads K/V the same program has just read. At D64
         N512 (m128 n128 s3, H100) it ran 0.996x cuDNN where pairs ran 0.90x (the best pair
-        point 0.98x); at D128 it ran 0.75x against 0.99x (2026-11-25, NOTES.md).
+        point 0.98x); at D128 it ran 0.75x against 0.99x (2026-11-25, NOTES.md). Valid
+        only with enough heads to keep the programs as busy as pairs would (space.py).
     """
 
     loop_order: LoopOrder = "fa2"

@@ -22,6 +22,7 @@ from flashgen.bench import KernelBench, Measurement
 from flashgen.competitors import COMPETITORS
 from flashgen.presets import TOKENS_PER_BATCH
 from flashgen.problem import Problem
+from flashgen.space import why_invalid
 from flashgen.timing import tflops, time_cuda
 from flashgen.variant import Variant
 
@@ -39,7 +40,9 @@ POINTS = [Variant("fa3", 128, 128, 4, 3), Variant("fa3", 128, 128, 4, 2),
           *(Variant("fa3", 192, n, 4, s, persistent=1) for n in (128, 64) for s in (2, 3, 4)),
           # consumers taking turns at the tensor cores
           *(Variant("fa3", m, n, 4, s, persistent=1, pingpong=True)
-            for m, n, s in ((128, 128, 2), (128, 64, 3), (192, 128, 3), (192, 64, 3)))]
+            for m, n, s in ((128, 128, 2), (128, 64, 3), (192, 128, 3), (192, 64, 3))),
+          # whole heads per program under the causal mask (head_units)
+          *(Variant("fa3", 128, 128, 4, s, persistent=1, head_units=True) for s in (3, 2))]
 
 
 def cudnn_ms(problem: Problem, bench: KernelBench) -> float:
@@ -82,11 +85,12 @@ def main() -> None:
                     q, k, v = bench.inputs
                     dispatched = flashgen.explain(q, k, v, causal=causal).variant
                     t0 = time.time()
-                    failed = bench.compile([dispatched, *points])  # on parallel threads
+                    valid = [p for p in points if why_invalid(p, problem) is None]
+                    failed = bench.compile([dispatched, *valid])  # on parallel threads
                     measured: list[tuple[str, Measurement]] = [
                         (f"dispatch {dispatched}", bench.measure(dispatched))]
                     measured += [(str(p), Measurement.failed(f"compile: {failed[p]}")
-                                  if p in failed else bench.measure(p)) for p in points]
+                                  if p in failed else bench.measure(p)) for p in valid]
                     cells = " ".join(
                         f"{name.replace('fa3 ', '')}:{(m.tflops or 0) / base:.2f}"
                         if m.status == "ok" else f"{name}:{m.status}({m.reason[:60]})"

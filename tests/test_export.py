@@ -196,6 +196,25 @@ def test_exported_fa3_grid_matches_the_package(exported: dict[str, Any]) -> None
 
 
 @pytest.mark.interpreter
+def test_exported_head_units_rule_matches_the_package(exported: dict[str, Any]) -> None:
+    # A whole-heads winner (head_units) is refused by dispatch where a small batch would
+    # leave programs idle; the runtime carries its own copy of that rule.
+    sys.path.insert(0, str(exported["out"]))
+    try:
+        runtime = importlib.import_module("fgk")
+    finally:
+        sys.path.remove(str(exported["out"]))
+    v = flashgen.Variant("fa3", 128, 128, 4, 3, persistent=1, head_units=True)
+    for sms in (132, 114):
+        dev = DeviceInfo("H-test", (9, 0), sms, 232448)
+        for b, h, n in ((32, 32, 512), (1, 8, 512), (16, 32, 1024), (1, 32, 16384),
+                        (4, 33, 512), (2, 66, 1000), (3, 7, 384)):
+            p = flashgen.Problem(b, h, h, n, n, 64, "fp16", True)
+            assert runtime._heads_fit(v.to_dict(), n, b * h, sms) == (
+                why_invalid(v, p, dev) is None), (sms, b, h, n)
+
+
+@pytest.mark.interpreter
 def test_package_layout(exported: dict[str, Any]) -> None:
     pkg = exported["out"] / "fgk"
     assert {p.name for p in pkg.iterdir()} == {"__init__.py", "table.json", "kernels",

@@ -95,21 +95,18 @@ def _tile_order(variant: flashgen.Variant, problem: flashgen.Problem,
     (Gluon cannot run on the CPU; these helpers are scalar integer code)."""
     source = render(variant, problem)
     module = _load_module(source_hash(source), source)
-    shim = SimpleNamespace(cdiv=lambda a, b: -(-a // b), minimum=min, maximum=max,
-                           num_programs=lambda axis: programs)
-    fn = {name: FunctionType(getattr(module, name).fn.__code__,
-                             {**getattr(module, name).fn.__globals__, "gl": shim})
-          for name in ("_units", "_unit_len", "_tile", "_whole_heads") if hasattr(module, name)}
+    shim = SimpleNamespace(cdiv=lambda a, b: -(-a // b), minimum=min)
+    units, unit_len, tile = (FunctionType(getattr(module, name).fn.__code__,
+                                          {**getattr(module, name).fn.__globals__, "gl": shim})
+                             for name in ("_units", "_unit_len", "_tile"))
     num_m = -(-problem.seq_q // variant.block_m)
     bh = problem.batch * problem.heads_q
-    heads = (fn["_whole_heads"](num_m, bh),) if "_whole_heads" in fn else ()
     order = []
     for pid in range(programs):
         tiles = []
-        for u in range(pid, fn["_units"](num_m, bh, *heads), programs):
-            for h in range(fn["_unit_len"](u, num_m, *heads)):
-                b, head, row = fn["_tile"](u, h, num_m, problem.heads_q, variant.block_m,
-                                           *heads)
+        for u in range(pid, units(num_m, bh), programs):
+            for h in range(unit_len(u, num_m)):
+                b, head, row = tile(u, h, num_m, problem.heads_q, variant.block_m)
                 tiles.append((b * problem.heads_q + head, row // variant.block_m))
         order.append(tiles)
     return order
@@ -137,11 +134,7 @@ def test_persistent_causal_tile_order_covers_every_tile_once(
     assert sorted(walked) == [(bh, m) for bh in range(shape[0] * shape[1])
                               for m in range(num_m)]
     first = [tiles[:num_m] for tiles in order if tiles]
-    # Whole heads only where they keep the programs as busy as pairs: with 8 heads on 32
-    # programs (a small batch) the launch takes pairs, 16 busy programs instead of 8.
-    bh, cost = shape[0] * shape[1], num_m * (num_m + 1) // 2  # a head's K/V tiles
-    heads = heads and (-(-bh // programs) * cost
-                       <= -(-bh * -(-num_m // 2) // programs) * (num_m + 1))
+    bh = shape[0] * shape[1]
     assert sum(map(bool, order)) == min(programs, bh if heads else bh * -(-num_m // 2))
     if heads:  # one head per unit, long and short tiles in turn
         assert all(len({bh for bh, _ in unit}) == 1 for unit in first)
@@ -153,20 +146,25 @@ def test_persistent_causal_tile_order_covers_every_tile_once(
 
 def test_head_units_is_a_causal_knob_of_persistent_fa3() -> None:
     heads = flashgen.Variant("fa3", 128, 128, 4, 3, persistent=1, head_units=True)
+    bench = flashgen.Problem(32, 32, 32, 512, 512, 64, "fp16", True)  # fa-bench's cell
     assert str(heads) == "fa3 m128 n128 w4 s3 p1 heads"
-    assert flashgen.why_invalid(heads, _problem(64, causal=True), HOPPER) is None
-    assert "causal" in flashgen.why_invalid(heads, _problem(64), HOPPER)
-    assert "persistent grid" in flashgen.why_invalid(
-        replace(heads, persistent=0), _problem(64, causal=True), HOPPER)
+    assert flashgen.why_invalid(heads, bench, HOPPER) is None
+    assert "causal" in flashgen.why_invalid(heads, replace(bench, causal=False), HOPPER)
+    assert "persistent grid" in flashgen.why_invalid(replace(heads, persistent=0), bench,
+                                                     HOPPER)
     assert not heads.pointer_twin().head_units
-    # In the D64 portfolio for the causal mask only; the kernels without the knob render as
-    # before it existed (their tuned rows carry over, scripts/carry_rows.py).
-    assert heads in portfolio(_problem(64, causal=True), HOPPER)
-    assert not any(v.head_units for v in portfolio(_problem(64), HOPPER))
-    assert not any(v.head_units for v in portfolio(_problem(128, causal=True), HOPPER))
-    pairs = render(replace(heads, head_units=False), _problem(64, causal=True))
-    assert "_whole_heads" not in pairs
-    assert "heads = _whole_heads(num_m, BH)" in render(heads, _problem(64, causal=True))
+    # Only with heads enough to keep every program as busy as pairs would: a small batch
+    # (8 heads of 4 tiles: 8 busy programs, 16 with pairs) takes another winner.
+    small = replace(bench, batch=1, heads_q=8, heads_kv=8)
+    assert "fewer of the 32 programs busy" in flashgen.why_invalid(heads, small, HOPPER)
+    # In the D64 portfolio, for the causal mask only; the kernels without the knob render
+    # as before it existed (their tuned rows carry over, scripts/carry_rows.py).
+    assert heads in portfolio(bench, HOPPER)
+    assert not any(v.head_units for v in portfolio(replace(bench, causal=False), HOPPER))
+    assert not any(v.head_units for v in portfolio(replace(bench, head_dim=128), HOPPER))
+    pairs = render(replace(heads, head_units=False), bench)
+    assert "return BH * gl.cdiv(num_m, 2)" in pairs and "    return BH\n" not in pairs
+    assert "    return BH\n" in render(heads, bench)
 
 
 def test_portfolio_and_default_lead_with_fa3_on_hopper() -> None:
@@ -356,15 +354,15 @@ def test_fa3_persistent_chains_many_tiles_per_program_on_gpu(
 def test_fa3_persistent_whole_heads_on_gpu(
     shape: tuple[int, ...], d: int, dtype: torch.dtype
 ) -> None:
-    # 132 heads: enough for one per program on an H100 or H200, so the head_units kernel
-    # takes whole heads (the shapes of the other tests are too small and fall back to
-    # pairs); GQA, and a ragged last tile.
+    # 132 heads: one per program on an H100 or H200 (the shapes of the other tests have too
+    # few heads for whole heads, a rule of head_units); GQA, and a ragged last tile.
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("needs a Hopper GPU")
     variant = flashgen.Variant("fa3", 128, 128, 4, 3 if d == 64 else 2, persistent=1,
                                head_units=True)
     q, k, v = make_inputs(*shape, d, dtype, "cuda", seed=d + shape[3])
     problem = flashgen.Problem.from_tensors(q, k, v, causal=True)
+    assert flashgen.why_invalid(variant, problem) is None
     programs = fa3_grid(variant, shape[3], shape[0] * shape[1], q.device)[0][0]
     order = _tile_order(variant, problem, programs)
     assert all(len({bh for bh, _ in tiles}) == 1 for tiles in order)  # a head a program
