@@ -125,9 +125,9 @@ def _fits(e: dict[str, Any], nq: int, nk: int) -> bool:
 
 
 def _heads_fit(var: dict[str, Any], nq: int, heads: int, sms: int) -> bool:
-    """flashgen's head_units rule (space.py, repeated here: the runtime cannot import it): a
-    whole-heads winner serves only launches with heads enough to keep its programs as busy
-    as tile pairs would, so a small batch takes the next winner instead."""
+    """flashgen's dispatch check `space.head_units_leave_programs_idle`, repeated here (the
+    runtime cannot import it): a whole-heads winner serves only launches with heads enough
+    to keep its programs as busy as tile pairs would; a small batch takes the next winner."""
     if not var.get("head_units"):
         return True
     num_m = _cdiv(nq, var["block_m"])

@@ -203,7 +203,8 @@ class Dispatcher:
         skipped: list[str] = []
         for entry in sorted(entries, key=distance):
             key = entry.winner.key
-            reason = space.why_invalid(entry.winner.variant, problem, dev)
+            reason = (space.why_invalid(entry.winner.variant, problem, dev)
+                      or space.veto(entry.winner.variant, problem, dev))
             if reason:
                 skipped.append(f"bucket Nq{key.seq_q_bucket}/Nk{key.seq_k_bucket}: {reason}")
                 continue

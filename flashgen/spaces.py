@@ -20,7 +20,13 @@ from flashgen.bwd_space import (
 from flashgen.bwd_variant import BwdVariant
 from flashgen.hardware import DeviceInfo
 from flashgen.problem import Problem
-from flashgen.space import default_variant, portfolio, search_space, why_invalid
+from flashgen.space import (
+    default_variant,
+    head_units_leave_programs_idle,
+    portfolio,
+    search_space,
+    why_invalid,
+)
 from flashgen.variant import Variant
 
 #: A point of either space.
@@ -39,13 +45,16 @@ class ModeSpace(Generic[V]):
     default: Callable[[Problem, DeviceInfo], V]
     #: Points known to do well on this device kind, measured before the sampler's.
     portfolio: Callable[[Problem, DeviceInfo], list[V]]
+    #: Why dispatch should pass over a valid stored winner for this problem (None: serve it).
+    veto: Callable[[V, Problem, DeviceInfo], str | None] = lambda v, p, dev: None
 
     def from_json(self, text: str) -> V:
         return self.variant_type.from_json(text)
 
 
 SPACES: dict[str, ModeSpace] = {
-    "fwd": ModeSpace("fwd", Variant, search_space, why_invalid, default_variant, portfolio),
+    "fwd": ModeSpace("fwd", Variant, search_space, why_invalid, default_variant, portfolio,
+                     head_units_leave_programs_idle),
     "bwd": ModeSpace("bwd", BwdVariant, bwd_search_space, why_invalid_bwd, default_bwd_variant,
                      bwd_portfolio),
 }

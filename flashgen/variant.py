@@ -42,8 +42,9 @@ class Variant(Knobs):
         (its pairs one after the other: longest, shortest, next longest, ...) instead of one
         pair, so every tile after the first reads K/V the same program has just read. At D64
         N512 (m128 n128 s3, H100) it ran 0.996x cuDNN where pairs ran 0.90x (the best pair
-        point 0.98x); at D128 it ran 0.75x against 0.99x (2026-11-25, NOTES.md). Valid
-        only with enough heads to keep the programs as busy as pairs would (space.py).
+        point 0.98x); at D128 it ran 0.75x against 0.99x (2026-11-25, NOTES.md). Dispatch
+        serves it only with heads enough to keep the programs as busy as pairs would
+        (`space.head_units_leave_programs_idle`).
     """
 
     loop_order: LoopOrder = "fa2"

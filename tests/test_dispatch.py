@@ -11,7 +11,7 @@ import torch
 import flashgen
 from flashgen.check import compare, make_inputs
 from flashgen.db import TuningDB
-from flashgen.hardware import INTERPRETER
+from flashgen.hardware import INTERPRETER, DeviceInfo
 from flashgen.timing import Timing
 from flashgen.tuning_key import TuningKey, Versions
 
@@ -64,6 +64,26 @@ def test_nearest_bucket_if_valid_else_fallback(tmp_path: Path) -> None:
     # Another family (not causal) has nothing tuned.
     q, k, v = make_inputs(1, 2, 1, 64, 64, 32, torch.float32)
     assert d.explain(q, k, v, causal=False).how == "fallback"
+
+
+def test_whole_heads_winner_is_passed_over_for_a_small_batch(tmp_path: Path) -> None:
+    # A head_units winner tuned at 1024 heads keeps its 132 programs busy; at 8 heads it
+    # would keep 8 busy where pairs keep 16, so dispatch takes the next valid winner.
+    hopper = DeviceInfo("H-test", (9, 0), 132, 232448)
+    big = flashgen.Problem(32, 32, 32, 512, 512, 64, "fp16", True)
+    heads = flashgen.Variant("fa3", 128, 128, 4, 3, persistent=1, head_units=True)
+    pairs = flashgen.Variant("fa3", 128, 128, 4, 3, persistent=1)
+    db = tmp_path / "t.db"
+    with TuningDB(db) as store:
+        for problem, variant in ((big, heads), (big.with_(seq_q=1024, seq_k=1024), pairs)):
+            key = TuningKey.for_problem(problem, hopper)
+            store.record_trial(key, problem, variant, "ok", timing=Timing(1.0, 0.9, 1.1, 5),
+                               tflops=1.0)
+            store.update_winner(key)
+    d = flashgen.Dispatcher(db)
+    assert (d.choose(big, hopper).variant, d.choose(big, hopper).how) == (heads, "exact")
+    small = d.choose(big.with_(batch=1, heads_q=8, heads_kv=8), hopper)
+    assert (small.variant, small.how) == (pairs, "nearest")
 
 
 def test_stale_versions_are_never_served(tmp_path: Path) -> None:

@@ -33,7 +33,7 @@ from flashgen.export_select import GENERIC, LENGTHS, select_winners, tile_needs
 from flashgen.forward import fa3_grid
 from flashgen.hardware import INTERPRETER, DeviceInfo
 from flashgen.problem import DTYPES
-from flashgen.space import why_invalid
+from flashgen.space import head_units_leave_programs_idle, why_invalid
 from flashgen.timing import Timing
 from flashgen.tuning_key import TuningKey, Versions
 
@@ -179,15 +179,20 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"out": out, "res": torch.load(tmp / "res.pt", weights_only=False)}
 
 
+def _exported_runtime(exported: dict[str, Any]) -> ModuleType:
+    """The exported package's runtime module, imported from the export folder."""
+    sys.path.insert(0, str(exported["out"]))
+    try:
+        return importlib.import_module("fgk")
+    finally:
+        sys.path.remove(str(exported["out"]))
+
+
 @pytest.mark.interpreter
 def test_exported_fa3_grid_matches_the_package(exported: dict[str, Any]) -> None:
     # The exported runtime cannot import flashgen, so it carries its own fa3 grid rule; the
     # two must launch the same programs with the same trailing arguments.
-    sys.path.insert(0, str(exported["out"]))
-    try:
-        runtime = importlib.import_module("fgk")
-    finally:
-        sys.path.remove(str(exported["out"]))
+    runtime = _exported_runtime(exported)
     cpu = torch.device("cpu")
     for v in (flashgen.Variant("fa3", 128, 128, 4, 3),
               flashgen.Variant("fa3", 64, 64, 4, 3, persistent=1)):
@@ -197,13 +202,9 @@ def test_exported_fa3_grid_matches_the_package(exported: dict[str, Any]) -> None
 
 @pytest.mark.interpreter
 def test_exported_head_units_rule_matches_the_package(exported: dict[str, Any]) -> None:
-    # A whole-heads winner (head_units) is refused by dispatch where a small batch would
-    # leave programs idle; the runtime carries its own copy of that rule.
-    sys.path.insert(0, str(exported["out"]))
-    try:
-        runtime = importlib.import_module("fgk")
-    finally:
-        sys.path.remove(str(exported["out"]))
+    # Dispatch passes over a whole-heads winner (head_units) where a small batch would leave
+    # programs idle; the runtime carries its own copy of that check.
+    runtime = _exported_runtime(exported)
     v = flashgen.Variant("fa3", 128, 128, 4, 3, persistent=1, head_units=True)
     for sms in (132, 114):
         dev = DeviceInfo("H-test", (9, 0), sms, 232448)
@@ -211,7 +212,7 @@ def test_exported_head_units_rule_matches_the_package(exported: dict[str, Any]) 
                         (4, 33, 512), (2, 66, 1000), (3, 7, 384)):
             p = flashgen.Problem(b, h, h, n, n, 64, "fp16", True)
             assert runtime._heads_fit(v.to_dict(), n, b * h, sms) == (
-                why_invalid(v, p, dev) is None), (sms, b, h, n)
+                head_units_leave_programs_idle(v, p, dev) is None), (sms, b, h, n)
 
 
 @pytest.mark.interpreter

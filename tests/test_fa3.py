@@ -21,7 +21,12 @@ from flashgen.gluon_compile import report_in_subprocess
 from flashgen.hardware import INTERPRETER, DeviceInfo, device_info
 from flashgen.render import _load_module, render, source_hash
 from flashgen.render import template_name as render_template_name
-from flashgen.space import FA3_TILES, default_variant, portfolio
+from flashgen.space import (
+    FA3_TILES,
+    default_variant,
+    head_units_leave_programs_idle,
+    portfolio,
+)
 
 HOPPER = DeviceInfo("H-test", (9, 0), 132, 232448)
 AMPERE = DeviceInfo("A-test", (8, 0), 108, 232448)  # as much shared memory as Hopper
@@ -153,10 +158,14 @@ def test_head_units_is_a_causal_knob_of_persistent_fa3() -> None:
     assert "persistent grid" in flashgen.why_invalid(replace(heads, persistent=0), bench,
                                                      HOPPER)
     assert not heads.pointer_twin().head_units
-    # Only with heads enough to keep every program as busy as pairs would: a small batch
-    # (8 heads of 4 tiles: 8 busy programs, 16 with pairs) takes another winner.
+    # Dispatch serves it only with heads enough to keep every program as busy as pairs
+    # would: a small batch (8 heads of 4 tiles: 8 busy programs, 16 with pairs) takes
+    # another winner. It stays valid there (explicit variants and checks run it).
     small = replace(bench, batch=1, heads_q=8, heads_kv=8)
-    assert "fewer of the 32 programs busy" in flashgen.why_invalid(heads, small, HOPPER)
+    assert flashgen.why_invalid(heads, small, HOPPER) is None
+    assert "fewer of the 32 programs busy" in head_units_leave_programs_idle(heads, small,
+                                                                            HOPPER)
+    assert head_units_leave_programs_idle(heads, bench, HOPPER) is None
     # In the D64 portfolio, for the causal mask only; the kernels without the knob render
     # as before it existed (their tuned rows carry over, scripts/carry_rows.py).
     assert heads in portfolio(bench, HOPPER)
@@ -362,7 +371,7 @@ def test_fa3_persistent_whole_heads_on_gpu(
                                head_units=True)
     q, k, v = make_inputs(*shape, d, dtype, "cuda", seed=d + shape[3])
     problem = flashgen.Problem.from_tensors(q, k, v, causal=True)
-    assert flashgen.why_invalid(variant, problem) is None
+    assert head_units_leave_programs_idle(variant, problem, device_info(q.device)) is None
     programs = fa3_grid(variant, shape[3], shape[0] * shape[1], q.device)[0][0]
     order = _tile_order(variant, problem, programs)
     assert all(len({bh for bh, _ in tiles}) == 1 for tiles in order)  # a head a program
