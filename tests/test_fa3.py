@@ -355,7 +355,6 @@ def test_fa3_persistent_chains_many_tiles_per_program_on_gpu(
     assert check.ok, check.reason
 
 
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(4, 33, 11, 512, 512), (2, 66, 66, 1000, 1000)], ids=str)
 @pytest.mark.parametrize("d", [64, 128])
@@ -363,8 +362,8 @@ def test_fa3_persistent_chains_many_tiles_per_program_on_gpu(
 def test_fa3_persistent_whole_heads_on_gpu(
     shape: tuple[int, ...], d: int, dtype: torch.dtype
 ) -> None:
-    # 132 heads: one per program on an H100 or H200 (the shapes of the other tests have too
-    # few heads for whole heads, a rule of head_units); GQA, and a ragged last tile.
+    # 132 heads, one per program on an H100 or H200: the launches dispatch serves a
+    # whole-heads winner on (the tests above run it on a few heads); GQA, a ragged tile.
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("needs a Hopper GPU")
     variant = flashgen.Variant("fa3", 128, 128, 4, 3 if d == 64 else 2, persistent=1,
