@@ -142,7 +142,7 @@ def _clamp(n: int) -> int:
 
 @functools.lru_cache(maxsize=4096)  # per shape: later calls skip the search
 def _choose(mode: str, table: _Table, dtype: str, causal: bool, d: int, group: int, nq: int,
-            nk: int, heads: int = 1, sms: int = 1) -> Choice:
+            nk: int, heads: int, sms: int) -> Choice:
     want_q, want_k = _bucket(nq), _bucket(nk)
 
     def distance(e: dict[str, Any]) -> tuple[float, int]:
