@@ -14,7 +14,7 @@ import time
 import torch
 
 import flashgen
-from flashgen.render import load_kernel
+from flashgen.kernels.render import load_kernel
 
 CALLS = 2000
 REPEATS = 5

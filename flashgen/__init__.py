@@ -1,14 +1,14 @@
 """flashgen: generated, autotuned Triton flash-attention kernels."""
 
-from flashgen.api import attention, explain
-from flashgen.bwd_variant import BwdVariant
-from flashgen.dispatch import Choice, Dispatcher
-from flashgen.hardware import DeviceInfo, device_info
-from flashgen.problem import Problem
-from flashgen.render import render, template_hash
-from flashgen.sdpa import scaled_dot_product_attention
-from flashgen.space import default_variant, search_space, why_invalid
-from flashgen.variant import Variant
+from flashgen.kernels.bwd_variant import BwdVariant
+from flashgen.kernels.fwd_space import default_variant, search_space, why_invalid
+from flashgen.kernels.hardware import DeviceInfo, device_info
+from flashgen.kernels.problem import Problem
+from flashgen.kernels.render import render, template_hash
+from flashgen.kernels.variant import Variant
+from flashgen.runtime.api import attention, explain
+from flashgen.runtime.dispatch import Choice, Dispatcher
+from flashgen.runtime.sdpa import scaled_dot_product_attention
 
 __all__ = [
     "BwdVariant",

@@ -19,9 +19,9 @@ if TYPE_CHECKING:
     import torch
     from rich.console import Console
 
-    from flashgen.bench import Bench
-    from flashgen.problem import Problem
-    from flashgen.tuner import TuneResult
+    from flashgen.kernels.problem import Problem
+    from flashgen.tune.fwd_bench import Bench
+    from flashgen.tune.tuner import TuneResult
 
 app = typer.Typer(
     help="Generate, autotune and store Triton flash-attention kernels.",
@@ -123,7 +123,7 @@ def tune(
     if trials is None and timeout is None:
         trials = DEFAULT_TRIALS
 
-    from flashgen import presets
+    from flashgen.kernels import presets
 
     try:
         problems = presets.expand(shape or [], preset or [], presets.parse_dtypes(dtype),
@@ -140,11 +140,11 @@ def _make_bench(mode: str, problem: Problem, target: torch.device, seed: int,
     dispatch serves from the database being tuned (then the shipped one), so `--mode both`
     feeds it the forward just tuned."""
     if mode == "fwd":
-        from flashgen.bench import KernelBench
+        from flashgen.tune.fwd_bench import KernelBench
 
         return KernelBench(problem, target, seed=seed, compile_workers=compile_workers)
-    from flashgen.bwd_bench import BwdKernelBench
-    from flashgen.dispatch import Dispatcher, shipped_db_path
+    from flashgen.runtime.dispatch import Dispatcher, shipped_db_path
+    from flashgen.tune.bwd_bench import BwdKernelBench
 
     return BwdKernelBench(problem, target, seed=seed, compile_workers=compile_workers,
                           dispatcher=Dispatcher([db_path, shipped_db_path()]))
@@ -165,10 +165,10 @@ def _run_tuning(problems: list[Problem], device_type: str, gpu: int, trials: int
         TimeElapsedColumn,
     )
 
-    from flashgen.db import TuningDB
-    from flashgen.hardware import device_info
-    from flashgen.report import results_table
-    from flashgen.tuner import tune_problem
+    from flashgen.kernels.hardware import device_info
+    from flashgen.store.db import TuningDB
+    from flashgen.tune.report import results_table
+    from flashgen.tune.tuner import tune_problem
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     if device_type == "cuda":
@@ -219,8 +219,8 @@ def show(
 ) -> None:
     """List the winners in the tuning database, one per key (device, versions, dtype, mask,
     head dim, GQA ratio and sequence-length buckets)."""
-    from flashgen.db import TuningDB, default_db_path
-    from flashgen.report import is_current, winners_table
+    from flashgen.store.db import TuningDB, default_db_path
+    from flashgen.tune.report import is_current, winners_table
 
     path = db or default_db_path()
     if not path.exists():
@@ -241,7 +241,7 @@ def list_presets() -> None:
     """List the problem presets that `flashgen tune --preset` accepts."""
     from rich.table import Table
 
-    from flashgen.presets import PRESETS
+    from flashgen.kernels.presets import PRESETS
 
     table = Table(title="flashgen presets")
     for column in ("name", "problems", "description", "(B, Hq, Hkv, Nq, Nk, D)"):
@@ -312,10 +312,10 @@ def bench(
     if not timing and not memory:
         raise _fail("--no-timing leaves nothing to do without --memory")
 
-    from flashgen import presets
-    from flashgen.bench_run import Outputs, resolve_device, run_bench
-    from flashgen.benchmark import parse_modes
-    from flashgen.competitors import parse_names, resolve
+    from flashgen.bench.competitors import parse_names, resolve
+    from flashgen.bench.run import Outputs, resolve_device, run_bench
+    from flashgen.bench.suite import parse_modes
+    from flashgen.kernels import presets
 
     try:
         target = resolve_device(device, gpu)
@@ -353,9 +353,9 @@ def export(
     shipped one."""
     if fmt not in ("python", "aot"):
         raise _fail(f"--format must be python or aot, got {fmt!r}")
-    from flashgen.db import default_db_path
-    from flashgen.dispatch import shipped_db_path
-    from flashgen.export_select import select_winners
+    from flashgen.export.rows import select_winners
+    from flashgen.runtime.dispatch import shipped_db_path
+    from flashgen.store.db import default_db_path
 
     paths = [db] if db else [default_db_path(), shipped_db_path()]
     if db and not db.is_file():
@@ -368,13 +368,13 @@ def export(
         raise _fail(f"no current winners{where} in {', '.join(map(str, paths))}")
     try:
         if fmt == "python":
-            from flashgen.export import write_package
+            from flashgen.export.package import write_package
 
             report = write_package(selection, out, name, force)
             typer.echo(f"wrote {report.path}: {report.tuned} tuned entries for "
                        f"{', '.join(report.gpus)}; {report.kernels} kernel sources")
         else:
-            from flashgen.aot import write_aot
+            from flashgen.export.aot import write_aot
 
             aot = write_aot(selection, out, name, force)
             typer.echo(f"wrote {aot.path}: {aot.kernels} cubins for {', '.join(aot.gpus)}; "

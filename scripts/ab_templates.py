@@ -28,15 +28,15 @@ from pathlib import Path
 import torch
 from sweep_fa3 import POINTS, finish
 
-from flashgen.check import compare, make_inputs
-from flashgen.competitors import COMPETITORS
-from flashgen.forward import Launcher, default_scale, prepare_forward
-from flashgen.presets import TOKENS_PER_BATCH
-from flashgen.problem import Problem
-from flashgen.render import _load_module, _templates, render, render_with, source_hash
-from flashgen.space import why_invalid
-from flashgen.timing import time_cuda
-from flashgen.variant import Variant
+from flashgen.bench.competitors import COMPETITORS
+from flashgen.kernels.fwd_space import why_invalid
+from flashgen.kernels.presets import TOKENS_PER_BATCH
+from flashgen.kernels.problem import Problem
+from flashgen.kernels.render import _load_module, _templates, render, render_with, source_hash
+from flashgen.kernels.variant import Variant
+from flashgen.runtime.forward import Launcher, default_scale, prepare_forward
+from flashgen.tune.check import compare, make_inputs
+from flashgen.tune.timing import time_cuda
 
 
 def launchers(variant: Variant, problem: Problem,

@@ -35,11 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rehash_db import rekey, rows_keyed, templates_at
 
-from flashgen.bwd_render import bwd_roles, render_bwd, render_bwd_with
-from flashgen.bwd_variant import BwdVariant
-from flashgen.problem import Problem
-from flashgen.render import family_hash, render, render_with, template_hash
-from flashgen.variant import Variant
+from flashgen.kernels.bwd_render import bwd_roles, render_bwd, render_bwd_with
+from flashgen.kernels.bwd_variant import BwdVariant
+from flashgen.kernels.problem import Problem
+from flashgen.kernels.render import family_hash, render, render_with, template_hash
+from flashgen.kernels.variant import Variant
 
 
 def _unchanged(old_texts: dict[str, str], variant: Variant | BwdVariant,

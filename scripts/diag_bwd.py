@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 import flashgen
-import flashgen.backward as backward
-from flashgen.bwd_variant import BwdVariant
+import flashgen.runtime.backward as backward
+from flashgen.kernels.bwd_variant import BwdVariant
 
 T0 = time.perf_counter()
 

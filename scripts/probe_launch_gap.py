@@ -1,13 +1,13 @@
 """Does host launch time leak into flashgen's GPU timings of short problems?
 
-`flashgen.timing` writes a 256 MB buffer before each timed launch, and the host must queue
+`flashgen.tune.timing` writes a 256 MB buffer before each timed launch, and the host must queue
 the start event, the call and the end event before the GPU finishes that write (~85 us on an
 H100), or the GPU idles inside the timed span. This script measures, per problem and per
 callable (the tuner's `run_forward` path, `flashgen bench`'s dispatched call, SDPA cuDNN):
 
 - host_us: host time to queue one call while the GPU is busy (so nothing waits on it);
 - flush-only: the timing used before 2026-11-24, each launch queued right behind its flush;
-- queued ahead: `flashgen.timing.time_cuda` now, launches queued behind a GPU spin.
+- queued ahead: `flashgen.tune.timing.time_cuda` now, launches queued behind a GPU spin.
 
 Where flush-only reads slower or spreads wider, host time leaked into its timed spans.
 Run on the GPU machine:
@@ -23,13 +23,13 @@ from collections.abc import Callable
 
 import torch
 
-from flashgen.check import make_inputs
-from flashgen.competitors import COMPETITORS
-from flashgen.forward import run_forward
-from flashgen.hardware import device_info
-from flashgen.problem import Problem
-from flashgen.timing import Timing, _flush_buffer, queue_seconds, time_cuda
-from flashgen.variant import Variant
+from flashgen.bench.competitors import COMPETITORS
+from flashgen.kernels.hardware import device_info
+from flashgen.kernels.problem import Problem
+from flashgen.kernels.variant import Variant
+from flashgen.runtime.forward import run_forward
+from flashgen.tune.check import make_inputs
+from flashgen.tune.timing import Timing, _flush_buffer, queue_seconds, time_cuda
 
 
 def host_us(fn: Callable[[], object], calls: int = 300) -> float:

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashgen
-from flashgen.render import load_kernel
-from flashgen.variant import Variant
+from flashgen.kernels.render import load_kernel
+from flashgen.kernels.variant import Variant
 
 
 def main() -> None:

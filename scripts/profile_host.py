@@ -22,10 +22,10 @@ import torch
 from probe_launch_gap import host_us
 
 import flashgen
-from flashgen.check import make_inputs
-from flashgen.competitors import COMPETITORS
-from flashgen.forward import default_scale, prepare_forward
-from flashgen.problem import Problem
+from flashgen.bench.competitors import COMPETITORS
+from flashgen.kernels.problem import Problem
+from flashgen.runtime.forward import default_scale, prepare_forward
+from flashgen.tune.check import make_inputs
 
 
 def main() -> None:

@@ -19,8 +19,8 @@ import sqlite3
 import subprocess
 from pathlib import Path
 
-from flashgen.render import family_hash
-from flashgen.tuning_key import MODES, TuningKey
+from flashgen.kernels.render import family_hash
+from flashgen.store.keys import MODES, TuningKey
 
 ROOT = Path(__file__).resolve().parent.parent
 

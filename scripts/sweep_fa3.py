@@ -18,13 +18,13 @@ import time
 import torch
 
 import flashgen
-from flashgen.bench import KernelBench, Measurement
-from flashgen.competitors import COMPETITORS
-from flashgen.presets import TOKENS_PER_BATCH
-from flashgen.problem import Problem
-from flashgen.space import why_invalid
-from flashgen.timing import tflops, time_cuda
-from flashgen.variant import Variant
+from flashgen.bench.competitors import COMPETITORS
+from flashgen.kernels.fwd_space import why_invalid
+from flashgen.kernels.presets import TOKENS_PER_BATCH
+from flashgen.kernels.problem import Problem
+from flashgen.kernels.variant import Variant
+from flashgen.tune.fwd_bench import KernelBench, Measurement
+from flashgen.tune.timing import tflops, time_cuda
 
 POINTS = [Variant("fa3", 128, 128, 4, 3), Variant("fa3", 128, 128, 4, 2),
           Variant("fa3", 128, 64, 4, 3), Variant("fa3", 128, 64, 4, 4),

@@ -22,15 +22,15 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashgen
-from flashgen.bench import KernelBench, Measurement
-from flashgen.check import compare, make_inputs
-from flashgen.forward import default_scale, fa2_grid
-from flashgen.hardware import device_info
-from flashgen.problem import Problem
-from flashgen.render import load_kernel
-from flashgen.space import why_invalid
-from flashgen.timing import tflops, time_cuda
-from flashgen.variant import Variant
+from flashgen.kernels.fwd_space import why_invalid
+from flashgen.kernels.hardware import device_info
+from flashgen.kernels.problem import Problem
+from flashgen.kernels.render import load_kernel
+from flashgen.kernels.variant import Variant
+from flashgen.runtime.forward import default_scale, fa2_grid
+from flashgen.tune.check import compare, make_inputs
+from flashgen.tune.fwd_bench import KernelBench, Measurement
+from flashgen.tune.timing import tflops, time_cuda
 
 
 def candidates(problem: Problem, blocks_m: list[int], blocks_n: list[int],

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import flashgen
-from flashgen.check import make_inputs
-from flashgen.check_grads import compare_grads
+from flashgen.tune.check import make_inputs
+from flashgen.tune.grads import compare_grads
 
 
 def _grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,

@@ -15,9 +15,8 @@ import pytest
 import torch
 
 import flashgen
-from flashgen.backward import fa3_tile_rows, run_backward
-from flashgen.bwd_render import BWD_KERNELS, render_bwd
-from flashgen.bwd_space import (
+from flashgen.kernels.bwd_render import BWD_KERNELS, render_bwd
+from flashgen.kernels.bwd_space import (
     HOPPER_BWD_PORTFOLIO,
     all_bwd_points,
     bwd_pointer_twin,
@@ -27,11 +26,12 @@ from flashgen.bwd_space import (
     default_bwd_variant,
     why_invalid_bwd,
 )
-from flashgen.bwd_variant import BwdVariant
-from flashgen.check import CheckResult, make_inputs
-from flashgen.check_grads import compare_grads, reference_grads
-from flashgen.hardware import INTERPRETER, DeviceInfo
-from flashgen.problem import DTYPE_NAMES
+from flashgen.kernels.bwd_variant import BwdVariant
+from flashgen.kernels.hardware import INTERPRETER, DeviceInfo
+from flashgen.kernels.problem import DTYPE_NAMES
+from flashgen.runtime.backward import fa3_tile_rows, run_backward
+from flashgen.tune.check import CheckResult, make_inputs
+from flashgen.tune.grads import compare_grads, reference_grads
 
 interpreter = pytest.mark.interpreter
 gpu = pytest.mark.gpu
@@ -292,7 +292,7 @@ def test_bwd_render_ignores_lengths_and_is_covered_by_template_hash() -> None:
         same = render_bwd(kernel, v, p.with_(seq_q=999, seq_k=5, batch=7, heads_q=16))  # type: ignore[arg-type]
         assert same == first
     assert render_bwd("dq", v, p) != render_bwd("dq", v, p.with_(causal=False))
-    from flashgen.render import _templates
+    from flashgen.kernels.render import _templates
 
     assert {f"attn_bwd_{k}.py.jinja" for k in BWD_KERNELS} <= set(_templates())
 
@@ -412,7 +412,7 @@ def test_fa3_backward_renders_gluon_for_its_kernels_only() -> None:
 def test_fa3_backward_compiles_for_hopper(kernel: str, variant: BwdVariant, d: int,
                                           dtype: str, causal: bool) -> None:
     pytest.importorskip("triton.experimental.gluon")
-    from flashgen.gluon_compile import report_in_subprocess
+    from flashgen.kernels.gluon_compile import report_in_subprocess
 
     problem = _fa3_problem(d, dtype, causal)
     found = report_in_subprocess(variant, problem, kernel)
@@ -517,7 +517,7 @@ FA3_BWD_POINTS = [*HOPPER_BWD_PORTFOLIO, BwdVariant(32, 64, 4, 2, fa3="both"),
 def test_gpu_fa3_backward(variant: BwdVariant, causal: bool) -> None:
     """The Gluon kernels against the float64 reference: ragged and cross lengths (N_Q above
     and below N_K), GQA, both memory layouts, both 16-bit dtypes, D64 and D128."""
-    from flashgen.hardware import device_info
+    from flashgen.kernels.hardware import device_info
 
     if not device_info("cuda").is_hopper:
         pytest.skip("the fa3 backward kernels are Gluon kernels for Hopper")
@@ -535,7 +535,7 @@ def test_gpu_fa3_backward(variant: BwdVariant, causal: bool) -> None:
 
 @gpu
 def test_gpu_fa3_backward_unaligned_inputs() -> None:
-    from flashgen.hardware import device_info
+    from flashgen.kernels.hardware import device_info
 
     if not device_info("cuda").is_hopper:
         pytest.skip("the fa3 backward kernels are Gluon kernels for Hopper")

@@ -16,9 +16,8 @@ import torch
 from rich.console import Console
 from typer.testing import CliRunner
 
-from flashgen import reference
-from flashgen.bench import GATE_MAX_SEQ
-from flashgen.bench_memory import (
+from flashgen.bench.competitors import Competitor, Prepared, Unavailable, parse_names, resolve
+from flashgen.bench.memory import (
     MemoryRow,
     memory_modes,
     memory_problems,
@@ -26,8 +25,8 @@ from flashgen.bench_memory import (
     memory_table,
     run_memory,
 )
-from flashgen.bench_plot import series
-from flashgen.bench_report import (
+from flashgen.bench.plot import series
+from flashgen.bench.report import (
     UNSTEADY_NOTE,
     csv_records,
     summarize,
@@ -35,11 +34,12 @@ from flashgen.bench_report import (
     unavailable_notes,
     write_csv,
 )
-from flashgen.benchmark import FLOP_FACTOR, Row, mode_flops, parse_modes, run_suite
+from flashgen.bench.suite import FLOP_FACTOR, Row, mode_flops, parse_modes, run_suite
 from flashgen.cli import app
-from flashgen.competitors import Competitor, Prepared, Unavailable, parse_names, resolve
-from flashgen.problem import Problem
-from flashgen.timing import Timing
+from flashgen.kernels.problem import Problem
+from flashgen.tune import reference
+from flashgen.tune.fwd_bench import GATE_MAX_SEQ
+from flashgen.tune.timing import Timing
 
 P = Problem(1, 2, 1, 64, 64, 16, "fp32", causal=True)
 
@@ -143,7 +143,7 @@ def test_plot_series_keeps_correct_points_sorted_by_length() -> None:
 
 def test_plot_writes_a_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    from flashgen.bench_plot import plot
+    from flashgen.bench.plot import plot
 
     rows = [_row("flashgen", 2.0), _row("sdpa-math", 4.0),
             _row("flashgen", 2.0, problem=P.with_(seq_q=128, seq_k=128))]

@@ -16,12 +16,12 @@ import typer
 from typer.testing import CliRunner
 
 from flashgen.cli import app
-from flashgen.db import TuningDB
-from flashgen.hardware import CPU_INTERPRETER, INTERPRETER
-from flashgen.problem import Problem
-from flashgen.space import default_variant
-from flashgen.timing import Timing
-from flashgen.tuning_key import TuningKey
+from flashgen.kernels.fwd_space import default_variant
+from flashgen.kernels.hardware import CPU_INTERPRETER, INTERPRETER
+from flashgen.kernels.problem import Problem
+from flashgen.store.db import TuningDB
+from flashgen.store.keys import TuningKey
+from flashgen.tune.timing import Timing
 
 runner = CliRunner()
 

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import sqlite_utils
 
-from flashgen.db import SCHEMA_VERSION, TuningDB, default_db_path, migrations
-from flashgen.hardware import INTERPRETER, DeviceInfo
-from flashgen.problem import Problem
-from flashgen.timing import Timing
-from flashgen.tuning_key import TuningKey, Versions, seq_bucket
-from flashgen.variant import Variant
+from flashgen.kernels.hardware import INTERPRETER, DeviceInfo
+from flashgen.kernels.problem import Problem
+from flashgen.kernels.variant import Variant
+from flashgen.store.db import SCHEMA_VERSION, TuningDB, default_db_path, migrations
+from flashgen.store.keys import TuningKey, Versions, seq_bucket
+from flashgen.tune.timing import Timing
 
 H100 = DeviceInfo("NVIDIA H100 80GB HBM3", (9, 0), 132, 232448)
 VERSIONS = Versions("3.6.0", "2.11.0+cu130", "abc123")
@@ -278,8 +278,8 @@ def test_two_processes_writing_one_file_lose_nothing(tmp_path: Path) -> None:
 def test_shipped_winners_are_keyed_by_the_current_templates() -> None:
     # A template edit re-keys results: the shipped database must be re-tuned or carried over
     # (scripts/carry_rows.py) in the same change, or dispatch silently stops serving it.
-    from flashgen.render import template_hash
-    from flashgen.resources import data_dir
+    from flashgen.kernels.render import template_hash
+    from flashgen.kernels.resources import data_dir
 
     path = Path(str(data_dir("tuning_db") / "flashgen.db"))
     with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as conn:

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import flashgen
-from flashgen.check import compare, make_inputs
-from flashgen.db import TuningDB
-from flashgen.hardware import INTERPRETER, DeviceInfo
-from flashgen.timing import Timing
-from flashgen.tuning_key import TuningKey, Versions
+from flashgen.kernels.hardware import INTERPRETER, DeviceInfo
+from flashgen.store.db import TuningDB
+from flashgen.store.keys import TuningKey, Versions
+from flashgen.tune.check import compare, make_inputs
+from flashgen.tune.timing import Timing
 
 pytestmark = pytest.mark.interpreter
 

@@ -11,16 +11,16 @@ import pytest
 import torch
 
 import flashgen
-import flashgen.dispatch as dispatch
-from flashgen.bwd_space import default_bwd_variant
-from flashgen.bwd_variant import BwdVariant
-from flashgen.check import make_inputs
-from flashgen.check_grads import compare_grads
-from flashgen.db import TuningDB
-from flashgen.hardware import INTERPRETER
-from flashgen.spaces import AnyVariant
-from flashgen.timing import Timing
-from flashgen.tuning_key import TuningKey, Versions
+import flashgen.runtime.dispatch as dispatch
+from flashgen.kernels.bwd_space import default_bwd_variant
+from flashgen.kernels.bwd_variant import BwdVariant
+from flashgen.kernels.hardware import INTERPRETER
+from flashgen.kernels.modes import AnyVariant
+from flashgen.store.db import TuningDB
+from flashgen.store.keys import TuningKey, Versions
+from flashgen.tune.check import make_inputs
+from flashgen.tune.grads import compare_grads
+from flashgen.tune.timing import Timing
 
 pytestmark = pytest.mark.interpreter
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import flashgen
-from flashgen.check import compare, make_inputs
+from flashgen.tune.check import compare, make_inputs
 
 pytestmark = pytest.mark.gpu
 

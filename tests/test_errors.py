@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import flashgen
-from flashgen.check import compare, make_inputs
+from flashgen.tune.check import compare, make_inputs
 
 
 def _qkv(**kw: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

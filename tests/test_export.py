@@ -21,21 +21,21 @@ import torch
 from typer.testing import CliRunner
 
 import flashgen
-from flashgen.backward import fa3_tile_rows
-from flashgen.bwd_render import render_bwd
-from flashgen.bwd_space import bwd_pointer_twin, default_bwd_variant, why_invalid_bwd
-from flashgen.bwd_variant import BwdVariant
-from flashgen.check import compare, make_inputs
-from flashgen.check_grads import compare_grads
 from flashgen.cli import app
-from flashgen.db import TuningDB
-from flashgen.export_select import GENERIC, LENGTHS, select_winners, tile_needs
-from flashgen.forward import fa3_grid
-from flashgen.hardware import INTERPRETER, DeviceInfo
-from flashgen.problem import DTYPES
-from flashgen.space import head_units_leave_programs_idle, why_invalid
-from flashgen.timing import Timing
-from flashgen.tuning_key import TuningKey, Versions
+from flashgen.export.rows import GENERIC, LENGTHS, select_winners, tile_needs
+from flashgen.kernels.bwd_render import render_bwd
+from flashgen.kernels.bwd_space import bwd_pointer_twin, default_bwd_variant, why_invalid_bwd
+from flashgen.kernels.bwd_variant import BwdVariant
+from flashgen.kernels.fwd_space import head_units_leave_programs_idle, why_invalid
+from flashgen.kernels.hardware import INTERPRETER, DeviceInfo
+from flashgen.kernels.problem import DTYPES
+from flashgen.runtime.backward import fa3_tile_rows
+from flashgen.runtime.forward import fa3_grid
+from flashgen.store.db import TuningDB
+from flashgen.store.keys import TuningKey, Versions
+from flashgen.tune.check import compare, make_inputs
+from flashgen.tune.grads import compare_grads
+from flashgen.tune.timing import Timing
 
 H200 = DeviceInfo("NVIDIA H200", (9, 0), 132, 232448)
 #: Interpreter winners: fp32 causal GQA (fa1, so the fa1 launch path is exported too) and

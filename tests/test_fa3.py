@@ -15,18 +15,18 @@ import pytest
 import torch
 
 import flashgen
-from flashgen.check import compare, make_inputs
-from flashgen.forward import fa3_grid
-from flashgen.gluon_compile import report_in_subprocess
-from flashgen.hardware import INTERPRETER, DeviceInfo, device_info
-from flashgen.render import _load_module, render, source_hash
-from flashgen.render import template_name as render_template_name
-from flashgen.space import (
+from flashgen.kernels.fwd_space import (
     FA3_TILES,
     default_variant,
     head_units_leave_programs_idle,
     portfolio,
 )
+from flashgen.kernels.gluon_compile import report_in_subprocess
+from flashgen.kernels.hardware import INTERPRETER, DeviceInfo, device_info
+from flashgen.kernels.render import _load_module, render, source_hash
+from flashgen.kernels.render import template_name as render_template_name
+from flashgen.runtime.forward import fa3_grid
+from flashgen.tune.check import compare, make_inputs
 
 HOPPER = DeviceInfo("H-test", (9, 0), 132, 232448)
 AMPERE = DeviceInfo("A-test", (8, 0), 108, 232448)  # as much shared memory as Hopper

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import flashgen
-from flashgen.check import compare, make_inputs
-from flashgen.hardware import INTERPRETER
+from flashgen.kernels.hardware import INTERPRETER
+from flashgen.tune.check import compare, make_inputs
 
 interpreter = pytest.mark.interpreter
 gpu = pytest.mark.gpu
@@ -253,7 +253,7 @@ def test_gpu_search_space_sample(order: str) -> None:
 
 @interpreter
 def test_persistent_grid_caps_programs() -> None:
-    from flashgen.forward import fa2_grid
+    from flashgen.runtime.forward import fa2_grid
 
     cpu = torch.device("cpu")  # the interpreter counts as one SM
     plain = flashgen.Variant("fa2", 16, 16, 2, 1)
@@ -280,7 +280,7 @@ def test_tma_needs_aligned_rows() -> None:
     tma = flashgen.Variant("fa2", 16, 16, 2, 1, use_tma=True)
     with pytest.raises(ValueError, match="uses TMA"):
         flashgen.attention(shifted, k, v, variant=tma)
-    from flashgen.forward import prepare_forward
+    from flashgen.runtime.forward import prepare_forward
 
     problem = flashgen.Problem.from_tensors(q, k, v)
     out, _ = prepare_forward(tma, problem, strict=False)(shifted, k, v, 40**-0.5)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import flashgen
-from flashgen.hardware import INTERPRETER, DeviceInfo
-from flashgen.space import all_points, portfolio, shared_memory_bytes
+from flashgen.kernels.fwd_space import all_points, portfolio, shared_memory_bytes
+from flashgen.kernels.hardware import INTERPRETER, DeviceInfo
 
 PROBLEMS = [
     flashgen.Problem(1, 8, 2, 77, 130, 40, "fp16", True),
@@ -133,7 +133,7 @@ def test_causal_flops_count_the_visible_half() -> None:
 def test_render_with_other_texts_tells_an_untouched_kernel_from_an_edited_one() -> None:
     # scripts/carry_rows.py keeps a tuned row across a template change only when its kernel
     # renders byte-identical with the old and the new texts.
-    from flashgen.render import _templates, render_with
+    from flashgen.kernels.render import _templates, render_with
 
     texts = dict(_templates())
     v, p = flashgen.Variant("fa2", 64, 32, 4, 2), PROBLEMS[0]

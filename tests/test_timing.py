@@ -1,4 +1,4 @@
-"""The timer's retry of unsteady measurements (`flashgen.timing.steady`), on made-up timings,
+"""The timer's retry of unsteady measurements (`flashgen.tune.timing.steady`), on made-up timings,
 and its queuing of timed calls ahead of the GPU, with the CUDA calls faked."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import time
 
 import torch
 
-from flashgen import timing
-from flashgen.timing import (
+from flashgen.tune import timing
+from flashgen.tune.timing import (
     MAX_HOST_S,
     QUEUE_BATCH,
     SPIN_HZ,

@@ -15,24 +15,24 @@ from pathlib import Path
 
 import pytest
 
-from flashgen.bench import Measurement
-from flashgen.bwd_bench import BWD_FLOPS_RATIO, BwdKernelBench
-from flashgen.bwd_space import bwd_search_space, default_bwd_variant, why_invalid_bwd
-from flashgen.bwd_variant import BwdVariant
-from flashgen.db import TuningDB
-from flashgen.hardware import INTERPRETER
-from flashgen.problem import Problem
-from flashgen.spaces import SPACES
-from flashgen.timing import Timing, tflops
-from flashgen.tuner import TuneResult, knob_choices, tune_problem
-from flashgen.tuning_key import MODES, TuningKey, Versions
-from flashgen.variant import Variant
+from flashgen.kernels.bwd_space import bwd_search_space, default_bwd_variant, why_invalid_bwd
+from flashgen.kernels.bwd_variant import BwdVariant
+from flashgen.kernels.hardware import INTERPRETER
+from flashgen.kernels.modes import SPACES
+from flashgen.kernels.problem import Problem
+from flashgen.kernels.variant import Variant
+from flashgen.store.db import TuningDB
+from flashgen.store.keys import MODES, TuningKey, Versions
+from flashgen.tune.bwd_bench import BWD_FLOPS_RATIO, BwdKernelBench
+from flashgen.tune.fwd_bench import Measurement
+from flashgen.tune.timing import Timing, tflops
+from flashgen.tune.tuner import TuneResult, knob_choices, tune_problem
 
 PROBLEM = Problem(1, 2, 1, 256, 256, 64)
 VERSIONS = Versions("3.6.0", "2.13.0", "bwdtpl")
 ROOT = Path(__file__).resolve().parent.parent
-#: The module (the package's `flashgen.render` attribute is the `render` function).
-render = importlib.import_module("flashgen.render")
+#: The module (the package's `flashgen.kernels.render` attribute is the `render` function).
+render = importlib.import_module("flashgen.kernels.render")
 
 
 def made_up_ms(v: BwdVariant) -> float:
@@ -183,7 +183,7 @@ def test_bwd_kernel_bench_checks_gradients_and_times_the_backward() -> None:
 
 @pytest.mark.interpreter
 def test_bwd_kernel_bench_fails_wrong_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
-    import flashgen.bwd_bench as bwd_bench
+    import flashgen.tune.bwd_bench as bwd_bench
 
     real = bwd_bench.run_backward
 

@@ -12,23 +12,23 @@ from pathlib import Path
 
 import pytest
 
-from flashgen.baseline import Baseline
-from flashgen.bench import (
+from flashgen.kernels.fwd_space import default_variant, portfolio, search_space, why_invalid
+from flashgen.kernels.hardware import INTERPRETER, DeviceInfo
+from flashgen.kernels.presets import PRESETS, expand, parse_causal, preset_problems
+from flashgen.kernels.problem import Problem
+from flashgen.kernels.variant import Variant
+from flashgen.store.db import TuningDB
+from flashgen.store.keys import Versions
+from flashgen.tune.baseline import Baseline
+from flashgen.tune.fwd_bench import (
     GATE_MAX_SEQ,
     FunctionBench,
     KernelBench,
     Measurement,
     gate_problem,
 )
-from flashgen.db import TuningDB
-from flashgen.hardware import INTERPRETER, DeviceInfo
-from flashgen.presets import PRESETS, expand, parse_causal, preset_problems
-from flashgen.problem import Problem
-from flashgen.space import default_variant, portfolio, search_space, why_invalid
-from flashgen.timing import Timing, tflops, time_cpu
-from flashgen.tuner import TuneResult, knob_choices, tune_problem
-from flashgen.tuning_key import Versions
-from flashgen.variant import Variant
+from flashgen.tune.timing import Timing, tflops, time_cpu
+from flashgen.tune.tuner import TuneResult, knob_choices, tune_problem
 
 PROBLEM = Problem(1, 2, 1, 256, 256, 64)
 #: 16-long sequences admit only 16-row tiles: a space small enough to measure exhaustively.

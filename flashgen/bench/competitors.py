@@ -1,0 +1,180 @@
+"""The attention implementations `flashgen bench` times side by side, each behind one factory.
+
+A competitor turns a problem into a plain `(q, k, v) -> out` function once (choosing the
+variant, compiling, building the causal block mask: work a real model also does once), so the
+timed call is only the attention itself. The same function runs on the correctness inputs,
+which may be a smaller problem of the same kind (`flashgen.tune.fwd_bench.gate_problem`): every
+function here therefore works on any lengths, not only the problem it was prepared for.
+
+A competitor that cannot run a problem raises `Unavailable` (or any error): the benchmark
+records it as "n/a" with the reason and goes on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from flashgen.kernels.hardware import device_info
+from flashgen.kernels.problem import Problem
+from flashgen.runtime.api import attention
+from flashgen.runtime.dispatch import default_dispatcher
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+#: The subject of the benchmark; every other competitor is a yardstick for it.
+FLASHGEN = "flashgen"
+
+
+class Unavailable(RuntimeError):
+    """This competitor cannot run the problem here (no GPU, no such backend, ...)."""
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A competitor ready for one problem: the call, and what it chose (for the CSV)."""
+
+    fn: AttentionFn
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Competitor:
+    name: str
+    description: str
+    prepare: Callable[[Problem, torch.device], Prepared]
+
+
+def _flashgen(problem: Problem, device: torch.device) -> Prepared:
+    # The dispatcher's choice for the timed problem is pinned, so the correctness inputs
+    # (possibly a smaller problem, whose own dispatch could pick another variant) run the very
+    # kernels that are timed. With the choice pinned, a call costs what a dispatched one does:
+    # the plan cache is keyed by shape and variant alike.
+    dispatcher = default_dispatcher()
+    info = device_info(device)
+    fwd = dispatcher.choose(problem, info)
+    bwd = dispatcher.choose_bwd(problem, info)
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = attention(q, k, v, causal=problem.causal, variant=fwd.variant,
+                        bwd_variant=bwd.variant)
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    return Prepared(run, f"fwd {fwd.variant} ({fwd.how}); bwd {bwd.variant} ({bwd.how})")
+
+
+def _sdpa_kwargs(q: torch.Tensor, k: torch.Tensor, causal: bool) -> dict[str, object]:
+    kwargs: dict[str, object] = {}
+    if q.shape[1] != k.shape[1]:
+        kwargs["enable_gqa"] = True
+    nq, nk = q.shape[-2], k.shape[-2]
+    if causal and nq != nk:
+        # SDPA's is_causal aligns the mask top-left; flashgen aligns it bottom-right.
+        from torch.nn.attention.bias import causal_lower_right
+
+        kwargs["attn_mask"] = causal_lower_right(nq, nk)
+    else:
+        kwargs["is_causal"] = causal
+    return kwargs
+
+
+def _sdpa(backend_name: str, gpu_only: bool) -> Callable[[Problem, torch.device], Prepared]:
+    """One SDPA backend, forced with `sdpa_kernel`: SDPA's own pick is a heuristic, and a
+    backend that refuses the problem must show up as n/a, not as another backend's time."""
+
+    def prepare(problem: Problem, device: torch.device) -> Prepared:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        if gpu_only and device.type != "cuda":
+            raise Unavailable("needs a CUDA GPU")
+        backend = getattr(SDPBackend, backend_name, None)
+        if backend is None:
+            raise Unavailable(f"torch {torch.__version__} has no SDPBackend.{backend_name}")
+
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q, k, v, **_sdpa_kwargs(q, k, problem.causal))
+
+        return Prepared(run, f"SDPBackend.{backend_name}")
+
+    return prepare
+
+
+def _flex(problem: Problem, device: torch.device) -> Prepared:
+    """FlexAttention compiled for static shapes, as its own benchmarks run it.
+
+    Dynamo's caches are reset first, so each problem compiles on its own and a long grid
+    never reaches dynamo's recompile limit (past it, calls would silently run unfused).
+    """
+    if device.type != "cuda":
+        raise Unavailable("timed on CUDA only (the CPU run covers flashgen and sdpa-math)")
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    torch._dynamo.reset()
+    compiled = torch.compile(flex_attention, dynamic=False)
+    masks: dict[tuple[int, int], object] = {}
+
+    def block_mask(nq: int, nk: int) -> object:
+        # Built once per shape, outside the timed call; bottom-right aligned like flashgen's
+        # (the same as top-left when Nq == Nk).
+        if (nq, nk) not in masks:
+            offset = nk - nq
+
+            def causal(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
+                       kv_idx: torch.Tensor) -> torch.Tensor:
+                return q_idx + offset >= kv_idx
+
+            masks[nq, nk] = create_block_mask(causal, None, None, nq, nk, device=device)
+        return masks[nq, nk]
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        mask = block_mask(q.shape[-2], k.shape[-2]) if problem.causal else None
+        out = compiled(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    return Prepared(run, "torch.compile(flex_attention, dynamic=False)")
+
+
+COMPETITORS: dict[str, Competitor] = {c.name: c for c in (
+    Competitor(FLASHGEN, "flashgen.attention, the dispatched (tuned or default) variant",
+               _flashgen),
+    Competitor("sdpa-flash", "torch SDPA, FlashAttention backend",
+               _sdpa("FLASH_ATTENTION", gpu_only=True)),
+    Competitor("sdpa-cudnn", "torch SDPA, cuDNN backend", _sdpa("CUDNN_ATTENTION", gpu_only=True)),
+    Competitor("sdpa-efficient", "torch SDPA, memory-efficient backend",
+               _sdpa("EFFICIENT_ATTENTION", gpu_only=True)),
+    Competitor("sdpa-math", "torch SDPA, math backend (materialises the scores)",
+               _sdpa("MATH", gpu_only=False)),
+    Competitor("flex", "torch.compile'd FlexAttention (causal through a block mask)", _flex),
+)}
+
+#: What a GPU run compares by default; sdpa-math only where asked (it is a memory yardstick).
+GPU_DEFAULT = (FLASHGEN, "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
+#: The interpreter run: the whole pipeline on CPU tensors, with the one CPU-capable yardstick.
+CPU_DEFAULT = (FLASHGEN, "sdpa-math")
+#: The peak-memory table compares the tiled kernel with the one that stores the scores.
+MEMORY_COMPETITORS = (FLASHGEN, "sdpa-math")
+
+
+def resolve(names: Sequence[str]) -> list[Competitor]:
+    """Competitors by name, in the order given; an unknown name is an error naming the known."""
+    unknown = [n for n in names if n not in COMPETITORS]
+    if unknown:
+        raise ValueError(f"unknown competitor(s) {', '.join(unknown)}; choose from "
+                         f"{', '.join(COMPETITORS)}")
+    return [COMPETITORS[n] for n in dict.fromkeys(names)]
+
+
+def parse_names(text: str | None, device: torch.device) -> list[str]:
+    """`--competitors` text -> names; None gives the device's default set."""
+    if text is None:
+        return list(GPU_DEFAULT if device.type == "cuda" else CPU_DEFAULT)
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names:
+        raise ValueError("--competitors names none")
+    return names

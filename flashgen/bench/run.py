@@ -1,0 +1,161 @@
+"""The job of `flashgen bench`: measure, print the tables, write the CSV files and the plot.
+
+The CLI parses options and calls `run_bench`; this module owns what a run produces, so the
+command stays a thin layer, as `tune` is over the tuner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from flashgen.bench import plot as bench_plot
+from flashgen.bench.competitors import MEMORY_COMPETITORS, resolve
+from flashgen.bench.memory import (
+    MEMORY_CSV_FIELDS,
+    MemoryRow,
+    memory_modes,
+    memory_problems,
+    memory_records,
+    memory_table,
+    run_memory,
+)
+from flashgen.bench.report import (
+    csv_records,
+    short_problem,
+    summarize,
+    timing_table,
+    unavailable_notes,
+    write_csv,
+)
+from flashgen.bench.suite import Mode, Row, default_timer, run_suite
+from flashgen.kernels.hardware import CPU_INTERPRETER
+from flashgen.kernels.problem import Problem
+
+
+def resolve_device(device: str, gpu: int) -> torch.device:
+    """`--device` and `--gpu` -> a torch device; ValueError says what is wrong."""
+    if device == "cpu":
+        return torch.device("cpu")
+    if device != "cuda":
+        raise ValueError(f"--device must be cuda or cpu, got {device!r}")
+    if not torch.cuda.is_available():
+        raise ValueError("no CUDA GPU is visible; use --device cpu for the interpreter")
+    if gpu >= torch.cuda.device_count():
+        raise ValueError(f"--gpu {gpu}: only {torch.cuda.device_count()} GPU(s) visible")
+    return torch.device("cuda", gpu)
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else CPU_INTERPRETER
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """Where a run writes: the timing CSV, the plot (None: no plot), the memory CSV."""
+
+    csv: Path
+    plot: Path | None
+    memory_csv: Path
+
+    @classmethod
+    def under(cls, out_dir: Path, csv: Path | None = None, plot: Path | None = None,
+              no_plot: bool = False) -> Outputs:
+        return cls(csv or out_dir / "bench.csv",
+                   None if no_plot else plot or out_dir / "bench.png",
+                   out_dir / "memory.csv")
+
+
+def _progress_line(problem: Problem, rows: list[Row]) -> str:
+    """flashgen's TFLOP/s per mode and its ratio to the best other, for the log."""
+    parts = []
+    for s in summarize(rows):
+        mine = s.subject.tflops if s.subject is not None else None
+        text = f"{s.mode} {'-' if mine is None else format(mine, '.3g')}"
+        if s.ratio is not None and s.best is not None:
+            text += f" ({s.ratio:.2f}x {s.best.competitor})"
+        parts.append(text)
+    return f"{short_problem(problem)}: {', '.join(parts)}"
+
+
+def run_bench(
+    problems: Sequence[Problem],
+    modes: Sequence[Mode],
+    device: torch.device,
+    competitor_names: Sequence[str],
+    outputs: Outputs,
+    *,
+    timing: bool = True,
+    memory: bool = False,
+    seed: int = 0,
+    rep_ms: float = 100.0,
+    console: Console | None = None,
+    log: Console | None = None,
+) -> list[Row]:
+    """Time (and with `memory`, measure the peak memory of) the competitors; print and write.
+    `rep_ms`: milliseconds of timed calls per measurement on a GPU (see `default_timer`).
+
+    Tables go to `console`, progress to `log` (stderr by default). The CSV files are
+    rewritten after every problem, so a run killed by a time limit leaves what it measured;
+    Ctrl-C (SIGINT) keeps it too, printed and written like a finished run.
+    """
+    console = console or Console()
+    log = log or Console(stderr=True)
+    competitors = resolve(competitor_names)
+    name = device_name(device)
+    rows: list[Row] = []
+    if timing:
+        log.print(f"benchmarking {len(problems)} problem(s) x {', '.join(modes)} on {name}: "
+                  f"{', '.join(c.name for c in competitors)}", highlight=False)
+
+        def keep(problem: Problem, found: list[Row]) -> None:
+            rows.extend(found)
+            write_csv(csv_records(summarize(rows), name), outputs.csv)
+            done = len({r.problem for r in rows})
+            log.print(f"[{done}/{len(problems)}] {_progress_line(problem, found)}",
+                      highlight=False, markup=False)
+
+        try:
+            run_suite(problems, modes, device, competitors, seed=seed,
+                      timer=default_timer(device, rep_ms), on_problem=keep)
+        except KeyboardInterrupt:
+            log.print("interrupted: reporting the problems finished so far")
+        summaries = summarize(rows)
+        for mode in modes:
+            console.print(timing_table(summaries, mode, [c.name for c in competitors], name))
+        for note in unavailable_notes(rows):
+            console.print(f"  {note}", highlight=False, markup=False)
+        records = csv_records(summaries, name)
+        write_csv(records, outputs.csv)
+        console.print(f"CSV: {outputs.csv}")
+        if outputs.plot is not None:
+            if not bench_plot.available():
+                console.print("no plot: matplotlib is not installed (pip install "
+                              "'flashgen[bench]', or later: python -m flashgen.bench.plot "
+                              f"{outputs.csv} bench.png)", markup=False)
+            elif any(r.status == "ok" for r in rows):
+                bench_plot.plot(records, outputs.plot, title=f"flashgen bench ({name})")
+                console.print(f"plot: {outputs.plot}")
+    if memory:
+        targets = memory_problems(problems)
+        mem_modes = memory_modes(modes)
+        log.print(f"peak memory: {len(targets)} problem(s) x {', '.join(mem_modes)}",
+                  highlight=False)
+        mem_rows: list[MemoryRow] = []
+
+        def note(row: MemoryRow) -> None:
+            mem_rows.append(row)
+            write_csv(memory_records(mem_rows, name), outputs.memory_csv, MEMORY_CSV_FIELDS)
+
+        try:
+            run_memory(targets, mem_modes, device, resolve(MEMORY_COMPETITORS), seed=seed,
+                       on_row=note)
+        except KeyboardInterrupt:
+            log.print("interrupted: reporting the memory measured so far")
+        console.print(memory_table(mem_rows, name))
+        console.print(f"memory CSV: {outputs.memory_csv}")
+    return rows

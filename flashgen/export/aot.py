@@ -1,0 +1,420 @@
+"""`flashgen export --format aot`: forward kernels compiled ahead of time for C/C++ serving.
+
+Each winning fa2 forward variant (and the default variants of the exported kinds, so a C
+dispatcher always has a kernel that fits) is compiled with `triton.compile` for its tuned
+GPU's target, which needs no GPU: the PTX assembler ships in the triton wheel. Written:
+
+    NAME/manifest.json        every kernel, the dispatch table, the launch ABI
+    NAME/kernels/<id>.cubin   the binary; its entry symbol is the manifest's kernel_name
+    NAME/kernels/<id>.json    that kernel's manifest entry
+    NAME/kernels/<id>.py      the Triton source it was compiled from
+    NAME/NAME.h               C: argument struct, kernel list, cuLaunchKernel wrapper
+    NAME/cuda_loader.py       ctypes loader for Python hosts (stdlib only)
+
+The signature is fixed and documented rather than specialised per call as Triton's JIT does:
+pointers 16-byte aligned; the head-dim strides compiled in as 1 (the last dim must be
+contiguous); the other Q/K/V/O strides divisible by 16 when the head dim is (so loads
+vectorise); every other integer a plain i32, so any length works. fa1 winners need scratch
+buffers and are recorded as skipped; a use_tma or fa3 winner is compiled as its pointer twin (the
+ABI passes pointers, not CUtensorMaps); backward kernels are not exported ahead of time.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import flashgen
+from flashgen.export.rows import (
+    AnyVariant,
+    Family,
+    GpuWinners,
+    Selection,
+    default_grid,
+    tile_needs,
+)
+from flashgen.kernels.hardware import CPU_INTERPRETER
+from flashgen.kernels.problem import Problem
+from flashgen.kernels.render import render, template_hash
+from flashgen.kernels.variant import Variant
+from flashgen.store.keys import Versions
+
+MANIFEST_VERSION = 1
+LOADER = Path(__file__).with_name("cuda_loader.py")
+WORKER = Path(__file__).with_name("aot_worker.py")
+POINTER_ALIGN = 16
+#: Head-dim strides, compiled in as 1: contiguous rows let every load vectorise.
+UNIT_STRIDES = ("stride_qd", "stride_kd", "stride_vd", "stride_od")
+TENSORS = ("Q", "K", "V", "O")
+C_TYPES = {"i32": "int32_t", "i64": "int64_t", "fp32": "float"}
+
+ABI: dict[str, Any] = {
+    "call": "cuLaunchKernel(function, grid_x, grid_y, grid_z, block_x, 1, 1, shared_bytes, "
+            "stream, kernelParams, NULL)",
+    "kernel_params": "kernelParams[i] points at the value of arguments[i], in order, followed "
+                     "by one pointer per trailing_arguments entry",
+    "types": {"*fp16": "CUdeviceptr (8 bytes)", "*bf16": "CUdeviceptr (8 bytes)",
+              "*fp32": "CUdeviceptr (8 bytes)", "i32": "int32_t", "fp32": "float (4 bytes)"},
+    "trailing_arguments": [
+        {"name": "global_scratch", "type": "CUdeviceptr",
+         "value": "0 when global_scratch_bytes is 0, else a buffer of grid_x * grid_y * grid_z "
+                  "* num_ctas * global_scratch_bytes bytes aligned to global_scratch_align"},
+        {"name": "profile_scratch", "type": "CUdeviceptr",
+         "value": "0 when profile_scratch_bytes is 0 (as above otherwise)"},
+    ],
+    "dynamic_shared_memory": "when shared_bytes > 49152, call cuFuncSetAttribute(function, "
+                             "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_bytes) "
+                             "once after cuModuleGetFunction",
+    "block": "(32 * num_warps, 1, 1)",
+    "requires": [
+        f"Q, K, V, O and LSE device pointers are {POINTER_ALIGN}-byte aligned",
+        "the last (head-dim) stride of Q, K, V and O is 1; those strides are not passed",
+        "arguments listed with divisible_by 16 are multiples of 16",
+        "strides are in elements; every stride and length is below 2**31",
+        "O is shaped like Q; LSE is (B, H_Q, N_Q) fp32 and receives the natural-log "
+        "log-sum-exp; strides of the batch, head and row dims are free (e.g. (B, N, H, D) "
+        "memory viewed as (B, H, N, D))",
+    ],
+    "grid_variables": {"B": "batch size", "N_Q": "query length", "H_Q": "query heads"},
+}
+
+DISPATCH_RULE = (
+    "For (gpu, dtype, causal, head_dim, gqa) and lengths Nq, Nk: bucket(n) = the next power of "
+    "two >= n. Among `dispatch` rows of that kind whose need = [q, k] satisfies "
+    "max(16, bucket(Nq)) >= q and max(16, bucket(Nk)) >= k, take the smallest "
+    "|log2(seq_q_bucket / bucket(Nq))| + |log2(seq_k_bucket / bucket(Nk))| (ties: the larger "
+    "seq_q_bucket). If none fits, take the `defaults` row of (gpu, dtype, causal, head_dim) "
+    "with seq_q_bucket = clamp(bucket(Nq), 16, 256) and seq_k_bucket = clamp(bucket(Nk), 16, "
+    "256)."
+)
+
+
+@dataclass
+class AotReport:
+    path: Path
+    gpus: list[str]
+    kernels: int
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+
+
+def signature(arg_names: list[str], dtype: str,
+              head_dim: int) -> tuple[dict[str, str], dict[str, int], list[str]]:
+    """(Triton signature, constexprs, names of arguments promised divisible by 16)."""
+    sig: dict[str, str] = {}
+    constexprs: dict[str, int] = {}
+    divisible: list[str] = []
+    for name in arg_names:
+        if name in TENSORS:
+            sig[name] = f"*{dtype}"
+        elif name == "LSE":
+            sig[name] = "*fp32"
+        elif name in UNIT_STRIDES:
+            sig[name], constexprs[name] = "constexpr", 1
+        elif name == "sm_scale":
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+            # Row, head and batch strides of a tensor with D % 16 == 0 are multiples of D in
+            # every layout flashgen serves, so the promise costs nothing and buys vector loads.
+            if name.startswith("stride_") and name[7] in "qkvo" and head_dim % 16 == 0:
+                divisible.append(name)
+    return sig, constexprs, divisible
+
+
+def constexprs_of(source: str) -> dict[str, Any]:
+    """The `NAME: tl.constexpr = value` lines of the kernel body: what this binary fixed."""
+    found: dict[str, Any] = {}
+    for name, value in re.findall(r"^\s+([A-Z_]+): tl\.constexpr = (.+?)\s*$", source, re.M):
+        found[name] = json.loads(value.replace("True", "true").replace("False", "false"))
+    return found
+
+
+def arg_names(source: str, function: str = "attn_fwd") -> list[str]:
+    """The parameters of `function` in a rendered source, read without importing it."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef) and node.name == function:
+            return [a.arg for a in node.args.args]
+    raise ValueError(f"no function {function} in the rendered source")
+
+
+@dataclass
+class _Job:
+    kid: str
+    variant: Variant
+    problem: Problem
+    gpu: GpuWinners
+    source: str
+    serves: list[dict[str, Any]] = field(default_factory=list)
+
+
+def run_workers(jobs: list[dict[str, Any]], workdir: Path, workers: int) -> None:
+    """Compile `jobs` (see `_aot_worker`) in up to `workers` fresh processes."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    batches = [jobs[i::workers] for i in range(min(workers, len(jobs)))]
+    procs = []
+    for i, batch in enumerate(batches):
+        path = workdir / f"jobs{i}.json"
+        path.write_text(json.dumps(batch))
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(path)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    for proc in procs:
+        output, _ = proc.communicate()
+        if proc.returncode:
+            raise RuntimeError(f"the AOT compile worker failed:\n{output[-4000:]}")
+
+
+class _Compiler:
+    """Collects each distinct (source, launch options, target) once, then compiles them all
+    into `root/kernels`."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.jobs: dict[str, _Job] = {}
+
+    def kernel(self, variant: Variant, problem: Problem, gpu: GpuWinners) -> _Job:
+        source = render(variant, problem)
+        major, minor = gpu.device.capability
+        digest = hashlib.sha256(
+            f"{source}\0{variant.num_warps}\0{variant.num_stages}".encode()).hexdigest()[:12]
+        kid = f"attn_fwd_{digest}_sm{major}{minor}"
+        if kid not in self.jobs:
+            self.jobs[kid] = _Job(kid, variant, problem, gpu, source)
+        return self.jobs[kid]
+
+    def compile(self, workers: int) -> dict[str, dict[str, Any]]:
+        """Compile every job: kernel id -> its manifest entry, or {"error": ...}."""
+        specs = []
+        for kid, job in self.jobs.items():
+            base = self.root / "kernels" / kid
+            base.with_suffix(".py").write_text(job.source, encoding="utf-8")
+            sig, constexprs, divisible = signature(arg_names(job.source), job.problem.dtype,
+                                                   job.problem.head_dim)
+            specs.append({
+                "source": str(base.with_suffix(".py")), "function": "attn_fwd",
+                "signature": sig, "constexprs": constexprs,
+                "divisible": [n for n, t in sig.items() if t.startswith("*")] + divisible,
+                "capability": list(job.gpu.device.capability),
+                "num_warps": job.variant.num_warps, "num_stages": job.variant.num_stages,
+                "cubin": str(base.with_suffix(".cubin")),
+                "metadata": str(base.with_suffix(".meta.json")),
+            })
+        with tempfile.TemporaryDirectory() as jobs_dir:
+            run_workers(specs, Path(jobs_dir), workers)
+        entries = {}
+        for spec, (kid, job) in zip(specs, self.jobs.items(), strict=True):
+            meta_path = Path(spec["metadata"])
+            meta = json.loads(meta_path.read_text())
+            meta_path.unlink()
+            entries[kid] = meta if "error" in meta else _entry(job, meta, spec)
+        return entries
+
+
+def _entry(job: _Job, md: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
+    divisible = set(spec["divisible"])
+    arguments = [
+        {"name": n, "type": t, **({"align": POINTER_ALIGN} if t.startswith("*") else {}),
+         **({"divisible_by": 16} if n in divisible and not t.startswith("*") else {})}
+        for n, t in spec["signature"].items() if t != "constexpr"
+    ]
+    major, minor = job.gpu.device.capability
+    v = job.variant
+    return {
+        "id": job.kid, "kernel_name": md["name"],
+        "cubin": f"kernels/{job.kid}.cubin", "source": f"kernels/{job.kid}.py",
+        "gpu": job.gpu.device.name, "capability": f"{major}.{minor}", "arch": f"sm{major}{minor}",
+        "dtype": job.problem.dtype, "causal": job.problem.causal,
+        "head_dim": job.problem.head_dim, "variant": v.to_dict(),
+        "constexprs": {**constexprs_of(job.source), **spec["constexprs"]},
+        "arguments": arguments,
+        # A persistent variant's programs stride over Q tiles by the grid's width, so the
+        # full grid (one tile each) is correct for it too; C callers need no SM count.
+        "grid": [f"cdiv(N_Q, {v.block_m})", "B * H_Q", "1"],
+        "grid_rule": "(cdiv(N_Q, BLOCK_M), B * H_Q, 1)",
+        "block": [md["threads"], 1, 1],
+        "num_warps": md["threads"] // 32, "num_stages": v.num_stages,
+        "num_ctas": md["num_ctas"],
+        "shared_bytes": md["shared"],
+        "global_scratch_bytes": md["global_scratch_size"],
+        "global_scratch_align": md["global_scratch_align"],
+        "profile_scratch_bytes": md["profile_scratch_size"],
+        "profile_scratch_align": md["profile_scratch_align"],
+        "launch_cooperative_grid": md["launch_cooperative_grid"],
+        "launch_pdl": md["launch_pdl"],
+        "need": list(tile_needs("fwd", v, job.problem)),
+        "triton_version": md["triton_version"],
+        "serves": job.serves,
+    }
+
+
+def _bucket_row(gpu: GpuWinners, **fields: Any) -> dict[str, Any]:
+    return {"gpu": gpu.device.name, "capability": "{}.{}".format(*gpu.device.capability),
+            **fields}
+
+
+def _plan_gpu(comp: _Compiler, gpu: GpuWinners, families: list[Family],
+              manifest: dict[str, Any]) -> None:
+    """Queue `gpu`'s winners and defaults; fill the dispatch and defaults tables."""
+    for row in gpu.fwd:
+        w, k = row.winner, row.winner.key
+        variant: AnyVariant = w.variant
+        bucket = {"dtype": k.dtype, "causal": k.causal, "head_dim": k.head_dim, "gqa": k.gqa,
+                  "seq_q_bucket": k.seq_q_bucket, "seq_k_bucket": k.seq_k_bucket}
+        if not isinstance(variant, Variant) or variant.loop_order == "fa1":
+            manifest["skipped"].append(_bucket_row(
+                gpu, **bucket, variant=variant.to_dict(),
+                reason="fa1 needs scratch buffers; not compiled ahead of time (the defaults "
+                       "serve this bucket)"))
+            continue
+        note = {}
+        if variant.needs_tma:
+            # The ABI passes pointers, not CUtensorMaps: the pointer twin (fa2 tiles for an fa3
+            # winner) computes the same.
+            variant, note = variant.pointer_twin(), {"compiled_without_tma": True}
+        job = comp.kernel(variant, w.problem, gpu)
+        job.serves.append(bucket)
+        manifest["dispatch"].append(_bucket_row(
+            gpu, **bucket, kernel=job.kid, need=list(tile_needs("fwd", variant, w.problem)),
+            tuned_triton_version=gpu.triton_version, source=row.source(), **note))
+    for family in families:
+        for nq, nk, variant, problem in default_grid("fwd", family, gpu.device):
+            assert isinstance(variant, Variant)
+            job = comp.kernel(variant.pointer_twin() if variant.needs_tma else variant, problem,
+                              gpu)
+            manifest["defaults"].append(_bucket_row(
+                gpu, dtype=family[0], causal=family[1], head_dim=family[2], seq_q_bucket=nq,
+                seq_k_bucket=nk, kernel=job.kid))
+
+
+def _drop_failed(manifest: dict[str, Any], entries: dict[str, dict[str, Any]]) -> None:
+    """A tuned kernel that fails to compile is skipped with the compiler's message; a default
+    that fails is a flashgen bug, so it stops the export."""
+    failed = {kid: e["error"] for kid, e in entries.items() if "error" in e}
+    for row in manifest["defaults"]:
+        if row["kernel"] in failed:
+            raise RuntimeError(f"default kernel {row['kernel']} failed: {failed[row['kernel']]}")
+    kept = []
+    for row in manifest["dispatch"]:
+        if row["kernel"] in failed:
+            manifest["skipped"].append({**row, "reason": failed[row["kernel"]]})
+        else:
+            kept.append(row)
+    manifest["dispatch"] = kept
+    manifest["kernels"] = [e for e in entries.values() if "error" not in e]
+
+
+def write_aot(selection: Selection, out: Path, name: str, force: bool = False,
+              workers: int | None = None) -> AotReport:
+    """Compile and write the AOT export `name` under `out` (see the module docstring)."""
+    if not name.isidentifier():
+        raise ValueError(f"export name {name!r} is not a C/Python identifier")
+    target = out / name
+    if target.exists() and not force:
+        raise FileExistsError(f"{target} exists; pass --force to replace it")
+    gpus = [g for g in selection.gpus if g.device.name != CPU_INTERPRETER]
+    skipped = [{"gpu": CPU_INTERPRETER, "reason": "the CPU interpreter has no GPU target"}
+               for g in selection.gpus if g.device.name == CPU_INTERPRETER]
+    if not gpus:
+        raise ValueError("no GPU winners to compile (only the CPU interpreter was tuned)")
+    workers = workers or min(8, os.cpu_count() or 1)
+    manifest: dict[str, Any] = {
+        "format": "flashgen-aot", "version": MANIFEST_VERSION,
+        "flashgen_version": flashgen.__version__, "triton_version": Versions.current().triton,
+        "template_hash": template_hash("fwd"), "abi": ABI, "dispatch_rule": DISPATCH_RULE,
+        "gpus": {g.device.name: {"capability": "{}.{}".format(*g.device.capability),
+                                 "device_key": g.device_key,
+                                 "tuned_triton_version": g.triton_version} for g in gpus},
+        "kernels": [], "dispatch": [], "defaults": [], "skipped": skipped,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary directory
+    try:
+        (tmp / "kernels").mkdir()
+        comp = _Compiler(tmp)
+        families = Selection(gpus).families()  # the compiled GPUs' kinds only
+        for gpu in gpus:
+            _plan_gpu(comp, gpu, families, manifest)
+        _drop_failed(manifest, comp.compile(workers))
+        for entry in manifest["kernels"]:
+            (tmp / "kernels" / f"{entry['id']}.json").write_text(json.dumps(entry, indent=1) + "\n")
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+        (tmp / f"{name}.h").write_text(c_header(name, manifest))
+        shutil.copyfile(LOADER, tmp / "cuda_loader.py")
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return AotReport(target, [g.device.name for g in gpus], len(manifest["kernels"]),
+                     manifest["skipped"])
+
+
+def c_header(name: str, manifest: dict[str, Any]) -> str:
+    """A C header: the argument struct, the kernel list and a cuLaunchKernel wrapper."""
+    kernels = manifest["kernels"]
+    arguments = kernels[0]["arguments"]
+    fields = "\n".join(
+        f"  {'CUdeviceptr' if a['type'].startswith('*') else C_TYPES[a['type']]} {a['name']};"
+        for a in arguments)
+    params = ", ".join(f"(void *)&a->{a['name']}" for a in arguments)
+    rows = "\n".join(
+        f'  {{"{k["id"]}", "{k["cubin"]}", "{k["kernel_name"]}", "{k["gpu"]}", '
+        f'"{k["dtype"]}", {int(k["causal"])}, {k["head_dim"]}, {k["variant"]["block_m"]}, '
+        f'{k["num_warps"]}, {k["shared_bytes"]}, {k["global_scratch_bytes"]}}},'
+        for k in kernels)
+    guard = f"{name.upper()}_H"
+    return f"""\
+/* {name}.h: flash-attention forward kernels compiled ahead of time by flashgen
+ * {manifest["flashgen_version"]} with Triton {manifest["triton_version"]}. Which kernel serves
+ * which problem: manifest.json ("dispatch", "defaults", "dispatch_rule"); the launch contract
+ * and the promises the arguments must keep: manifest.json "abi". */
+#ifndef {guard}
+#define {guard}
+
+#include <cuda.h>
+#include <stdint.h>
+
+/* Arguments of every kernel below, in kernelParams order. Strides are in elements; the
+ * head-dim strides are compiled in as 1 and are not passed. */
+typedef struct {{
+{fields}
+}} {name}_fwd_args;
+
+typedef struct {{
+  const char *id, *cubin, *kernel_name, *gpu, *dtype;
+  int causal, head_dim, block_m, num_warps, shared_bytes, global_scratch_bytes;
+}} {name}_kernel;
+
+static const {name}_kernel {name}_kernels[] = {{
+{rows}
+}};
+#define {name.upper()}_NUM_KERNELS {len(kernels)}
+
+/* Launch `k` (its CUfunction `f`, loaded from k->cubin, with the dynamic shared memory
+ * attribute set when k->shared_bytes > 49152) on `batch` x H_Q x N_Q queries.
+ * `global_scratch`: 0 when k->global_scratch_bytes is 0, else device memory of
+ * grid_x * grid_y * k->global_scratch_bytes bytes (grid as computed here; one CTA each). */
+static inline CUresult {name}_launch_fwd(CUfunction f, const {name}_kernel *k,
+                                         const {name}_fwd_args *a, int batch,
+                                         CUdeviceptr global_scratch, CUstream stream) {{
+  CUdeviceptr profile_scratch = 0;
+  void *params[] = {{{params},
+                    &global_scratch, &profile_scratch}};
+  return cuLaunchKernel(f, (unsigned)((a->N_Q + k->block_m - 1) / k->block_m),
+                        (unsigned)(batch * a->H_Q), 1, (unsigned)(32 * k->num_warps), 1, 1,
+                        (unsigned)k->shared_bytes, stream, params, NULL);
+}}
+
+#endif /* {guard} */
+"""

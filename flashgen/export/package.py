@@ -1,0 +1,217 @@
+"""`flashgen export`: a self-contained Python package of the tuned kernels.
+
+The package needs only torch and triton. It holds every kernel it may run as a rendered Triton
+source under `kernels/` (named by source hash, so shared kernels are written once), a static
+dispatch table `table.json`, and a fixed runtime (`flashgen/_export_runtime.py`, copied as its
+`__init__.py`) with the `attention` call. Layout:
+
+    PACKAGE/__init__.py      the runtime: attention(), explain(), tuned_gpus()
+    PACKAGE/table.json       per GPU: tuned forward/backward entries and default grids;
+                             plus generic defaults for GPUs or Tritons that were not tuned
+    PACKAGE/kernels/*.py     fwd_<hash>.py, bwd_{preprocess,dkdv,dq}_<hash>.py (a use_tma
+                             or fa3 forward, or an fa3 backward, also gets its pointer twin,
+                             for unaligned inputs; the entry names the twin's variant)
+    PACKAGE/README.md        what was exported, from where
+
+Backward winners are exported where the database has them; the default backward grid is
+always exported, so every exported forward kind also trains.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import flashgen
+from flashgen.export.rows import (
+    GENERIC,
+    LENGTHS,
+    AnyVariant,
+    Family,
+    GpuWinners,
+    Selection,
+    Sourced,
+    default_grid,
+    tile_needs,
+)
+from flashgen.kernels.bwd_render import PREPROCESS_BLOCK_M, bwd_roles, render_bwd
+from flashgen.kernels.bwd_space import bwd_pointer_twin
+from flashgen.kernels.bwd_variant import BwdVariant
+from flashgen.kernels.hardware import DeviceInfo
+from flashgen.kernels.problem import Problem
+from flashgen.kernels.render import render, source_hash, template_hash
+from flashgen.kernels.variant import Variant
+
+RUNTIME = Path(__file__).with_name("runtime_copy.py")
+TABLE_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class ExportReport:
+    """What an export wrote: for the CLI's summary and for tests."""
+
+    path: Path
+    gpus: list[str]
+    tuned: int  # tuned entries, forward and backward, over all GPUs
+    kernels: int  # distinct rendered sources
+    families: list[Family]
+
+
+class _Kernels:
+    """Rendered sources by module name; equal sources share one module."""
+
+    def __init__(self) -> None:
+        self.sources: dict[str, str] = {}
+
+    def add(self, prefix: str, source: str) -> str:
+        name = f"{prefix}_{source_hash(source)}"
+        self.sources[name] = source
+        return name
+
+    def of(self, mode: str, variant: AnyVariant, problem: Problem,
+           twin: AnyVariant | None = None) -> dict[str, str]:
+        """The kernel modules that run `variant`, by role; `twin`'s as "<role>_plain"."""
+        if mode == "fwd":
+            assert isinstance(variant, Variant)
+            kernels = {"fwd": self.add("fwd", render(variant, problem))}
+            if twin is not None:
+                assert isinstance(twin, Variant)
+                kernels["fwd_plain"] = self.add("fwd", render(twin, problem))
+            return kernels
+        assert isinstance(variant, BwdVariant)
+        roles = bwd_roles(variant)
+        kernels = {r: self.add(f"bwd_{r}", render_bwd(r, variant, problem)) for r in roles}
+        if twin is not None:
+            assert isinstance(twin, BwdVariant)
+            kernels.update({f"{r}_plain": self.add(f"bwd_{r}", render_bwd(r, twin, problem))
+                            for r in roles[1:]})
+        return kernels
+
+
+def _twin(variant: AnyVariant, problem: Problem, device: DeviceInfo) -> AnyVariant | None:
+    """What runs on inputs TMA cannot address (16-byte aligned rows), computing the same, as
+    flashgen's dispatch does: a use_tma or fa3 forward's pointer twin, an fa3 backward's
+    Triton twin. None for variants that need no TMA."""
+    if isinstance(variant, Variant):
+        return variant.pointer_twin() if variant.needs_tma else None
+    return bwd_pointer_twin(variant, problem, device) if variant.fa3 != "none" else None
+
+
+def _entry(kernels: _Kernels, mode: str, variant: AnyVariant, problem: Problem,
+           device: DeviceInfo) -> dict[str, Any]:
+    twin = _twin(variant, problem, device)
+    entry = {
+        "kernels": kernels.of(mode, variant, problem, twin),
+        "variant": variant.to_dict(),
+        "need": list(tile_needs(mode, variant, problem)),
+    }
+    if twin is not None:
+        # The twin's own tiles and warps: an fa3 forward's twin is a plain fa2 grid (and at
+        # most 128 rows), an fa3 backward's may take 8 warps.
+        entry["twin"] = twin.to_dict()
+    return entry
+
+
+def _tuned(kernels: _Kernels, mode: str, row: Sourced, device: DeviceInfo) -> dict[str, Any]:
+    k = row.winner.key
+    return {
+        "dtype": k.dtype, "causal": k.causal, "head_dim": k.head_dim, "gqa": k.gqa,
+        "seq_q_bucket": k.seq_q_bucket, "seq_k_bucket": k.seq_k_bucket,
+        **_entry(kernels, mode, row.winner.variant, row.winner.problem, device),
+        "tflops": row.winner.tflops, "source": row.source(),
+    }
+
+
+def _defaults(kernels: _Kernels, families: list[Family], device: DeviceInfo) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for mode in ("fwd", "bwd"):
+        out[f"{mode}_defaults"] = [
+            {"dtype": fam[0], "causal": fam[1], "head_dim": fam[2],
+             "seq_q_bucket": nq, "seq_k_bucket": nk,
+             **_entry(kernels, mode, variant, problem, device)}
+            for fam in families
+            for nq, nk, variant, problem in default_grid(mode, fam, device)
+        ]
+    return out
+
+
+def _gpu_table(kernels: _Kernels, gpu: GpuWinners, families: list[Family]) -> dict[str, Any]:
+    major, minor = gpu.device.capability
+    return {
+        "capability": f"{major}.{minor}", "sm_count": gpu.device.sm_count,
+        "device_key": gpu.device_key, "triton_version": gpu.triton_version,
+        "fwd": [_tuned(kernels, "fwd", s, gpu.device) for s in gpu.fwd],
+        "bwd": [_tuned(kernels, "bwd", s, gpu.device) for s in gpu.bwd],
+        **_defaults(kernels, families, gpu.device),
+    }
+
+
+def build_table(selection: Selection) -> tuple[dict[str, Any], dict[str, str]]:
+    """(table.json's content, kernel module name -> Triton source)."""
+    kernels = _Kernels()
+    families = selection.families()
+    table = {
+        "format": TABLE_FORMAT,
+        "flashgen_version": flashgen.__version__,
+        "template_hash": {m: template_hash(m) for m in ("fwd", "bwd")},
+        "preprocess_block_m": PREPROCESS_BLOCK_M,
+        "lengths": list(LENGTHS),
+        "gpus": {g.device.name: _gpu_table(kernels, g, families) for g in selection.gpus},
+        "generic": {"device": GENERIC.to_dict(), **_defaults(kernels, families, GENERIC)},
+    }
+    return table, kernels.sources
+
+
+def _readme(name: str, table: dict[str, Any], notes: list[str]) -> str:
+    lines = [
+        f"# {name}", "",
+        f"Flash-attention kernels exported by flashgen {table['flashgen_version']}. Needs only "
+        "torch and triton.", "",
+        "```python",
+        f"from {name} import attention, explain",
+        "out = attention(q, k, v, causal=True)   # q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D)",
+        "print(explain(q, k, v, causal=True))  # which kernel, and why",
+        "```", "", "Tuned for:", "",
+    ]
+    for gpu, t in table["gpus"].items():
+        lines.append(f"- {gpu} (sm {t['capability']}, Triton {t['triton_version']}): "
+                     f"{len(t['fwd'])} forward and {len(t['bwd'])} backward winners")
+    lines += ["", "Other GPUs and Triton versions get the generic default variants, with a "
+              "warning."]
+    lines += [f"- note: {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def write_package(selection: Selection, out: Path, name: str, force: bool = False) -> ExportReport:
+    """Write package `name` under `out` (replacing an existing one only with `force`)."""
+    if not name.isidentifier():
+        raise ValueError(f"package name {name!r} is not a Python identifier")
+    if not selection.gpus:
+        raise ValueError("no winners to export (see the notes)")
+    target = out / name
+    if target.exists() and not force:
+        raise FileExistsError(f"{target} exists; pass --force to replace it")
+    table, sources = build_table(selection)
+    out.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and swap it in, so a failed export leaves no half package.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary directory
+    try:
+        (tmp / "kernels").mkdir()
+        (tmp / "kernels" / "__init__.py").write_text('"""Rendered Triton kernels."""\n')
+        for module, source in sources.items():
+            (tmp / "kernels" / f"{module}.py").write_text(source, encoding="utf-8")
+        (tmp / "table.json").write_text(json.dumps(table, indent=1) + "\n", encoding="utf-8")
+        shutil.copyfile(RUNTIME, tmp / "__init__.py")
+        (tmp / "README.md").write_text(_readme(name, table, selection.notes), encoding="utf-8")
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    tuned = sum(len(t["fwd"]) + len(t["bwd"]) for t in table["gpus"].values())
+    return ExportReport(target, list(table["gpus"]), tuned, len(sources), selection.families())

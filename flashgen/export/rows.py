@@ -1,0 +1,199 @@
+"""What an export carries: the winners of each GPU, and the default variants for their kinds.
+
+Both export formats (`flashgen.export.package` for Python, `flashgen.export.aot` for
+cubins) start here, so they agree on which rows are served.
+The rules follow `flashgen.runtime.dispatch`: only rows of the
+installed templates (a row tuned on other template text names a kernel this flashgen cannot
+render), earlier databases win a bucket, then the row of the running torch, then the newest.
+One Triton version per GPU, since the exported runtime checks a single version.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from flashgen.kernels.bwd_space import (
+    block_m_longer_than_needed,
+    block_n_longer_than_needed,
+    default_bwd_variant,
+)
+from flashgen.kernels.bwd_variant import BwdVariant
+from flashgen.kernels.fwd_space import (
+    block_m_longer_than_queries,
+    block_n_longer_than_keys,
+    default_variant,
+)
+from flashgen.kernels.hardware import CPU_INTERPRETER, INTERPRETER, DeviceInfo
+from flashgen.kernels.problem import Problem
+from flashgen.kernels.render import template_hash
+from flashgen.kernels.variant import Variant
+from flashgen.store.db import TuningDB, WinnerRow
+from flashgen.store.keys import Versions
+
+#: Length buckets of the default tables. Tiles are at most 256 long and the tile rules only
+#: look at the next power of two (>= 16) of a length, so these five cover every length.
+LENGTHS: tuple[int, ...] = (16, 32, 64, 128, 256)
+
+#: The device the generic defaults are chosen for, so they run on any GPU Triton supports:
+#: no Hopper-only knobs, and Turing's 64 KiB of shared memory per block, the smallest opt-in.
+GENERIC = DeviceInfo("generic", (7, 5), 1, 65536)
+
+#: Shared memory one block may opt into, by compute capability (CUDA programming guide,
+#: "Technical Specifications per Compute Capability"). Tuning keys do not store it; the
+#: defaults chosen for a tuned GPU need it. Unknown capabilities get GENERIC's.
+SHARED_MEMORY: dict[tuple[int, int], int] = {
+    (7, 5): 65536, (8, 0): 166912, (8, 6): 101376, (8, 7): 166912, (8, 9): 101376,
+    (9, 0): 232448, (10, 0): 232448, (12, 0): 101376,
+}
+
+#: The validity rules that look at lengths, per mode; every other rule holds for a tuned row
+#: at any length on the GPU it was tuned on.
+LENGTH_RULES = {
+    "fwd": (block_m_longer_than_queries, block_n_longer_than_keys),
+    "bwd": (block_m_longer_than_needed, block_n_longer_than_needed),
+}
+
+Family = tuple[str, bool, int]  # dtype, causal, head dim: what a kernel's source depends on
+AnyVariant = Variant | BwdVariant
+
+
+@dataclass(frozen=True)
+class Sourced:
+    """A winner and the database it came from."""
+
+    winner: WinnerRow
+    path: Path
+
+    def source(self) -> str:
+        return f"{self.path.name} winners[{self.winner.key.id}] trial {self.winner.trial_id}"
+
+
+@dataclass(frozen=True)
+class GpuWinners:
+    """Everything exported for one GPU model."""
+
+    device: DeviceInfo
+    device_key: str
+    triton_version: str
+    fwd: list[Sourced]
+    bwd: list[Sourced]
+
+
+@dataclass
+class Selection:
+    gpus: list[GpuWinners] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # rows left out, and why
+
+    def families(self) -> list[Family]:
+        """Every (dtype, causal, head dim) with a winner on some GPU."""
+        found = {(s.winner.key.dtype, s.winner.key.causal, s.winner.key.head_dim)
+                 for g in self.gpus for s in (*g.fwd, *g.bwd)}
+        return sorted(found)
+
+
+def device_of(gpu_name: str, capability: str, sm_count: int) -> DeviceInfo:
+    """The DeviceInfo of a tuning key's GPU (shared memory from `SHARED_MEMORY`)."""
+    if gpu_name == CPU_INTERPRETER:
+        return INTERPRETER
+    major, minor = (int(x) for x in capability.split("."))
+    smem = SHARED_MEMORY.get((major, minor), GENERIC.shared_memory)
+    return DeviceInfo(gpu_name, (major, minor), sm_count, smem)
+
+
+def _read(paths: Sequence[Path], gpu: str | None, notes: list[str]) -> dict[str, list[Sourced]]:
+    found: dict[str, list[Sourced]] = {}
+    stale = 0
+    for path in paths:
+        if not path.is_file():
+            continue
+        with TuningDB.open_readonly(path) as db:
+            rows = db.all_winners()
+        for w in rows:
+            if gpu is not None and w.key.gpu_name != gpu:
+                continue
+            if w.key.template_hash != template_hash(w.key.mode):
+                stale += 1
+                continue
+            found.setdefault(w.key.gpu_name, []).append(Sourced(w, path))
+    if stale:
+        notes.append(f"{stale} winner(s) tuned on other template text left out (re-tune them)")
+    return found
+
+
+def _one_gpu(name: str, rows: list[Sourced], notes: list[str]) -> GpuWinners:
+    installed = Versions.current().triton
+    versions = {s.winner.key.triton_version for s in rows}
+    newest = max(rows, key=lambda s: s.winner.updated_at).winner.key.triton_version
+    triton = installed if installed in versions else newest
+    if len(versions) > 1:
+        notes.append(f"{name}: rows of Triton {sorted(versions - {triton})} left out; "
+                     f"exporting those of Triton {triton}")
+    rows = [s for s in rows if s.winner.key.triton_version == triton]
+    counts = Counter(s.winner.key.device_key for s in rows)
+    device_key = counts.most_common(1)[0][0]
+    if len(counts) > 1:
+        notes.append(f"{name}: rows of {sorted(set(counts) - {device_key})} left out; "
+                     f"exporting those of {device_key}")
+    rows = [s for s in rows if s.winner.key.device_key == device_key]
+
+    torch_now = Versions.current().torch
+    chosen: dict[tuple, Sourced] = {}
+    for s in rows:  # in database precedence order
+        k = s.winner.key
+        bucket = (k.mode, k.dtype, k.causal, k.head_dim, k.gqa, k.seq_q_bucket, k.seq_k_bucket)
+        held = chosen.get(bucket)
+        rank = lambda x: (x.winner.key.torch_version == torch_now, x.winner.updated_at)
+        if held is None or (held.path == s.path and rank(s) > rank(held)):
+            chosen[bucket] = s
+    key = rows[0].winner.key
+    ordered = sorted(chosen.values(), key=lambda s: s.winner.key.id)
+    return GpuWinners(
+        device=device_of(name, key.capability, key.sm_count),
+        device_key=device_key,
+        triton_version=triton,
+        fwd=[s for s in ordered if s.winner.key.mode == "fwd"],
+        bwd=[s for s in ordered if s.winner.key.mode == "bwd"],
+    )
+
+
+def select_winners(paths: Sequence[Path], gpu: str | None = None) -> Selection:
+    """The winners to export from `paths` (highest precedence first), for GPU model `gpu`
+    (None: every GPU in the databases)."""
+    selection = Selection()
+    for name, rows in sorted(_read(paths, gpu, selection.notes).items()):
+        selection.gpus.append(_one_gpu(name, rows, selection.notes))
+    return selection
+
+
+def tile_needs(mode: str, variant: AnyVariant, problem: Problem) -> tuple[int, int]:
+    """The smallest power-of-two (>= 16) query and key lengths `variant`'s tiles are valid
+    for, by flashgen's own length rules; the exported runtime compares lengths with these."""
+    rules = LENGTH_RULES[mode]
+    longest = LENGTHS[-1]
+
+    def smallest(side: str) -> int:
+        for n in LENGTHS:
+            p = problem.with_(seq_q=n, seq_k=longest) if side == "q" else problem.with_(
+                seq_q=longest, seq_k=n)
+            if all(rule(variant, p, GENERIC) is None for rule in rules):  # type: ignore[arg-type]
+                return n
+        raise ValueError(f"{variant} fits no length up to {longest}")
+
+    return smallest("q"), smallest("k")
+
+
+def default_grid(mode: str, family: Family,
+                 device: DeviceInfo) -> list[tuple[int, int, AnyVariant, Problem]]:
+    """flashgen's default variant of `family` on `device` for every pair of `LENGTHS`: the
+    `default_variant` logic, evaluated ahead of time so the runtime only looks it up."""
+    dtype, causal, head_dim = family
+    choose = default_variant if mode == "fwd" else default_bwd_variant
+    grid: list[tuple[int, int, AnyVariant, Problem]] = []
+    for nq in LENGTHS:
+        for nk in LENGTHS:
+            problem = Problem(1, 1, 1, nq, nk, head_dim, dtype, causal)
+            grid.append((nq, nk, choose(problem, device), problem))
+    return grid

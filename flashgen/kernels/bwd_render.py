@@ -1,0 +1,94 @@
+"""BwdVariant + problem -> the three backward kernels' Triton sources, and their loaded kernels.
+
+The forward's renderer does the work (same Jinja environment, same hash-named source files,
+same caches); this module only says which template each backward kernel comes from and what
+each one may read. `flashgen.kernels.render.template_hash("bwd")` covers these templates.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from flashgen.kernels.bwd_variant import BwdVariant
+from flashgen.kernels.problem import Problem
+from flashgen.kernels.render import _load_module, _make_environment, _render, source_hash
+
+BwdKernel = Literal["preprocess", "dkdv", "dq"]
+BWD_KERNELS: tuple[str, ...] = ("preprocess", "dkdv", "dq")
+
+#: Query rows per preprocessing program. It only streams O and dO once, so the tile size is a
+#: fixed choice rather than a search-space knob.
+PREPROCESS_BLOCK_M = 64
+
+
+def bwd_template_name(kernel: BwdKernel, variant: BwdVariant | None = None) -> str:
+    fa3 = "_fa3" if variant is not None and variant.gluon(kernel) else ""
+    return f"attn_bwd_{kernel}{fa3}.py.jinja"
+
+
+def bwd_render_context(kernel: BwdKernel, variant: BwdVariant, problem: Problem) -> dict[str, Any]:
+    """Everything the `kernel` template may depend on. Lengths, batch and heads stay runtime
+    arguments, so one compiled kernel serves every shape of the same head dim and dtype."""
+    context: dict[str, Any] = {
+        "head_dim": problem.head_dim,
+        "block_d": problem.padded_head_dim,
+    }
+    if kernel == "preprocess":
+        context["block_m"] = PREPROCESS_BLOCK_M
+        return context
+    context["causal"] = problem.causal
+    if variant.gluon(kernel):
+        # Gluon kernels (Hopper, fp16/bf16 only): no precision or atomic switch; both keep
+        # the owned tile as block_n's and the streamed one as block_m's in their own terms.
+        owned, streamed = variant.block_n, variant.streamed(kernel)
+        if kernel == "dkdv":
+            context.update(block_n=owned, block_m=streamed)
+        else:
+            context.update(block_m=owned, block_n=streamed)
+        context["stages"] = variant.num_stages
+        return context
+    # fp32 inputs get true fp32 products: tf32 would lose ~3 decimal digits.
+    context["dot_precision"] = "ieee" if problem.dtype == "fp32" else "tf32"
+    if kernel == "dkdv":
+        context["block_m"] = variant.block_m
+        context["block_n"] = variant.block_n
+        context["atomic_dq"] = variant.dq_mode == "atomic"
+    elif kernel == "dq":
+        # The owned tile is block_n in both kernels (see BwdVariant), so the pair swaps here.
+        context["block_m"] = variant.block_n
+        context["block_n"] = variant.block_m
+    else:
+        raise ValueError(f"unknown backward kernel {kernel!r}; use one of {BWD_KERNELS}")
+    return context
+
+
+def render_bwd(kernel: BwdKernel, variant: BwdVariant, problem: Problem) -> str:
+    """The Triton source of one backward kernel (cached on what its template reads)."""
+    context = tuple(sorted(bwd_render_context(kernel, variant, problem).items()))
+    return _render(bwd_template_name(kernel, variant), context)
+
+
+def render_bwd_with(templates: Mapping[str, str], kernel: BwdKernel, variant: BwdVariant,
+                    problem: Problem) -> str:
+    """What `render_bwd` gives with other template texts (say an earlier revision's): lets a
+    tool check that a template change leaves a stored variant's kernels byte-identical."""
+    env = _make_environment(templates.get)
+    return env.get_template(bwd_template_name(kernel, variant)).render(
+        **bwd_render_context(kernel, variant, problem))
+
+
+def bwd_roles(variant: BwdVariant) -> tuple[BwdKernel, ...]:
+    """The kernels `variant` launches: the atomic dq mode has no dQ kernel."""
+    return ("preprocess", "dkdv") + (("dq",) if variant.dq_mode == "separate" else ())
+
+
+@functools.lru_cache(maxsize=1024)
+def load_bwd_kernel(kernel: BwdKernel, variant: BwdVariant, problem: Problem) -> Any:
+    """The Triton (or Gluon) JIT function `attn_bwd_<kernel>` (compiled lazily at launch).
+
+    Memoised: every backward call looks up three kernels, and rendering plus hashing their
+    sources each time was about a quarter of a training step's host overhead."""
+    source = render_bwd(kernel, variant, problem)
+    return getattr(_load_module(source_hash(source), source), f"attn_bwd_{kernel}")

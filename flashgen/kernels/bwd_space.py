@@ -1,0 +1,260 @@
+"""The backward search space: every BwdVariant, and the named rules that drop unworkable ones.
+
+Same shape as `flashgen.kernels.fwd_space` for the forward: one grid, a tuple of named rules, and a
+hand-picked default that is valid for every problem.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import replace
+
+from flashgen.kernels.bwd_variant import DQ_MODES, FA3_KERNELS, BwdVariant
+from flashgen.kernels.fwd_space import MAX_ACC_PER_THREAD, first_broken, tile_reason
+from flashgen.kernels.hardware import DeviceInfo, device_info
+from flashgen.kernels.problem import Problem
+
+#: 256-row tiles are left out: dK and dV of a 256-key tile alone would fill every register.
+BWD_BLOCK_SIZES = (16, 32, 64, 128)
+BWD_WARPS = (2, 4, 8)
+BWD_STAGES = (1, 2, 3, 4)
+#: The Gluon dQ kernel's own streamed tile (`BwdVariant.dq_block_m`); 0 follows block_m. Its
+#: 32-key tiles were the slow ones, so only the longer two are offered.
+DQ_BLOCK_SIZES = (0, 64, 128)
+
+
+def _pow2_at_least_16(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def bwd_shared_memory_bytes(v: BwdVariant, p: Problem) -> int:
+    """Estimate the shared memory of the bigger backward kernel.
+
+    Both kernels stage the owned pair of tiles (K and V, or Q and dO: 2 x block_n x D), the
+    streamed pair per pipeline stage (2 x block_m x D each), and one block_n x block_m
+    probability tile on its way into a dot, so one formula covers dK/dV and dQ.
+    """
+    elem = 4 if p.dtype == "fp32" else 2
+    d = p.padded_head_dim
+    stages = max(1, v.num_stages)
+    streamed = max(v.streamed("dkdv"), v.streamed("dq"))
+    return elem * (d * (2 * v.block_n + 2 * streamed * stages) + v.block_n * streamed)
+
+
+BwdRule = Callable[[BwdVariant, Problem, DeviceInfo], str | None]
+
+
+def block_m_longer_than_needed(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:
+    # block_m steps over queries in dK/dV and over keys in the separate dQ kernel.
+    if v.block_m > _pow2_at_least_16(p.seq_q):
+        return f"block_m {v.block_m} is longer than the {p.seq_q} queries need"
+    keys = v.streamed("dq")
+    if v.dq_mode == "separate" and keys > _pow2_at_least_16(p.seq_k):
+        knob = "dq_block_m" if keys != v.block_m else "block_m"
+        return f"{knob} {keys} is longer than the dQ kernel's {p.seq_k} keys need"
+    return None
+
+
+def block_n_longer_than_needed(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:
+    # block_n is the owned tile: keys in dK/dV, queries in the separate dQ kernel.
+    if v.block_n > _pow2_at_least_16(p.seq_k):
+        return f"block_n {v.block_n} is longer than the {p.seq_k} keys need"
+    if v.dq_mode == "separate" and v.block_n > _pow2_at_least_16(p.seq_q):
+        return f"block_n {v.block_n} is longer than the dQ kernel's {p.seq_q} queries need"
+    return None
+
+
+def shared_memory_overflow(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:
+    need = bwd_shared_memory_bytes(v, p)
+    if need > dev.shared_memory:
+        return f"needs ~{need} B of shared memory, device has {dev.shared_memory}"
+    return None
+
+
+def dq_tile_unused(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:
+    # dq_block_m is the Gluon dQ kernel's alone; anywhere else it would only repeat a point.
+    if v.dq_block_m not in DQ_BLOCK_SIZES:
+        return f"dq_block_m must be among {DQ_BLOCK_SIZES} (0: block_m), not {v.dq_block_m}"
+    if v.dq_block_m and not v.gluon("dq"):
+        return "dq_block_m sets the Gluon dQ kernel's tile: it needs fa3 'dq' or 'both'"
+    if v.dq_block_m == v.block_m:
+        return f"dq_block_m {v.dq_block_m} repeats block_m: leave it 0"
+    return None
+
+
+def fa3_unavailable(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:
+    # The Gluon kernels: Hopper's wgmma and TMA, 64-row consumer warpgroups of 4 warps.
+    if v.fa3 == "none":
+        return None
+    if not dev.is_hopper:
+        return "fa3 backward kernels are Gluon kernels for Hopper (sm_90)"
+    if p.dtype not in ("fp16", "bf16"):
+        return f"fa3 backward kernels take fp16 or bf16, not {p.dtype}"
+    if p.head_dim not in (64, 128):
+        return f"fa3 backward kernels need head_dim 64 or 128 (TMA tiles), not {p.head_dim}"
+    if v.dq_mode != "separate":
+        return "fa3 backward kernels leave dQ to the dQ kernel: dq_mode must be 'separate'"
+    if v.num_warps != 4:
+        return f"fa3 backward kernels run 4-warp consumers, not num_warps {v.num_warps}"
+    if v.block_n not in (64, 128):
+        return f"fa3 backward kernels own 64 rows per consumer: block_n 64 or 128, not {v.block_n}"
+    if v.block_m < 32:
+        return f"fa3 backward kernels stream tiles of 32 rows or more, not {v.block_m}"
+    if v.gluon("dkdv") and p.head_dim == 128 and v.block_m > 64:
+        # dK and dV of a consumer's 64 keys take 128 of its 240 registers at D128.
+        return f"fa3 dK/dV at head_dim 128 spills with block_m {v.block_m} (at most 64)"
+    return None
+
+
+def accumulators_too_large(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:
+    if v.gluon("dkdv"):
+        return None  # one consumer per 64 keys; fa3_unavailable bounds its tiles
+    # dK/dV is the heavier kernel: dK and dV (2 x block_n x D fp32) plus two live
+    # block_n x block_m score tiles (P and dP, then dS) sit in registers across its threads.
+    threads = 32 * v.num_warps
+    per_thread = 2 * v.block_n * (p.padded_head_dim + v.block_m) // threads
+    if per_thread > 2 * MAX_ACC_PER_THREAD:
+        return (
+            f"{per_thread} accumulator registers per thread "
+            "(2 x block_n x (D + block_m) too big for the warps)"
+        )
+    return None
+
+
+def too_many_warps(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:
+    # fa3's num_warps is always 4 (per consumer); fa3_unavailable checks it.
+    # The owned tile's rows are split across warps, at least 16 rows per warp's matrix
+    # instructions; more warps than that leave some idle or duplicate work.
+    if v.num_warps > max(1, v.block_n // 16) * 2:
+        return f"{v.num_warps} warps for a {v.block_n}-row owned tile"
+    return None
+
+
+BWD_RULES: tuple[BwdRule, ...] = (
+    dq_tile_unused,
+    fa3_unavailable,
+    block_m_longer_than_needed,
+    block_n_longer_than_needed,
+    shared_memory_overflow,
+    accumulators_too_large,
+    too_many_warps,
+)
+
+
+def why_invalid_bwd(
+    v: BwdVariant, p: Problem, device: DeviceInfo | str | None = None
+) -> str | None:
+    """The first rule `v` breaks for problem `p` on `device`, or None if the variant is valid."""
+    dev = device_info(device)
+    if v.dq_mode not in DQ_MODES:
+        return f"unknown dq_mode {v.dq_mode!r}; use one of {DQ_MODES}"
+    if v.fa3 not in FA3_KERNELS:
+        return f"unknown fa3 {v.fa3!r}; use one of {FA3_KERNELS}"
+    return tile_reason(v, BWD_BLOCK_SIZES, BWD_WARPS) or first_broken(BWD_RULES, v, p, dev)
+
+
+def all_bwd_points() -> list[BwdVariant]:
+    """Every point before the validity rules: the full grid."""
+    return [
+        BwdVariant(bm, bn, w, s, mode, fa3, dq_bm)
+        for fa3, mode, bm, bn, w, s, dq_bm in itertools.product(
+            FA3_KERNELS, DQ_MODES, BWD_BLOCK_SIZES, BWD_BLOCK_SIZES, BWD_WARPS, BWD_STAGES,
+            DQ_BLOCK_SIZES,
+        )
+    ]
+
+
+def bwd_search_space(problem: Problem, device: DeviceInfo | str | None = None) -> list[BwdVariant]:
+    """The valid backward variants for `problem` on `device`, in a stable order."""
+    dev = device_info(device)
+    return [v for v in all_bwd_points() if why_invalid_bwd(v, problem, dev) is None]
+
+
+def default_bwd_variant(problem: Problem, device: DeviceInfo | str | None = None,
+                        fa3: bool = True) -> BwdVariant:
+    """A hand-picked backward variant valid for any problem: the answer when nothing was tuned.
+
+    On Hopper at fp16/bf16 Gluon (fa3) kernels come first, unless `fa3` is False: both at
+    D128, where they won every fa-bench key (H100 and H200, 2026-11-24); at D64 the Gluon dQ
+    kernel on 64-key tiles beside the Triton dK/dV kernel, which won 45 of the 48 D64 keys
+    of the two GPUs (with 64- or 128-key dQ tiles, 2026-11-25; NOTES.md).
+
+    Untimed guesses for H100/H200 in the spirit of FlashAttention 2's backward: a big owned
+    key tile (128) with a narrower query step, more warps as the head dim grows, smaller
+    tiles for D > 128 where dK and dV alone take half the registers. The separate dQ kernel
+    is preferred for being deterministic. Later entries step down to the 16 x 16 tile, which
+    every problem admits.
+    """
+    dev = device_info(device)
+    d = problem.padded_head_dim
+    deep = 3 if dev.is_hopper else 2
+    if problem.dtype == "fp32":
+        # fp32 dots run in exact ("ieee") precision on CUDA cores, unrolled per thread: big
+        # tiles make huge kernels that compile for minutes. On an H100 (2026-11-22) the causal
+        # D=128 dK/dV kernel compiled in 31 s at 32 x 64 and in 2.6 s at 16 x 32, and ran in
+        # milliseconds either way; fp32 is the exactness path, so compile time wins.
+        if d >= 128:
+            first = [BwdVariant(16, 32, 4, 1)]
+        else:
+            first = [BwdVariant(32, 64, 4, 1), BwdVariant(32, 32, 4, 1)]
+    elif d <= 64:
+        first = [BwdVariant(32, 128, 4, deep), BwdVariant(64, 128, 8, deep)]
+    elif d <= 128:
+        first = [BwdVariant(64, 128, 8, 2), BwdVariant(32, 128, 8, 2)]
+    else:
+        first = [BwdVariant(32, 64, 8, 2), BwdVariant(32, 64, 8, 1)]
+    if fa3 and d > 64:
+        first = [BwdVariant(64, 128, 4, 2, fa3="both"), *first]
+    elif fa3:
+        first = [BwdVariant(32, 128, 4, deep, fa3="dq", dq_block_m=64), *first]
+    prefs = [
+        *first,
+        BwdVariant(64, 64, 4, 2),
+        BwdVariant(32, 64, 4, 2),
+        BwdVariant(32, 32, 4, 1),
+        BwdVariant(16, 32, 4, 1),
+        BwdVariant(32, 16, 2, 1),
+        BwdVariant(16, 16, 2, 1),
+    ]
+    for v in prefs:
+        if why_invalid_bwd(v, problem, dev) is None:
+            return v
+    raise AssertionError(f"no default backward variant fits {problem}")
+
+
+#: Gluon (fa3) points measured before the sampler's on Hopper (see `bwd_portfolio`).
+HOPPER_BWD_PORTFOLIO: tuple[BwdVariant, ...] = (
+    BwdVariant(64, 128, 4, 2, fa3="both"),
+    BwdVariant(64, 128, 4, 3, fa3="both"),
+    # The Triton dK/dV tile that wins at D64, with the Gluon dQ kernel on its own tiles.
+    BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_m=64),
+    BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_m=128),
+    # D64 only: the Gluon dK/dV kernel's 128-row step, which issues S^T alone (it spilled
+    # 952 B with S^T and dP^T in flight together; NOTES.md), with dQ on 128- or 64-key tiles.
+    BwdVariant(128, 128, 4, 2, fa3="both"),
+    BwdVariant(128, 128, 4, 2, fa3="both", dq_block_m=64),
+)
+
+
+def bwd_portfolio(problem: Problem, device: DeviceInfo | str | None = None) -> list[BwdVariant]:
+    """Points the tuner measures first on Hopper: the Gluon kernels' configurations that ran
+    fastest in their first measurement (H100, 2026-11-24, NOTES.md), where valid, then the
+    all-Triton default, so every key also holds the Triton kernels' time."""
+    dev = device_info(device)
+    if not dev.is_hopper:
+        return []
+    points = [v for v in HOPPER_BWD_PORTFOLIO if why_invalid_bwd(v, problem, dev) is None]
+    return [*points, default_bwd_variant(problem, dev, fa3=False)]
+
+
+def bwd_pointer_twin(variant: BwdVariant, problem: Problem,
+                     device: DeviceInfo | str | None = None) -> BwdVariant:
+    """The variant with every kernel a Triton one: what runs where the Gluon kernels cannot
+    (inputs TMA cannot address), computing the same gradients. The same tiles where the
+    Triton kernels take them, else 8 warps, else the Triton default."""
+    twin = replace(variant, fa3="none", dq_block_m=0)
+    for candidate in (twin, replace(twin, num_warps=8)):
+        if why_invalid_bwd(candidate, problem, device) is None:
+            return candidate
+    return default_bwd_variant(problem, device, fa3=False)

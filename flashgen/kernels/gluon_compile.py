@@ -1,0 +1,198 @@
+"""Compile an fa3 (Gluon) forward kernel for a Hopper target on any machine, GPU or not.
+
+Gluon kernels cannot run in the Triton interpreter, so this is how CPU tests and developers
+see what the compiler made of the template: the PTX's Hopper instructions, shared memory,
+and ptxas's register and spill report. Run it in a process without TRITON_INTERPRET (the
+interpreter swaps Triton's library functions for Python ones that Gluon cannot compile):
+
+    python -m flashgen.kernels.gluon_compile '{"loop_order": "fa3", ...}' 2,16,16,4096,4096,128 \
+        --dtype bf16 --causal
+    python -m flashgen.kernels.gluon_compile '{"fa3": "both", ...}' 2,16,16,4096,4096,128 --bwd dkdv
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flashgen.kernels.bwd_variant import BwdVariant
+from flashgen.kernels.problem import Problem
+from flashgen.kernels.variant import Variant
+
+
+def compile_gluon(fn: Any, args: list[Any], constexprs: dict[str, Any], num_warps: int,
+                  capability: int = 90) -> Any:
+    """Triton's compiled kernel of Gluon function `fn` for sm_`capability`a, no GPU needed:
+    the signature comes from example arguments (descriptors over small CPU tensors are all
+    Triton's specialisation reads: dtype, block shape, shared layout)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    names = [n for n in fn.arg_names if n not in constexprs]
+    signature = {name: mangle_type(a) for name, a in zip(names, args, strict=True)}
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    constants = {(fn.arg_names.index(k),): v for k, v in constexprs.items()}
+    target = GPUTarget("cuda", capability, 32)
+    options = triton.compiler.make_backend(target).parse_options({"num_warps": num_warps})
+    return triton.compile(GluonASTSource(fn, signature, constants, {}), target=target,
+                          options=options.__dict__)
+
+
+def example_args(head_dim: int, dtype: torch.dtype, rows: int, block_n: int) -> list[Any]:
+    """fa3's arguments over small CPU tensors: q, k, v, o descriptors, then LSE and scalars."""
+    from flashgen.runtime.forward import _gluon_descriptor
+
+    t = torch.empty(2, 4, 256, head_dim, dtype=dtype)
+    return [_gluon_descriptor(t, rows), _gluon_descriptor(t, block_n),
+            _gluon_descriptor(t, block_n), _gluon_descriptor(t, rows),
+            torch.empty(4, dtype=torch.float32), 1024, 256, 0.125, 250, 250, 4, 1]
+
+
+def compile_fa3(variant: Variant, problem: Problem, capability: int = 90) -> Any:
+    """Triton's compiled kernel for fa3 `variant` on `problem` (see `compile_gluon`)."""
+    from flashgen.kernels.render import load_kernel
+
+    if variant.loop_order != "fa3":
+        raise ValueError(f"{variant} is not an fa3 variant")
+    args = example_args(problem.head_dim, problem.torch_dtype, variant.fa3_rows,
+                        variant.block_n)
+    if variant.persistent:
+        args.append(8)  # B * H_Q: the persistent kernel enumerates the tiles itself
+    return compile_gluon(load_kernel(variant, problem), args, {}, variant.num_warps, capability)
+
+
+def compile_fa3_bwd(kernel: str, variant: BwdVariant, problem: Problem,
+                    capability: int = 90) -> Any:
+    """Triton's compiled Gluon backward kernel `kernel` ("dkdv" or "dq") of `variant`."""
+    from flashgen.kernels.bwd_render import load_bwd_kernel
+    from flashgen.runtime.backward import fa3_tile_rows
+    from flashgen.runtime.forward import _gluon_descriptor
+
+    if not variant.gluon(kernel):
+        raise ValueError(f"the {kernel} kernel of {variant} is not a Gluon one")
+    t = torch.empty(2, 4, 256, problem.head_dim, dtype=problem.torch_dtype)
+    descriptors = [_gluon_descriptor(t, r) for r in fa3_tile_rows(kernel, variant)]
+    rows = torch.empty(4, dtype=torch.float32)
+    args = [*descriptors, rows, rows, 1024, 256, 1024, 256, 0.125, 250, 250, 4, 1]
+    return compile_gluon(load_bwd_kernel(kernel, variant, problem), args, {}, 4, capability)
+
+
+def _nvidia_tool(name: str) -> str:
+    """Path of a CUDA binary (ptxas, cuobjdump) that Triton's wheel ships: no toolkit needed."""
+    import triton
+
+    return str(Path(triton.__path__[0]) / "backends" / "nvidia" / "bin" / name)
+
+
+def ptxas_report(ptx: str) -> list[str]:
+    """ptxas's register and spill lines for `ptx` (run again with -v on sm_90a)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        verbose = subprocess.run(
+            [_nvidia_tool("ptxas"), "-arch=sm_90a", "-v", str(src),
+             "-o", str(Path(tmp) / "k.cubin")],
+            capture_output=True, text=True, check=True).stderr
+    return [line.strip() for line in verbose.splitlines()
+            if "registers" in line or "spill" in line]
+
+
+def sass(cubin: bytes) -> str:
+    """The machine code of `cubin`, disassembled by the cuobjdump that Triton ships."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(cubin)
+        return subprocess.run([_nvidia_tool("cuobjdump"), "-sass", str(path)],
+                              capture_output=True, text=True, check=True).stdout
+
+
+def exp_under_pv(machine_code: str) -> list[bool]:
+    """For each wait on a Q K^T product that leaves one product in flight (the P V one),
+    whether an exponential (MUFU.EX2) follows before the wait for everything.
+
+    The PTX always orders the softmax before the second wait; ptxas may still move that wait
+    ahead of it (NOTES.md, 2026-11-24), which only the machine code shows.
+    """
+    found: list[bool] = []
+    waiting = False  # between a one-in-flight wait and the next wait for everything
+    for line in machine_code.splitlines():
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
+            found.append(False)
+            waiting = True
+        elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line:
+            waiting = False
+        elif waiting and "MUFU.EX2" in line:
+            found[-1] = True
+    return found
+
+
+def report(variant: Variant | BwdVariant, problem: Problem,
+           bwd: str | None = None) -> dict[str, Any]:
+    """What the compiled kernel holds: Hopper instructions in its PTX, shared memory,
+    ptxas's registers and spills (ptxas run again on the PTX with -v), and in the machine
+    code whether its softmax runs under the P V product and how many byte permutes it has.
+    With `bwd` ("dkdv" or "dq"), that backward kernel of BwdVariant `variant`."""
+    if bwd is not None:
+        assert isinstance(variant, BwdVariant)
+        kernel = compile_fa3_bwd(bwd, variant, problem)
+    else:
+        assert isinstance(variant, Variant)
+        kernel = compile_fa3(variant, problem)
+    ptx: str = kernel.asm["ptx"]
+    machine_code = sass(kernel.asm["cubin"])
+    return {
+        "shared": kernel.metadata.shared,
+        "wgmma": ptx.count("wgmma.mma_async"),
+        "tma": ptx.count("cp.async.bulk.tensor"),
+        "setmaxnreg": ptx.count("setmaxnreg"),
+        "wait_one": ptx.count("wgmma.wait_group.sync.aligned 1"),
+        "ptxas": ptxas_report(ptx),
+        "exp_under_pv": exp_under_pv(machine_code),
+        # Byte permutes: none in these kernels, but 192 when a branch took P, the P V
+        # product's operand, and ptxas then repacked P before every P V product of the loop
+        # (2-7% slower on the H100, NOTES.md "Half-width diagonal step").
+        "byte_permutes": sum(" PRMT " in line for line in machine_code.splitlines()),
+    }
+
+
+def report_in_subprocess(variant: Variant | BwdVariant, problem: Problem,
+                         bwd: str | None = None) -> dict[str, Any]:
+    """`report` in a fresh process without TRITON_INTERPRET (see the module docstring)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    shape = ",".join(str(x) for x in (problem.batch, problem.heads_q, problem.heads_kv,
+                                      problem.seq_q, problem.seq_k, problem.head_dim))
+    cmd = [sys.executable, "-m", "flashgen.kernels.gluon_compile", variant.to_json(), shape,
+           "--dtype", problem.dtype] + (["--causal"] if problem.causal else [])
+    cmd += ["--bwd", bwd] if bwd else []
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"compile failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("variant", help="the variant as JSON (Variant.to_json)")
+    ap.add_argument("shape", help="B,Hq,Hkv,Nq,Nk,D")
+    ap.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--bwd", choices=["dkdv", "dq"],
+                    help="a backward kernel of a BwdVariant (given as JSON) instead")
+    args = ap.parse_args()
+    problem = Problem.parse(args.shape, args.dtype, args.causal)
+    variant = (BwdVariant if args.bwd else Variant).from_json(args.variant)
+    print(json.dumps(report(variant, problem, args.bwd)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""The forward and backward search spaces behind one interface, looked up by tuning mode.
+
+The tuner, the database and dispatch treat both passes alike: a frozen variant dataclass, the
+list of valid points, the named-rule check and the hand-picked default. This table is the one
+place that says which functions those are for each mode in `tuning_key.MODES`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from flashgen.kernels.bwd_space import (
+    bwd_portfolio,
+    bwd_search_space,
+    default_bwd_variant,
+    why_invalid_bwd,
+)
+from flashgen.kernels.bwd_variant import BwdVariant
+from flashgen.kernels.fwd_space import (
+    default_variant,
+    head_units_leave_programs_idle,
+    portfolio,
+    search_space,
+    why_invalid,
+)
+from flashgen.kernels.hardware import DeviceInfo
+from flashgen.kernels.problem import Problem
+from flashgen.kernels.variant import Variant
+
+#: A point of either space.
+AnyVariant = Variant | BwdVariant
+V = TypeVar("V", Variant, BwdVariant)
+
+
+@dataclass(frozen=True)
+class ModeSpace(Generic[V]):
+    """What tuning and dispatch need to know about one mode's variants."""
+
+    mode: str
+    variant_type: type[V]
+    points: Callable[[Problem, DeviceInfo], list[V]]
+    why_invalid: Callable[[V, Problem, DeviceInfo], str | None]
+    default: Callable[[Problem, DeviceInfo], V]
+    #: Points known to do well on this device kind, measured before the sampler's.
+    portfolio: Callable[[Problem, DeviceInfo], list[V]]
+    #: Why dispatch should pass over a valid stored winner for this problem (None: serve it).
+    veto: Callable[[V, Problem, DeviceInfo], str | None] = lambda v, p, dev: None
+
+    def from_json(self, text: str) -> V:
+        return self.variant_type.from_json(text)
+
+
+SPACES: dict[str, ModeSpace] = {
+    "fwd": ModeSpace("fwd", Variant, search_space, why_invalid, default_variant, portfolio,
+                     head_units_leave_programs_idle),
+    "bwd": ModeSpace("bwd", BwdVariant, bwd_search_space, why_invalid_bwd, default_bwd_variant,
+                     bwd_portfolio),
+}
+
+
+def space_of(mode: str) -> ModeSpace:
+    """The search space of `mode` ("fwd" or "bwd"); anything else is a ValueError."""
+    try:
+        return SPACES[mode]
+    except KeyError:
+        raise ValueError(f"unknown mode {mode!r}; use one of {tuple(SPACES)}") from None

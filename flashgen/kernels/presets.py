@@ -1,0 +1,105 @@
+"""Named sets of problems for `flashgen tune --preset`, and the expansion of CLI choices.
+
+Every preset keeps the FlashAttention papers' convention of 16k tokens per batch (batch =
+16384 / N), so a preset's problems do comparable work at every sequence length and its
+TFLOP/s figures line up with the papers' plots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from flashgen.kernels.problem import Problem
+
+TOKENS_PER_BATCH = 16384
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Heads and head dims of one model family (or benchmark), tuned at several lengths."""
+
+    description: str
+    heads: tuple[tuple[int, int, int], ...]  # (Hq, Hkv, D) combinations
+    seq_lens: tuple[int, ...]
+    batch: int | None = None  # None: TOKENS_PER_BATCH // N
+
+    def shapes(self) -> list[tuple[int, int, int, int, int, int]]:
+        """(B, Hq, Hkv, Nq, Nk, D) for every head layout and length (self-attention: Nq = Nk)."""
+        return [
+            (self.batch or max(1, TOKENS_PER_BATCH // n), hq, hkv, n, n, d)
+            for hq, hkv, d in self.heads
+            for n in self.seq_lens
+        ]
+
+
+_PAPER_LENS = (512, 1024, 2048, 4096, 8192, 16384)
+_MODEL_LENS = (512, 1024, 2048, 4096, 8192)
+
+PRESETS: dict[str, Preset] = {
+    # FlashAttention 1/2/3 benchmark grid: hidden size 2048, so H = 2048 / D.
+    "fa-bench": Preset("FlashAttention papers' grid: hidden 2048, D 64 and 128, N 512..16k",
+                       ((32, 32, 64), (16, 16, 128)), _PAPER_LENS),
+    "llama3-8b": Preset("Llama 3 8B: 32 query heads, 8 KV heads, D 128", ((32, 8, 128),),
+                        _MODEL_LENS),
+    "llama3-70b": Preset("Llama 3 70B: 64 query heads, 8 KV heads, D 128", ((64, 8, 128),),
+                         _MODEL_LENS),
+    "mistral-7b": Preset("Mistral 7B: 32 query heads, 8 KV heads, D 128", ((32, 8, 128),),
+                         _MODEL_LENS),
+    # An odd head count and a 7:1 GQA ratio: grids of "nice" numbers hide tail bugs.
+    "qwen2.5-7b": Preset("Qwen2.5 7B: 28 query heads, 4 KV heads, D 128", ((28, 4, 128),),
+                         _MODEL_LENS),
+    "gemma2-9b": Preset("Gemma 2 9B: 16 query heads, 8 KV heads, D 256", ((16, 8, 256),),
+                        (512, 1024, 2048, 4096)),
+    # Small enough for the Triton interpreter on a CPU (CI); deliberately odd lengths and D.
+    "tiny": Preset("Tiny shapes for the CPU interpreter (CI smoke tests)",
+                   ((2, 1, 16), (4, 2, 24)), (32, 48), batch=1),
+}
+
+CAUSAL_CHOICES: dict[str, tuple[bool, ...]] = {
+    "no": (False,),
+    "yes": (True,),
+    "both": (False, True),
+}
+
+
+def preset_problems(name: str, dtypes: Iterable[str], causal: Iterable[bool]) -> list[Problem]:
+    """Every problem of preset `name` for each dtype and causal setting."""
+    try:
+        preset = PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}") from None
+    return shape_problems([",".join(map(str, s)) for s in preset.shapes()], dtypes, causal)
+
+
+def shape_problems(shapes: Iterable[str], dtypes: Iterable[str],
+                   causal: Iterable[bool]) -> list[Problem]:
+    """Problems from `B,Hq,Hkv,Nq,Nk,D` strings, for each dtype and causal setting."""
+    dtypes, causal = list(dtypes), list(causal)
+    return [Problem.parse(s, d, c) for s in shapes for d in dtypes for c in causal]
+
+
+def expand(shapes: Iterable[str], presets: Iterable[str], dtypes: Iterable[str],
+           causal: Iterable[bool]) -> list[Problem]:
+    """The CLI's problem list: shapes first, then presets, without duplicates, in order."""
+    dtypes, causal = list(dtypes), list(causal)
+    problems = shape_problems(shapes, dtypes, causal)
+    for name in presets:
+        problems += preset_problems(name, dtypes, causal)
+    return list(dict.fromkeys(problems))
+
+
+def parse_dtypes(text: str) -> list[str]:
+    """`fp16,bf16` -> ["fp16", "bf16"]; Problem validates each name."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names:
+        raise ValueError("no dtype given")
+    return names
+
+
+def parse_causal(text: str) -> tuple[bool, ...]:
+    try:
+        return CAUSAL_CHOICES[text.strip().lower()]
+    except KeyError:
+        raise ValueError(f"--causal must be one of {sorted(CAUSAL_CHOICES)}, got {text!r}") \
+            from None

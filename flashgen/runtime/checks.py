@@ -1,0 +1,56 @@
+"""Input checks for the public entry points: bad input gets a clear error, never a Triton crash."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from flashgen.kernels.problem import DTYPE_NAMES, MAX_HEAD_DIM
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise TypeError/ValueError naming the problem if q, k, v cannot go to a kernel."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must be 4-D (batch, heads, seq, head_dim); got shape {tuple(t.shape)}"
+            )
+        if t.dtype not in DTYPE_NAMES:
+            raise TypeError(
+                f"{name} has unsupported dtype {t.dtype}; use float16, bfloat16 or float32"
+            )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
+    if q.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"unsupported device {q.device}")
+    bq, hq, nq, d = q.shape
+    bk, hk, nk, dk = k.shape
+    bv, hv, nv, dv = v.shape
+    if not (bq == bk == bv):
+        raise ValueError(f"batch sizes differ: q {bq}, k {bk}, v {bv}")
+    if hk != hv:
+        raise ValueError(f"k and v must have the same number of heads; got {hk} and {hv}")
+    if nk != nv:
+        raise ValueError(f"k and v must have the same sequence length; got {nk} and {nv}")
+    if not (d == dk == dv):
+        raise ValueError(f"head dims differ: q {d}, k {dk}, v {dv}")
+    if hq % hk:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hk})")
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"head dim {d} is over the supported maximum {MAX_HEAD_DIM}")
+    if min(bq, hq, hk, nq, nk, d) == 0:
+        raise ValueError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}")
+
+
+def check_runnable(device: torch.device) -> None:
+    """CPU tensors can only run under the Triton interpreter; say so instead of crashing."""
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "CPU tensors run only under the Triton interpreter: set "
+            "TRITON_INTERPRET=1 before triton is imported, or move them to a GPU"
+        )

@@ -1,0 +1,487 @@
+"""The tuning database: every trial, the winner of every key, and SDPA baselines, in SQLite.
+
+The file is plain SQLite (open it with `sqlite3` or `sqlite-utils`), managed through
+sqlite-utils. Contract of `TuningDB`:
+
+* One instance per thread: a connection is not shared between threads. Any number of
+  processes may open the same file; it runs in WAL mode with a busy timeout, and every write
+  is one `BEGIN IMMEDIATE` transaction, so concurrent tuners queue instead of failing and
+  lose nothing.
+* The schema is versioned by named, transactional migrations (sqlite-utils `Migrations`,
+  recorded in `_sqlite_migrations`); opening a file applies the pending ones. `PRAGMA
+  user_version` mirrors the count for tools that only speak SQL.
+* Reads never raise on a miss: an unknown key gives None or an empty list.
+* Winners are only served for the caller's Triton version and template hash; rows of other
+  versions stay in the file as history but never come back from `load_winners`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sqlite3
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal
+
+import sqlite_utils
+from sqlite_utils.migrations import Migrations
+
+from flashgen.kernels.hardware import CPU_INTERPRETER
+from flashgen.kernels.modes import AnyVariant, space_of
+from flashgen.kernels.problem import Problem
+from flashgen.store.keys import KEY_COLUMNS, TuningKey, Versions
+from flashgen.tune.timing import Timing
+
+Status = Literal["ok", "failed", "pruned"]
+STATUSES: tuple[str, ...] = ("ok", "failed", "pruned")
+
+#: Knobs that get a column of their own for SQL queries; every knob is also in variant_json,
+#: so knobs added later are stored before a migration gives them a column.
+#: A knob that its mode's variant lacks (loop_order of a backward row, dq_mode of a forward
+#: one) stays NULL.
+VARIANT_COLUMNS: tuple[str, ...] = ("loop_order", "block_m", "block_n", "num_warps",
+                                    "num_stages", "split_mask", "warp_specialize", "dq_mode")
+PROBLEM_COLUMNS: tuple[str, ...] = ("batch", "heads_q", "heads_kv", "seq_q", "seq_k")
+
+#: Seconds a writer waits for another process's transaction before giving up.
+BUSY_TIMEOUT_S = 60.0
+
+migrations = Migrations("flashgen")
+
+# Column sets as the first migrations created them. Migrations are history: a later change
+# is a new migration, never an edit of these.
+_KEY_SCHEMA: dict[str, type] = {
+    "key_id": str, "mode": str, "device_key": str, "gpu_name": str, "capability": str,
+    "sm_count": int, "triton_version": str, "torch_version": str, "template_hash": str,
+    "dtype": str, "causal": int, "head_dim": int, "gqa": int, "seq_q_bucket": int,
+    "seq_k_bucket": int,
+}
+_PROBLEM_SCHEMA: dict[str, type] = {c: int for c in PROBLEM_COLUMNS} | {"problem_json": str}
+_VARIANT_SCHEMA: dict[str, type] = {
+    "variant_json": str, "loop_order": str, "block_m": int, "block_n": int, "num_warps": int,
+    "num_stages": int,
+}
+
+
+@migrations()
+def m001_trials(db: sqlite_utils.Database) -> None:
+    """Every trial the tuner ran: its key, exact problem, variant, outcome and timings."""
+    db["trials"].create(
+        {"id": int, **_KEY_SCHEMA, **_PROBLEM_SCHEMA, **_VARIANT_SCHEMA,
+         "status": str, "reason": str, "median_ms": float, "p20_ms": float, "p80_ms": float,
+         "reps": int, "tflops": float, "error": float, "bound": float, "seed": int,
+         "run_id": str, "created_at": str},
+        pk="id", not_null={"key_id", "problem_json", "variant_json", "status", "created_at"},
+    )
+    db["trials"].create_index(["key_id", "problem_json"])
+    db["trials"].create_index(["key_id", "status"])
+
+
+@migrations()
+def m002_winners(db: sqlite_utils.Database) -> None:
+    """The fastest correct variant of every key, with the SDPA baseline of its problem."""
+    db["winners"].create(
+        {**_KEY_SCHEMA, **_PROBLEM_SCHEMA, **_VARIANT_SCHEMA,
+         "trial_id": int, "median_ms": float, "tflops": float, "sdpa_backend": str,
+         "sdpa_ms": float, "updated_at": str},
+        pk="key_id", not_null={"problem_json", "variant_json", "trial_id", "updated_at"},
+        foreign_keys=[("trial_id", "trials", "id")],
+    )
+    db["winners"].create_index(["device_key", "triton_version", "template_hash", "mode"])
+
+
+@migrations()
+def m003_baselines(db: sqlite_utils.Database) -> None:
+    """torch SDPA's best time per device, torch version and exact problem."""
+    db["baselines"].create(
+        {"id": int, "device_key": str, "torch_version": str, **_PROBLEM_SCHEMA,
+         "dtype": str, "causal": int, "backend": str, "median_ms": float, "p20_ms": float,
+         "p80_ms": float, "reps": int, "created_at": str},
+        pk="id",
+    )
+    db["baselines"].create_index(["device_key", "torch_version", "problem_json"])
+
+
+@migrations()
+def m004_variant_flags(db: sqlite_utils.Database) -> None:
+    """Columns for the fa2 knobs split_mask and warp_specialize (0/1; null in older rows,
+    whose variant_json predates them)."""
+    for table in ("trials", "winners"):
+        for column in ("split_mask", "warp_specialize"):
+            db[table].add_column(column, int)
+
+
+@migrations()
+def m005_backward(db: sqlite_utils.Database) -> None:
+    """Backward tuning (mode 'bwd'): a column for the BwdVariant knob dq_mode, and the mode
+    of each SDPA baseline, since a backward winner is compared with SDPA's backward. Older
+    baselines were all forward timings."""
+    for table in ("trials", "winners"):
+        db[table].add_column("dq_mode", str)
+    db["baselines"].add_column("mode", str)
+    db.execute("UPDATE baselines SET mode = 'fwd'")
+
+
+#: The number of migrations above; a test checks that a fresh file reaches it.
+SCHEMA_VERSION = 5
+
+
+def default_db_path() -> Path:
+    """$FLASHGEN_DB, else $XDG_CACHE_HOME/flashgen/tuning.db (~/.cache by default)."""
+    env = os.environ.get("FLASHGEN_DB")
+    if env:
+        return Path(env).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "flashgen" / "tuning.db"
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+def _problem_json(problem: Problem) -> str:
+    return json.dumps(problem.to_dict(), sort_keys=True)
+
+
+@dataclass(frozen=True)
+class TrialRow:
+    """One stored trial. `variant` is the raw knob dict: it may hold knobs this code lacks."""
+
+    id: int
+    key: TuningKey  # key.mode says whether `variant` holds Variant or BwdVariant knobs
+    problem: Problem
+    variant: dict[str, Any]
+    status: Status
+    reason: str
+    timing: Timing | None
+    tflops: float | None
+    error: float | None
+    bound: float | None
+    created_at: str
+
+    @property
+    def variant_json(self) -> str:
+        return json.dumps(self.variant, sort_keys=True)
+
+
+@dataclass(frozen=True)
+class WinnerRow:
+    """The fastest correct variant stored for one key, and the problem it was timed on.
+    `variant` is a `Variant` for key.mode 'fwd' and a `BwdVariant` for 'bwd'."""
+
+    key: TuningKey
+    variant: AnyVariant
+    problem: Problem
+    trial_id: int
+    median_ms: float
+    tflops: float
+    sdpa_backend: str | None
+    sdpa_ms: float | None
+    updated_at: str
+
+    @property
+    def speedup(self) -> float | None:
+        """How many times faster than the best SDPA backend on the same problem."""
+        return self.sdpa_ms / self.median_ms if self.sdpa_ms else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.key.to_columns(), "causal": self.key.causal,
+                "variant": self.variant.to_dict(), "problem": self.problem.to_dict(),
+                "trial_id": self.trial_id, "median_ms": self.median_ms,
+                "tflops": self.tflops, "sdpa_backend": self.sdpa_backend,
+                "sdpa_ms": self.sdpa_ms, "speedup": self.speedup,
+                "updated_at": self.updated_at}
+
+
+class TuningDB:
+    """The tuning database at `path` (default: `default_db_path()`); see the module contract."""
+
+    def __init__(self, path: str | Path | None = None) -> None:
+        self.path = Path(path) if path is not None else default_db_path()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # `timeout` is SQLite's busy timeout: a writer waits that long for the lock.
+        conn = sqlite3.connect(str(self.path), timeout=BUSY_TIMEOUT_S)
+        self.db = sqlite_utils.Database(conn)
+        self._enable_wal()
+        with self._write():
+            migrations.apply(self.db)
+            self.db.execute(f"PRAGMA user_version = {len(migrations.applied(self.db))}")
+
+    def _enable_wal(self) -> None:
+        """Switch the file to WAL mode, retrying while another process holds it.
+
+        Why: changing the journal mode can fail at once with "database is locked" rather
+        than wait out the busy timeout, and two processes opening a new file race through
+        it (seen in CI, 2026-11-25: one of two writers in the concurrency test died here)."""
+        deadline = time.monotonic() + BUSY_TIMEOUT_S
+        delay = 0.01
+        while True:
+            try:
+                self.db.enable_wal()
+                return
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)
+
+    @classmethod
+    def open_readonly(cls, path: str | Path) -> TuningDB:
+        """Open an existing file for reading only: no migrations, no journal-mode change, and
+        nothing is created, so it works on a database installed in a read-only place (the
+        one shipped in the package). An older file simply lacks newer columns; the winner
+        queries use those of the first schema. Writes raise sqlite3.OperationalError."""
+        self = cls.__new__(cls)
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"no tuning database at {self.path}")
+        uri = self.path.resolve().as_uri()
+        conn = sqlite3.connect(f"{uri}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_S)
+        try:
+            conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        except sqlite3.OperationalError:
+            # A WAL-mode file in a directory we cannot write: SQLite cannot create its
+            # shared-memory file, so read it as immutable (nobody can be writing it there).
+            conn.close()
+            conn = sqlite3.connect(f"{uri}?mode=ro&immutable=1", uri=True)
+        self.db = sqlite_utils.Database(conn)
+        return self
+
+    def close(self) -> None:
+        self.db.close()
+
+    def __enter__(self) -> TuningDB:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[None]:
+        """One write transaction that takes the write lock up front, waiting its turn.
+
+        A deferred BEGIN would take it at the first write instead; if another process wrote
+        in between, SQLite cannot wait (the read snapshot is stale) and fails with BUSY.
+        """
+        conn = self.db.conn
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+
+    @property
+    def schema_version(self) -> int:
+        """How many migrations this file has had (SCHEMA_VERSION when fully migrated)."""
+        return len(migrations.applied(self.db))
+
+    # ---- trials ------------------------------------------------------------------------
+
+    def record_trial(
+        self, key: TuningKey, problem: Problem, variant: AnyVariant, status: Status, *,
+        reason: str = "", timing: Timing | None = None, tflops: float | None = None,
+        error: float | None = None, bound: float | None = None, seed: int | None = None,
+        run_id: str | None = None,
+    ) -> int:
+        """Store one trial and return its id."""
+        if status not in STATUSES:
+            raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
+        wanted = space_of(key.mode).variant_type
+        if not isinstance(variant, wanted):
+            raise TypeError(f"a {key.mode} trial needs a {wanted.__name__}, "
+                            f"got {type(variant).__name__}")
+        knobs = variant.to_dict()
+        row: dict[str, Any] = {
+            "key_id": key.id, **key.to_columns(),
+            **{c: getattr(problem, c) for c in PROBLEM_COLUMNS},
+            "problem_json": _problem_json(problem),
+            "variant_json": variant.to_json(),
+            **{c: knobs.get(c) for c in VARIANT_COLUMNS},
+            "status": status, "reason": reason,
+            "median_ms": timing.median_ms if timing else None,
+            "p20_ms": timing.p20_ms if timing else None,
+            "p80_ms": timing.p80_ms if timing else None,
+            "reps": timing.reps if timing else None,
+            "tflops": tflops, "error": error, "bound": bound, "seed": seed, "run_id": run_id,
+            "created_at": _now(),
+        }
+        with self._write():
+            return int(self.db["trials"].insert(row).last_pk)
+
+    def trials(self, key: TuningKey | None = None,
+               problem: Problem | None = None) -> list[TrialRow]:
+        """Stored trials, oldest first, optionally only those of `key` (and `problem`)."""
+        where, args = [], []
+        if key is not None:
+            where.append("key_id = ?")
+            args.append(key.id)
+        if problem is not None:
+            where.append("problem_json = ?")
+            args.append(_problem_json(problem))
+        rows = self.db["trials"].rows_where(" and ".join(where) or None, args, order_by="id")
+        return [_trial_row(r) for r in rows]
+
+    def measured(self, key: TuningKey, problem: Problem) -> dict[str, TrialRow]:
+        """The latest ok-or-failed trial of each variant (by variant JSON) of `problem` under
+        `key`: what a resumed run must not measure again. Pruned rows are left out: validity
+        is recomputed for free. So are a GPU's ok rows whose repeats were unsteady (spread
+        past `timing.UNSTEADY_SPREAD`): their median is not to be trusted, so a resumed run measures
+        the variant again unless a steady row of it exists (the old row stays, as history;
+        the winner is the best ok row either way)."""
+        on_gpu = not key.device_key.startswith(CPU_INTERPRETER)
+        latest: dict[str, TrialRow] = {}
+        for row in self.trials(key, problem):
+            unsteady = (on_gpu and row.status == "ok" and row.timing is not None
+                        and row.timing.unsteady)
+            if row.status != "pruned" and not unsteady:
+                latest[row.variant_json] = row
+        return latest
+
+    # ---- baselines ---------------------------------------------------------------------
+
+    def record_baseline(self, device_key: str, problem: Problem, backend: str,
+                        timing: Timing, torch_version: str | None = None,
+                        mode: str = "fwd") -> None:
+        """Store a torch SDPA timing of `problem` on `device_key`: of its forward, or with
+        `mode="bwd"` of its backward."""
+        row = {
+            "mode": mode, "device_key": device_key,
+            "torch_version": torch_version or Versions.current().torch,
+            **{c: getattr(problem, c) for c in PROBLEM_COLUMNS},
+            "problem_json": _problem_json(problem), "dtype": problem.dtype,
+            "causal": int(problem.causal), "backend": backend,
+            "median_ms": timing.median_ms, "p20_ms": timing.p20_ms, "p80_ms": timing.p80_ms,
+            "reps": timing.reps, "created_at": _now(),
+        }
+        with self._write():
+            self.db["baselines"].insert(row)
+
+    def baseline(self, device_key: str, torch_version: str, problem: Problem,
+                 mode: str = "fwd") -> tuple[str, float] | None:
+        """(backend, median ms) of the latest SDPA timing of `problem`'s `mode` pass, or None."""
+        rows = list(self.db["baselines"].rows_where(
+            "mode = ? and device_key = ? and torch_version = ? and problem_json = ?",
+            [mode, device_key, torch_version, _problem_json(problem)], order_by="id desc",
+            limit=1))
+        return (rows[0]["backend"], rows[0]["median_ms"]) if rows else None
+
+    # ---- winners -----------------------------------------------------------------------
+
+    def update_winner(self, key: TuningKey) -> WinnerRow | None:
+        """Make the highest-TFLOP/s correct trial of `key` its winner (None: no ok trial).
+
+        TFLOP/s rather than milliseconds, because one key covers several exact problems
+        (a bucket of lengths, any batch and head count) and only throughput compares them.
+        Read and write happen in one transaction, so concurrent tuners of one key agree.
+        """
+        with self._write():
+            best = list(self.db["trials"].rows_where(
+                "key_id = ? and status = 'ok' and tflops is not null", [key.id],
+                order_by="tflops desc, id", limit=1))
+            if not best:
+                return None
+            trial = best[0]
+            problem = Problem.from_dict(json.loads(trial["problem_json"]))
+            sdpa = self.baseline(key.device_key, key.torch_version, problem, key.mode)
+            row = {
+                "key_id": key.id, **key.to_columns(),
+                **{c: trial[c] for c in (*PROBLEM_COLUMNS, "problem_json", "variant_json",
+                                         *VARIANT_COLUMNS)},
+                "trial_id": trial["id"], "median_ms": trial["median_ms"],
+                "tflops": trial["tflops"], "sdpa_backend": sdpa[0] if sdpa else None,
+                "sdpa_ms": sdpa[1] if sdpa else None, "updated_at": _now(),
+            }
+            self.db["winners"].upsert(row, pk="key_id")
+        return _winner_row(row)
+
+    def winner(self, key: TuningKey) -> WinnerRow | None:
+        """The winner stored under exactly `key`, or None."""
+        rows = list(self.db["winners"].rows_where("key_id = ?", [key.id]))
+        return _winner_row(rows[0]) if rows else None
+
+    def load_winners(
+        self, device_key: str, triton_version: str | None = None,
+        template_hash: str | None = None, *, mode: str = "fwd",
+        torch_version: str | None = None,
+    ) -> list[WinnerRow]:
+        """Winners usable on `device_key` (a `DeviceInfo.key`) with this Triton and template.
+
+        Versions default to the running ones (the template hash of `mode`'s kernels: a
+        backward template edit keeps the forward winners). `torch_version=None` accepts any
+        torch (the kernels are Triton's; torch only launches them); where the same bucket was
+        tuned under several torch versions, the row of the running torch wins, then the newest
+        row.
+        """
+        current = Versions.current(mode)
+        if not self.db["winners"].exists():
+            return []
+        rows = self.db["winners"].rows_where(
+            "device_key = ? and triton_version = ? and template_hash = ? and mode = ?"
+            + (" and torch_version = ?" if torch_version else ""),
+            [device_key, triton_version or current.triton,
+             template_hash or current.template_hash, mode]
+            + ([torch_version] if torch_version else []),
+        )
+        chosen: dict[tuple[Any, ...], WinnerRow] = {}
+        for row in rows:
+            winner = _winner_row(row, strict=False)
+            if winner is None:
+                continue
+            bucket = tuple(row[c] for c in KEY_COLUMNS if c != "torch_version")
+            held = chosen.get(bucket)
+            if held is None or _prefer(winner, held, current.torch):
+                chosen[bucket] = winner
+        return sorted(chosen.values(), key=lambda w: w.key.id)
+
+    def all_winners(self) -> list[WinnerRow]:
+        """Every winner row of every version (for `flashgen show`)."""
+        if not self.db["winners"].exists():
+            return []
+        rows = self.db["winners"].rows_where(order_by="device_key, dtype, causal, head_dim, "
+                                             "gqa, seq_q_bucket, seq_k_bucket")
+        return [w for w in (_winner_row(r, strict=False) for r in rows) if w is not None]
+
+
+def _prefer(new: WinnerRow, held: WinnerRow, torch_now: str) -> bool:
+    rank = lambda w: (w.key.torch_version == torch_now, w.updated_at)
+    return rank(new) > rank(held)
+
+
+def _trial_row(row: dict[str, Any]) -> TrialRow:
+    timing = None
+    if row["median_ms"] is not None:
+        timing = Timing(row["median_ms"], row["p20_ms"], row["p80_ms"], row["reps"])
+    return TrialRow(
+        id=row["id"], key=TuningKey.from_columns(row),
+        problem=Problem.from_dict(json.loads(row["problem_json"])),
+        variant=json.loads(row["variant_json"]), status=row["status"],
+        reason=row["reason"] or "", timing=timing, tflops=row["tflops"], error=row["error"],
+        bound=row["bound"], created_at=row["created_at"],
+    )
+
+
+def _winner_row(row: dict[str, Any], strict: bool = True) -> WinnerRow | None:
+    try:
+        variant = space_of(row["mode"]).from_json(row["variant_json"])
+    except (TypeError, ValueError) as exc:
+        # A row written by a newer flashgen with knobs this one lacks; its template hash
+        # differs too, so it is never served, but `show` must not crash on it.
+        if strict:
+            raise
+        warnings.warn(f"skipping winner {row['key_id']}: {exc}", stacklevel=3)
+        return None
+    return WinnerRow(
+        key=TuningKey.from_columns(row), variant=variant,
+        problem=Problem.from_dict(json.loads(row["problem_json"])),
+        trial_id=row["trial_id"], median_ms=row["median_ms"], tflops=row["tflops"],
+        sdpa_backend=row["sdpa_backend"], sdpa_ms=row["sdpa_ms"], updated_at=row["updated_at"],
+    )

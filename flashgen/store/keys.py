@@ -1,0 +1,124 @@
+"""The tuning key: everything a stored tuning result depends on.
+
+A timing is only worth reusing on the same GPU model, with the same compiler (Triton), the same
+framework (torch) and the same kernel text (the template hash), for a problem of the same kind.
+"The same kind" is bucketed: dtype, causal, head dim and GQA ratio exactly, sequence lengths
+by the next power of two, so a handful of tuned lengths covers every length a model sees.
+Batch and head count are left out on purpose: they only change how many programs a launch has,
+and the winners are served to every batch size.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from flashgen.kernels.hardware import DeviceInfo
+from flashgen.kernels.problem import Problem
+from flashgen.kernels.render import template_hash
+
+#: The passes tuned separately: the forward kernel, and the backward kernels (a `BwdVariant`).
+MODES: tuple[str, ...] = ("fwd", "bwd")
+
+
+def seq_bucket(n: int) -> int:
+    """The sequence-length bucket of `n`: the next power of two (n itself if it is one)."""
+    if n < 1:
+        raise ValueError(f"sequence length must be positive, got {n}")
+    return 1 << (n - 1).bit_length()
+
+
+@functools.cache
+def _package_version(name: str) -> str:
+    # Read from the installed metadata so the key is known without importing triton: the CLI
+    # must not import it before it has chosen between the GPU and the interpreter.
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+@dataclass(frozen=True)
+class Versions:
+    """The software half of the key: a change in any of these makes old timings stale."""
+
+    triton: str
+    torch: str
+    template_hash: str
+
+    @classmethod
+    def current(cls, mode: str = "fwd") -> Versions:
+        """The running versions, with the template hash of `mode`'s kernels only."""
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; use one of {MODES}")
+        return cls(_package_version("triton"), _package_version("torch"), template_hash(mode))
+
+
+@dataclass(frozen=True)
+class TuningKey:
+    """One row of the tuning table's key; `id` is its canonical string form."""
+
+    mode: str
+    device_key: str  # DeviceInfo.key: name, compute capability and SM count
+    gpu_name: str
+    capability: str  # "9.0"
+    sm_count: int
+    triton_version: str
+    torch_version: str
+    template_hash: str
+    dtype: str
+    causal: bool
+    head_dim: int
+    gqa: int  # query heads per key/value head
+    seq_q_bucket: int
+    seq_k_bucket: int
+
+    @classmethod
+    def for_problem(
+        cls, problem: Problem, device: DeviceInfo, mode: str = "fwd",
+        versions: Versions | None = None,
+    ) -> TuningKey:
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; use one of {MODES}")
+        versions = versions or Versions.current(mode)
+        major, minor = device.capability
+        return cls(
+            mode=mode,
+            device_key=device.key,
+            gpu_name=device.name,
+            capability=f"{major}.{minor}",
+            sm_count=device.sm_count,
+            triton_version=versions.triton,
+            torch_version=versions.torch,
+            template_hash=versions.template_hash,
+            dtype=problem.dtype,
+            causal=problem.causal,
+            head_dim=problem.head_dim,
+            gqa=problem.group,
+            seq_q_bucket=seq_bucket(problem.seq_q),
+            seq_k_bucket=seq_bucket(problem.seq_k),
+        )
+
+    @property
+    def id(self) -> str:
+        """Every field joined in a fixed order: equal keys give equal ids, and nothing else."""
+        return "|".join(str(int(v) if isinstance(v, bool) else v)
+                        for v in asdict(self).values())
+
+    def to_columns(self) -> dict[str, Any]:
+        """The key as database columns (booleans as 0/1, as SQLite stores them)."""
+        row = asdict(self)
+        row["causal"] = int(self.causal)
+        return row
+
+    @classmethod
+    def from_columns(cls, row: dict[str, Any]) -> TuningKey:
+        values = {f.name: row[f.name] for f in fields(cls)}
+        values["causal"] = bool(values["causal"])
+        return cls(**values)
+
+
+#: The key's column names, in the order `id` joins them.
+KEY_COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(TuningKey))

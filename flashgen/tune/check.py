@@ -1,0 +1,103 @@
+"""Correctness against the reference, with a tolerance derived from the data.
+
+A kernel's output is compared with the float64 reference. The allowed error is a small multiple
+of the error that the same-dtype eager reference makes on the same inputs: that is how far an
+honest implementation in this dtype can land, measured rather than guessed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flashgen.tune import reference
+
+#: A kernel may be this many times worse than eager attention in the same dtype. Kernels
+#: accumulate in fp32 and usually beat eager; the slack covers a different summation order
+#: and the P tile being rounded to the input dtype before the second matmul.
+ERROR_FACTOR = 4.0
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    ok: bool
+    error: float  # max |kernel - float64 reference|
+    bound: float  # the allowed error
+    reason: str = ""
+
+
+def make_inputs(
+    batch: int,
+    heads_q: int,
+    heads_kv: int,
+    seq_q: int,
+    seq_k: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    layout: str = "bhnd",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fresh random q, k, v from a seeded generator, in (B, H, N, D) or (B, N, H, D) memory.
+
+    The "bnhd" layout allocates (B, N, H, D), as transformers does, and returns (B, H, N, D)
+    views of it, so kernels must honour strides.
+    """
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def one(heads: int, seq: int) -> torch.Tensor:
+        if layout == "bnhd":
+            t = torch.randn(batch, seq, heads, head_dim, generator=gen)
+            return t.to(device=device, dtype=dtype).transpose(1, 2)
+        if layout != "bhnd":
+            raise ValueError(f"unknown layout {layout!r}; use 'bhnd' or 'bnhd'")
+        return torch.randn(batch, heads, seq, head_dim, generator=gen).to(
+            device=device, dtype=dtype
+        )
+
+    return one(heads_q, seq_q), one(heads_kv, seq_k), one(heads_kv, seq_k)
+
+
+def compare(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    scale: float | None = None,
+    lse: torch.Tensor | None = None,
+) -> CheckResult:
+    """Compare a kernel's output (and optionally LSE) with the float64 reference."""
+    if not torch.isfinite(out).all():
+        return CheckResult(False, float("inf"), 0.0, "output has NaN or Inf")
+    truth, truth_lse = reference.attention(q, k, v, causal, scale, dtype=torch.float64)
+    eager, eager_lse = reference.attention(q, k, v, causal, scale)
+    eager_err = (eager.double() - truth).abs().max().item()
+    # One rounding of the output to its dtype is the least any implementation must make.
+    rounding = torch.finfo(out.dtype).eps * truth.abs().max().item()
+    bound = ERROR_FACTOR * eager_err + rounding
+    err = (out.double() - truth).abs().max().item()
+    if err > bound:
+        return CheckResult(
+            False, err, bound, f"max error {err:.3g} over bound {bound:.3g} (eager {eager_err:.3g})"
+        )
+    if lse is not None:
+        seen = torch.isfinite(truth_lse)
+        if not torch.equal(torch.isfinite(lse), seen):
+            return CheckResult(False, err, bound, "log-sum-exp finite where it should not be")
+        # Same derivation as the output: a multiple of eager's own LSE error, plus a few fp32
+        # roundings of the LSE's size (kernels keep it in fp32 whatever the input dtype).
+        lse_err = _max_abs(lse.double() - truth_lse, seen)
+        eager_lse_err = _max_abs(eager_lse.double() - truth_lse, seen)
+        lse_floor = 8 * torch.finfo(torch.float32).eps * max(1.0, _max_abs(truth_lse, seen))
+        lse_bound = ERROR_FACTOR * eager_lse_err + lse_floor
+        if lse_err > lse_bound:
+            return CheckResult(
+                False, err, bound, f"log-sum-exp error {lse_err:.3g} over bound {lse_bound:.3g}"
+            )
+    return CheckResult(True, err, bound)
+
+
+def _max_abs(t: torch.Tensor, where: torch.Tensor) -> float:
+    return t[where].abs().max().item() if where.any() else 0.0
