@@ -449,8 +449,11 @@ def test_aot_manifest_and_cubins(aot_export: Path) -> None:
     assert manifest["gpus"]["NVIDIA H200"]["capability"] == "9.0"
     tuned, fa3 = sorted(manifest["dispatch"], key=lambda r: r["head_dim"])
     assert (tuned["seq_q_bucket"], tuned["head_dim"], tuned["gqa"]) == (256, 16, 2)
-    # The fa3 winner's cubin is its pointer twin: fa2 code, the same tiles and warps.
-    assert fa3["compiled_without_tma"] and (fa3["dtype"], fa3["head_dim"]) == ("bf16", 64)
+    # The fa3 winner's cubin is its pointer twin: fa2 code, the same tiles and warps; the row
+    # says per row that, and why, it is not the tuned kernel.
+    assert (fa3["dtype"], fa3["head_dim"]) == ("bf16", 64)
+    assert not fa3["as_tuned"] and "Gluon" in fa3["why_not"] and "twin" in fa3["why_not"]
+    assert fa3["tuned_variant"]["loop_order"] == "fa3" and tuned["as_tuned"]
     reasons = [s["reason"] for s in manifest["skipped"]]
     assert any("fa1" in r for r in reasons) and any("interpreter" in r for r in reasons)
     assert len(manifest["defaults"]) == 2 * len(LENGTHS) ** 2  # two kinds: D16 fp16, D64 bf16

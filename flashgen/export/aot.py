@@ -16,7 +16,8 @@ pointers 16-byte aligned; the head-dim strides compiled in as 1 (the last dim mu
 contiguous); the other Q/K/V/O strides divisible by 16 when the head dim is (so loads
 vectorise); every other integer a plain i32, so any length works. fa1 winners need scratch
 buffers and are recorded as skipped; a use_tma or fa3 winner is compiled as its pointer twin (the
-ABI passes pointers, not CUtensorMaps); backward kernels are not exported ahead of time.
+ABI passes pointers, not CUtensorMaps), and its dispatch row says so (`as_tuned`, `why_not`);
+backward kernels are not exported ahead of time.
 """
 
 from __future__ import annotations
@@ -262,6 +263,15 @@ def _bucket_row(gpu: GpuWinners, **fields: Any) -> dict[str, Any]:
             **fields}
 
 
+def _why_twin(tuned: Variant, twin: Variant) -> str:
+    """Why an AOT row runs another kernel than the tuned one: the reason for the manifest."""
+    what = ("a Gluon (fa3) kernel that reads TMA tensor descriptors" if tuned.loop_order == "fa3"
+            else "a Triton kernel that reads TMA tensor descriptors (use_tma)")
+    return (f"the winner {tuned} is {what}; the C ABI passes plain pointers, not CUtensorMaps, "
+            f"so its pointer twin {twin} (same function, plain loads) is compiled instead; "
+            "the Python export runs the winner itself")
+
+
 def _plan_gpu(comp: _Compiler, gpu: GpuWinners, families: list[Family],
               manifest: dict[str, Any]) -> None:
     """Queue `gpu`'s winners and defaults; fill the dispatch and defaults tables."""
@@ -276,11 +286,13 @@ def _plan_gpu(comp: _Compiler, gpu: GpuWinners, families: list[Family],
                 reason="fa1 needs scratch buffers; not compiled ahead of time (the defaults "
                        "serve this bucket)"))
             continue
-        note = {}
+        note: dict[str, Any] = {"tuned_variant": variant.to_dict(), "as_tuned": True}
         if variant.needs_tma:
             # The ABI passes pointers, not CUtensorMaps: the pointer twin (fa2 tiles for an fa3
-            # winner) computes the same.
-            variant, note = variant.pointer_twin(), {"compiled_without_tma": True}
+            # winner) computes the same. The row says so, and why.
+            twin = variant.pointer_twin()
+            note.update(as_tuned=False, why_not=_why_twin(variant, twin))
+            variant = twin
         job = comp.kernel(variant, w.problem, gpu)
         job.serves.append(bucket)
         manifest["dispatch"].append(_bucket_row(
