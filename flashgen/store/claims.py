@@ -15,8 +15,10 @@ takes seconds) is stale and taken over, so a killed tuner blocks nothing for lon
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import sqlite3
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -102,6 +104,8 @@ def claim(db: TuningDB, key: TuningKey, problem: Problem, variant: AnyVariant,
 
 
 def release(db: TuningDB, key: TuningKey, owner: str) -> None:
-    """Drop every mark `owner` holds under `key`."""
-    with db._write():
+    """Drop every mark `owner` holds under `key`. Best effort: it runs while an error (a
+    full disk, Ctrl-C) may be on its way out, which it must not replace; a mark left behind
+    goes stale when this process ends."""
+    with contextlib.suppress(sqlite3.Error), db._write():
         db.db.execute("DELETE FROM claims WHERE key_id = ? AND owner = ?", [key.id, owner])

@@ -14,6 +14,11 @@ Trials are asked in batches so a batch can be compiled in parallel, then checked
 one at a time. An invalid point (a named rule of the mode's `why_invalid`) is told as pruned with
 its reason; a variant that fails to compile, runs out of resources or gives a wrong answer
 is told as failed. Both are stored as trials, and neither stops the run.
+
+No variant is measured or stored twice for a problem (unless `remeasure`): before a batch is
+measured, each variant is claimed in the database (`store.claims`); one stored since this
+run began (by a tuner running beside it) is taken from there, one another tuner is
+measuring right now is left to it, and a pruned point already stored is not stored again.
 """
 
 from __future__ import annotations
@@ -325,12 +330,12 @@ def tune_problem(
                 study.enqueue_trial(rng.choice(free or unmeasured).to_dict())
                 stale = 0
             continue
-        if not remeasure:
-            _take_claims(pending, db, key, problem, run_id, study, result, elsewhere)
-            if not pending:
-                time.sleep(CLAIM_POLL_S)  # all of it is being measured by other tuners
-                continue
         try:
+            if not remeasure:
+                _take_claims(pending, db, key, problem, run_id, study, result, elsewhere)
+                if not pending:
+                    time.sleep(CLAIM_POLL_S)  # all of it is being measured by other tuners
+                    continue
             _measure_batch(pending, bench, study, result, record, budget_left, on_progress)
         finally:
             if not remeasure:
