@@ -147,6 +147,16 @@ def test_tune_refuses_another_programs_database_and_leaves_it_as_it_was(
     assert digest(path) == before and fake_bench.made == []
 
 
+@pytest.mark.parametrize("command", [["show"], ["export", "--out", "pkg"]])
+def test_reading_another_programs_database_gives_one_error_line(
+        tmp_path: Path, command: list[str]) -> None:
+    path = other_programs_db(tmp_path / "app.db")
+    before = digest(path)
+    result = runner.invoke(app, [*command, "--db", str(path)])
+    assert_one_error_line(result, str(path), "does not hold flashgen's tables")
+    assert digest(path) == before
+
+
 def test_flashgen_marks_its_files_and_adopts_older_unmarked_ones(tmp_path: Path) -> None:
     path = flashgen_db(tmp_path / "t.db", winner=False)
     app_id = "PRAGMA application_id"

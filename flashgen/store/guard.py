@@ -176,6 +176,9 @@ _SQLITE_ADVICE: tuple[tuple[str, str], ...] = (
     ("unable to open database file",
      "cannot open {path}: its folder is missing or not writable; pass --db with a file in "
      "a folder you can write"),
+    ("no such column",
+     "{path} does not hold flashgen's tables (another program's database?); pass --db with "
+     "a flashgen database"),
     ("disk I/O error",
      "input/output error on {path} (disk full, removed, or failing); check the disk and run "
      "again"),
