@@ -6,24 +6,63 @@ TRITON_INTERPRET=1 before anything imports triton, and `--help` should not wait 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import sqlite3
 import sys
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from typer.core import TyperGroup
 
 if TYPE_CHECKING:
     import torch
     from rich.console import Console
+    from rich.progress import Progress
 
+    from flashgen.kernels.hardware import DeviceInfo
     from flashgen.kernels.problem import Problem
+    from flashgen.store.db import TuningDB
     from flashgen.tune.fwd_bench import Bench
     from flashgen.tune.tuner import TuneResult
 
+def _explained(invoke: Callable[[typer.Context], Any], ctx: typer.Context) -> Any:
+    """Run a command; a known database or file error (not a database, damaged, read-only,
+    disk full, locked, refused by `store.guard`) ends it with one `error:` line naming the
+    file and what to do, and exit status 1. Anything else keeps its traceback."""
+    try:
+        return invoke(ctx)
+    except (sqlite3.Error, OSError) as exc:
+        from flashgen.store.db import BUSY_TIMEOUT_S, default_db_path
+        from flashgen.store.guard import busy_timeout_s, explain
+
+        db = ctx.params.get("db") or default_db_path()
+        message = explain(exc, db, busy_timeout_s(BUSY_TIMEOUT_S))
+        if message is None:
+            raise
+        typer.echo(f"error: {message}", err=True)
+        raise typer.Exit(1) from None
+
+
+class _Group(TyperGroup):
+    """The command group; it wraps each command it runs in `_explained`, so that every
+    command reports store and file errors the same way without a try block of its own."""
+
+    def resolve_command(self, ctx: typer.Context,
+                        args: list[str]) -> tuple[str | None, Any, list[str]]:
+        name, command, rest = super().resolve_command(ctx, args)
+        if command is not None:
+            command.invoke = functools.partial(  # type: ignore[method-assign]
+                _explained, command.invoke)
+        return name, command, rest
+
+
 app = typer.Typer(
+    cls=_Group,
     help="Generate, autotune and store Triton flash-attention kernels.",
     no_args_is_help=True,
     add_completion=False,
@@ -184,6 +223,9 @@ def _run_tuning(problems: list[Problem], device_type: str, gpu: int, trials: int
     run_id = uuid.uuid4().hex[:12]
     console = _console()
     results: list[TuneResult] = []
+    current: tuple[Problem, str] | None = None  # the problem and mode being tuned
+    reported: list[TuneResult] = []  # its result, as its progress last gave it
+    interrupted = False
     with TuningDB(db_path) as database, Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
         TextColumn("best {task.fields[best]}"), TextColumn("{task.fields[last]}"),
@@ -193,9 +235,11 @@ def _run_tuning(problems: list[Problem], device_type: str, gpu: int, trials: int
                                f"(db: {database.path})")
         try:
             for problem, mode in ((p, m) for p in problems for m in modes):
+                current, reported[:] = (problem, mode), []
                 task = progress.add_task(f"{mode} {problem}", total=trials, best="-", last="")
 
                 def show(r: TuneResult, task: int = task) -> None:
+                    reported[:] = [r]
                     best = f"{r.best_tflops:.3g} TFLOP/s" if r.best_tflops else "-"
                     progress.update(task, completed=r.measured, best=best, last=r.last[:50])
 
@@ -205,8 +249,35 @@ def _run_tuning(problems: list[Problem], device_type: str, gpu: int, trials: int
                     timeout=timeout, seed=seed, batch=batch, run_id=run_id, on_progress=show,
                     remeasure=remeasure))
         except KeyboardInterrupt:
-            progress.console.print("interrupted: results so far are in the database")
+            interrupted = True
+            if current is not None:
+                results.append(_interrupted(*current, info, trials, reported, database,
+                                            progress))
     console.print(results_table(results))
+    if interrupted:
+        raise typer.Exit(130)  # as a shell reports a process that SIGINT stopped
+
+
+def _interrupted(problem: Problem, mode: str, info: DeviceInfo, trials: int | None,
+                 reported: list[TuneResult], database: TuningDB,
+                 progress: Progress) -> TuneResult:
+    """The result of the problem Ctrl-C stopped, for the summary: what its progress last
+    reported (this run's best so far, resumed results included), with the key's stored
+    winner, since its trials are in the database too."""
+    from flashgen.store.keys import TuningKey
+    from flashgen.tune.tuner import TuneResult
+
+    if reported:
+        result = reported[0]
+    else:  # stopped before anything was measured or resumed
+        result = TuneResult(problem, TuningKey.for_problem(problem, info, mode), trials)
+    result.winner = database.winner(result.key)
+    result.seconds = (progress.tasks[-1].elapsed or 0.0) if progress.tasks else 0.0
+    best = (f"best so far {result.best} ({result.best_tflops:.3g} TFLOP/s)"
+            if result.best is not None and result.best_tflops else "nothing passed yet")
+    progress.console.print(f"interrupted: {mode} {problem}: {best}; results so far are in "
+                           f"the database")
+    return result
 
 
 @app.command()

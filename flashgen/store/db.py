@@ -13,6 +13,9 @@ sqlite-utils. Contract of `TuningDB`:
 * Reads never raise on a miss: an unknown key gives None or an empty list.
 * Winners are only served for the caller's Triton version and template hash; rows of other
   versions stay in the file as history but never come back from `load_winners`.
+* Opening for writing refuses, before touching the file, another program's SQLite file and
+  one a newer flashgen wrote (`guard.check_writable`); flashgen's files carry its
+  `PRAGMA application_id`.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from sqlite_utils.migrations import Migrations
 from flashgen.kernels.hardware import CPU_INTERPRETER
 from flashgen.kernels.modes import AnyVariant, space_of
 from flashgen.kernels.problem import Problem
+from flashgen.store.guard import busy_timeout_s, check_writable, mark, open_without_shm
 from flashgen.store.keys import KEY_COLUMNS, TuningKey, Versions
 from flashgen.tune.timing import Timing
 
@@ -49,7 +53,8 @@ VARIANT_COLUMNS: tuple[str, ...] = ("loop_order", "block_m", "block_n", "num_war
                                     "num_stages", "split_mask", "warp_specialize", "dq_mode")
 PROBLEM_COLUMNS: tuple[str, ...] = ("batch", "heads_q", "heads_kv", "seq_q", "seq_k")
 
-#: Seconds a writer waits for another process's transaction before giving up.
+#: Seconds a writer waits for another process's transaction before giving up
+#: ($FLASHGEN_BUSY_TIMEOUT overrides it, see `guard.busy_timeout_s`).
 BUSY_TIMEOUT_S = 60.0
 
 migrations = Migrations("flashgen")
@@ -128,8 +133,25 @@ def m005_backward(db: sqlite_utils.Database) -> None:
     db.execute("UPDATE baselines SET mode = 'fwd'")
 
 
+@migrations()
+def m006_claims(db: sqlite_utils.Database) -> None:
+    """Variants a tuner is measuring right now, one row each, so that tuners of one key
+    running at once never measure a variant twice (`store.claims`). A row lives only while
+    its measurement runs; one a killed tuner left behind goes stale and is taken over."""
+    db["claims"].create(
+        {"key_id": str, "problem_json": str, "variant_json": str, "owner": str, "host": str,
+         "pid": int, "claimed_at": float},
+        pk=("key_id", "problem_json", "variant_json"),
+    )
+
+
 #: The number of migrations above; a test checks that a fresh file reaches it.
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
+
+
+def _migration_names() -> list[str]:
+    """The names of the migrations this flashgen knows; a file with others is newer."""
+    return [m.name for m in migrations._migrations]
 
 
 def default_db_path() -> Path:
@@ -204,14 +226,22 @@ class TuningDB:
 
     def __init__(self, path: str | Path | None = None) -> None:
         self.path = Path(path) if path is not None else default_db_path()
+        wait = busy_timeout_s(BUSY_TIMEOUT_S)
+        # Before anything can change the file: another program's, or a newer flashgen's.
+        check_writable(self.path, _migration_names(), SCHEMA_VERSION, wait)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # `timeout` is SQLite's busy timeout: a writer waits that long for the lock.
-        conn = sqlite3.connect(str(self.path), timeout=BUSY_TIMEOUT_S)
+        conn = sqlite3.connect(str(self.path), timeout=wait)
         self.db = sqlite_utils.Database(conn)
-        self._enable_wal()
-        with self._write():
-            migrations.apply(self.db)
-            self.db.execute(f"PRAGMA user_version = {len(migrations.applied(self.db))}")
+        try:
+            self._enable_wal()
+            with self._write():
+                migrations.apply(self.db)
+                mark(self.db.conn)
+                self.db.execute(f"PRAGMA user_version = {len(migrations.applied(self.db))}")
+        except BaseException:
+            conn.close()  # a failed open keeps no handle (nor lock) on the file
+            raise
 
     def _enable_wal(self) -> None:
         """Switch the file to WAL mode, retrying while another process holds it.
@@ -219,7 +249,7 @@ class TuningDB:
         Why: changing the journal mode can fail at once with "database is locked" rather
         than wait out the busy timeout, and two processes opening a new file race through
         it (seen in CI, 2026-11-25: one of two writers in the concurrency test died here)."""
-        deadline = time.monotonic() + BUSY_TIMEOUT_S
+        deadline = time.monotonic() + busy_timeout_s(BUSY_TIMEOUT_S)
         delay = 0.01
         while True:
             try:
@@ -242,14 +272,18 @@ class TuningDB:
         if not self.path.is_file():
             raise FileNotFoundError(f"no tuning database at {self.path}")
         uri = self.path.resolve().as_uri()
-        conn = sqlite3.connect(f"{uri}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_S)
+        conn = sqlite3.connect(f"{uri}?mode=ro", uri=True,
+                               timeout=busy_timeout_s(BUSY_TIMEOUT_S))
         try:
             conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
-        except sqlite3.OperationalError:
-            # A WAL-mode file in a directory we cannot write: SQLite cannot create its
-            # shared-memory file, so read it as immutable (nobody can be writing it there).
+        except sqlite3.OperationalError as exc:
             conn.close()
-            conn = sqlite3.connect(f"{uri}?mode=ro&immutable=1", uri=True)
+            if "locked" in str(exc):
+                raise  # a writer holds it: reading around its lock could see half a write
+            # A WAL-mode file in a directory we cannot write: SQLite cannot create its
+            # shared-memory file (nobody can be writing it there either); read it with
+            # what its -wal file holds.
+            conn = open_without_shm(self.path)
         self.db = sqlite_utils.Database(conn)
         return self
 

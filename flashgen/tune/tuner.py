@@ -14,6 +14,11 @@ Trials are asked in batches so a batch can be compiled in parallel, then checked
 one at a time. An invalid point (a named rule of the mode's `why_invalid`) is told as pruned with
 its reason; a variant that fails to compile, runs out of resources or gives a wrong answer
 is told as failed. Both are stored as trials, and neither stops the run.
+
+No variant is measured or stored twice for a problem (unless `remeasure`): before a batch is
+measured, each variant is claimed in the database (`store.claims`); one stored since this
+run began (by a tuner running beside it) is taken from there, one another tuner is
+measuring right now is left to it, and a pruned point already stored is not stored again.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from optuna.trial import Trial, TrialState
 from flashgen.kernels.hardware import DeviceInfo
 from flashgen.kernels.modes import AnyVariant, ModeSpace, space_of
 from flashgen.kernels.problem import Problem
+from flashgen.store import claims
 from flashgen.store.db import TrialRow, TuningDB, WinnerRow
 from flashgen.store.keys import TuningKey, Versions
 from flashgen.tune.baseline import Baseline
@@ -69,6 +75,8 @@ MAX_ENQUEUED_WINNERS = 8
 #: matter on small grids: 8 points, as the backward space of a 16-long problem has, would
 #: otherwise allow fewer asks than one stretch.)
 MAX_ASKS_PER_POINT = 4
+#: Seconds to wait when every variant of a batch is being measured by another tuner.
+CLAIM_POLL_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -257,6 +265,8 @@ def tune_problem(
         stored = {j: r for j, r in stored.items() if r.status != "ok"}
     _resume(study, result, stored, problem, device, knobs, space)
     resumed = set(result.outcomes)
+    if on_progress and result.resumed:
+        on_progress(result)  # the resumed best, before anything is measured (or interrupted)
     for variant in dict.fromkeys([*again, *_seeds(problem, device, db, versions, space)]):
         if variant.to_json() not in result.outcomes and space.why_invalid(
                 variant, problem, device) is None:
@@ -284,6 +294,7 @@ def tune_problem(
 
     grid = math.prod(map(len, knobs.values()))
     stale, asks = 0, 0
+    elsewhere: set[str] = set()  # variants other tuners were measuring when last asked
     max_asks = MAX_ASKS_PER_POINT * grid + (MAX_STALE_ASKS + 1) * len(valid)
     while budget_left() and not valid.keys() <= result.outcomes.keys() and asks < max_asks:
         want = max(1, min(batch, trials - result.measured if trials is not None else batch))
@@ -302,7 +313,8 @@ def tune_problem(
                 stale += 1
             elif reason := space.why_invalid(variant, problem, device):
                 outcome = Outcome("pruned", reason=reason)
-                record(variant, outcome)
+                if claims.stored_trial(db, key, problem, variant, ("pruned",)) is None:
+                    record(variant, outcome)
                 result.note(variant_json, outcome)
                 result.pruned += 1
                 _tell(study, trial, outcome)
@@ -314,10 +326,20 @@ def tune_problem(
             if asks < max_asks:
                 # The sampler is stuck on known points: hand it one it has not measured.
                 unmeasured = [v for j, v in valid.items() if j not in result.outcomes]
-                study.enqueue_trial(rng.choice(unmeasured).to_dict())
+                free = [v for v in unmeasured if v.to_json() not in elsewhere]
+                study.enqueue_trial(rng.choice(free or unmeasured).to_dict())
                 stale = 0
             continue
-        _measure_batch(pending, bench, study, result, record, budget_left, on_progress)
+        try:
+            if not remeasure:
+                _take_claims(pending, db, key, problem, run_id, study, result, elsewhere)
+                if not pending:
+                    time.sleep(CLAIM_POLL_S)  # all of it is being measured by other tuners
+                    continue
+            _measure_batch(pending, bench, study, result, record, budget_left, on_progress)
+        finally:
+            if not remeasure:
+                claims.release(db, key, run_id)
         if any(j in result.outcomes and result.outcomes[j].status == "ok" for j in pending):
             # Stored as it goes, so an interrupted run still leaves its best behind.
             result.winner = db.update_winner(key)
@@ -331,6 +353,34 @@ def tune_problem(
     if on_progress:
         on_progress(result)
     return result
+
+
+def _take_claims(
+    pending: dict[str, tuple[AnyVariant, list[Trial]]], db: TuningDB, key: TuningKey,
+    problem: Problem, run_id: str, study: optuna.Study, result: TuneResult,
+    elsewhere: set[str],
+) -> None:
+    """Keep in `pending` only the variants this run may measure, each claimed for it.
+
+    A variant another run stored since this one started (a tuner running beside it) is
+    taken from the database, as a resumed result. One another tuner is measuring right now
+    is left to it: dropped from the batch with its trials untold (the sampler counts them as
+    running) and noted in `elsewhere`; when it comes up again, its row is likely stored."""
+    for variant_json, (variant, asked) in list(pending.items()):
+        taken = claims.claim(db, key, problem, variant, run_id)
+        if taken.ours:
+            elsewhere.discard(variant_json)
+            continue
+        del pending[variant_json]
+        if taken.row is None:
+            elsewhere.add(variant_json)
+            continue
+        elsewhere.discard(variant_json)
+        outcome = _outcome_of_row(taken.row)
+        result.note(variant_json, outcome)
+        result.resumed += 1
+        for trial in asked:
+            _tell(study, trial, outcome)
 
 
 def _measure_batch(

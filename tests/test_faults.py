@@ -1,0 +1,472 @@
+"""Bad and foreign database files, full disks, locks, read-only places, Ctrl-C, and tuners
+that would store or measure a variant twice: each ends in a clear message or a clean stop,
+and no file that is not flashgen's is changed. CPU only; no kernel runs (fake benches)."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+
+import optuna
+import pytest
+from typer.testing import CliRunner
+
+from flashgen.cli import app
+from flashgen.kernels.fwd_space import default_variant, search_space, why_invalid
+from flashgen.kernels.hardware import INTERPRETER
+from flashgen.kernels.problem import Problem
+from flashgen.kernels.variant import Variant
+from flashgen.store import claims, guard
+from flashgen.store.db import TuningDB
+from flashgen.store.keys import TuningKey, Versions
+from flashgen.tune.baseline import Baseline
+from flashgen.tune.fwd_bench import Measurement
+from flashgen.tune.timing import Timing
+from flashgen.tune.tuner import knob_choices, tune_problem
+
+runner = CliRunner()
+PROBLEM = Problem(1, 2, 1, 32, 32, 16)
+SHAPE = "1,2,1,32,32,16"
+TUNE = ["tune", "--device", "cpu", "--shape", SHAPE, "--trials", "6"]
+VERSIONS = Versions("3.6.0", "2.13.0", "tpl")
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def ms_of(variant: Variant) -> float:
+    """A made-up, deterministic time per variant."""
+    return 1.0 + zlib.crc32(variant.to_json().encode()) % 1000 / 1000
+
+
+class Bench:
+    """Times variants without running them; raises KeyboardInterrupt at measurement number
+    `interrupt_at` (as Ctrl-C would), and sleeps `delay` seconds per measurement so that
+    tuners running at once overlap."""
+
+    def __init__(self, interrupt_at: int | None = None, delay: float = 0.0) -> None:
+        self.interrupt_at, self.delay = interrupt_at, delay
+        self.measured: list[Variant] = []
+
+    def compile(self, variants: Sequence[Variant]) -> dict[Variant, str]:
+        return {}
+
+    def measure(self, variant: Variant) -> Measurement:
+        if len(self.measured) + 1 == self.interrupt_at:
+            raise KeyboardInterrupt
+        self.measured.append(variant)
+        time.sleep(self.delay)
+        ms = ms_of(variant)
+        return Measurement("ok", timing=Timing(ms, ms, ms, 3), tflops=1 / ms, error=0.0,
+                           bound=1.0)
+
+    def baseline(self) -> Baseline | None:
+        return None
+
+
+class Benches:
+    """Stands in for `flashgen.cli._make_bench`: a `Bench` for each problem, all kept."""
+
+    def __init__(self) -> None:
+        self.made: list[Bench] = []
+        self.interrupt_at: int | None = None
+
+    def __call__(self, *args: object, **kwargs: object) -> Bench:
+        self.made.append(Bench(interrupt_at=self.interrupt_at))
+        return self.made[-1]
+
+
+@pytest.fixture
+def fake_bench(monkeypatch: pytest.MonkeyPatch) -> Benches:
+    """`flashgen tune` with `Bench`es: no kernel is compiled or run."""
+    benches = Benches()
+    monkeypatch.setattr("flashgen.cli._make_bench", benches)
+    return benches
+
+
+def flashgen_db(path: Path, *, winner: bool = True) -> Path:
+    """A flashgen database holding one interpreter winner of PROBLEM."""
+    with TuningDB(path) as db:
+        if winner:
+            key = TuningKey.for_problem(PROBLEM, INTERPRETER, "fwd")
+            db.record_trial(key, PROBLEM, default_variant(PROBLEM, INTERPRETER), "ok",
+                            timing=Timing(1.0, 0.9, 1.1, 5), tflops=1.0)
+            db.update_winner(key)
+    return path
+
+
+def assert_one_error_line(result: object, *needles: str) -> str:
+    """The command failed, and its last line, the only `error: ...` one, holds every
+    needle (progress lines may come before it; a traceback may not)."""
+    exit_code, output = result.exit_code, result.output  # type: ignore[attr-defined]
+    assert exit_code not in (0, None), output
+    assert "Traceback" not in output, output
+    lines = output.strip().splitlines()
+    assert [line for line in lines if line.startswith("error: ")] == lines[-1:], output
+    for needle in needles:
+        assert needle in lines[-1], output
+    return lines[-1]
+
+
+# ---- 2: files of other programs ---------------------------------------------------------
+
+
+def other_programs_db(path: Path) -> Path:
+    """Another application's SQLite file, with tables named like flashgen's."""
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE trials (id INTEGER PRIMARY KEY, score REAL)")
+    conn.execute("CREATE TABLE winners (name TEXT)")
+    conn.execute("INSERT INTO trials (score) VALUES (0.5)")
+    conn.commit()
+    conn.close()
+    return path
+
+
+def test_tune_refuses_another_programs_database_and_leaves_it_as_it_was(
+        tmp_path: Path, fake_bench: Benches) -> None:
+    path = other_programs_db(tmp_path / "app.db")
+    before = digest(path)
+    result = runner.invoke(app, [*TUNE, "--db", str(path)])
+    assert_one_error_line(result, str(path), "another program", "--db")
+    assert digest(path) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["app.db"]  # no -wal, no -shm
+    with pytest.raises(guard.ForeignDatabase):
+        TuningDB(path)
+    assert digest(path) == before and fake_bench.made == []
+
+
+@pytest.mark.parametrize("command", [["show"], ["export", "--out", "pkg"]])
+def test_reading_another_programs_database_gives_one_error_line(
+        tmp_path: Path, command: list[str]) -> None:
+    path = other_programs_db(tmp_path / "app.db")
+    before = digest(path)
+    result = runner.invoke(app, [*command, "--db", str(path)])
+    assert_one_error_line(result, str(path), "does not hold flashgen's tables")
+    assert digest(path) == before
+
+
+def test_flashgen_marks_its_files_and_adopts_older_unmarked_ones(tmp_path: Path) -> None:
+    path = flashgen_db(tmp_path / "t.db", winner=False)
+    app_id = "PRAGMA application_id"
+    with sqlite3.connect(path) as conn:
+        assert conn.execute(app_id).fetchone()[0] == guard.APPLICATION_ID
+        conn.execute(f"{app_id} = 0")  # as a file written before the mark existed
+    with TuningDB(path) as db:  # known by its flashgen migrations, marked on this write
+        assert db.db.execute(app_id).fetchone()[0] == guard.APPLICATION_ID
+    empty = tmp_path / "empty.db"
+    empty.touch()  # an empty file is nobody's: flashgen may make it its own
+    with TuningDB(empty) as db:
+        assert db.db.execute(app_id).fetchone()[0] == guard.APPLICATION_ID
+
+
+# ---- 3: one line for each known error ---------------------------------------------------
+
+
+def corrupt(path: Path, how: str) -> Path:
+    if how == "random bytes":
+        path.write_bytes(os.urandom(8192))
+    else:  # a truncated file: its header promises pages that are gone
+        flashgen_db(path)
+        data = path.read_bytes()
+        path.write_bytes(data[:len(data) // 2])
+    return path
+
+
+@pytest.mark.parametrize(("how", "needle"), [("random bytes", "not a SQLite database"),
+                                             ("truncated", "malformed")])
+@pytest.mark.parametrize("command", [TUNE, ["show"], ["export", "--out", "pkg"]])
+def test_bad_files_give_one_error_line(tmp_path: Path, fake_bench: Benches, how: str,
+                                       needle: str, command: list[str]) -> None:
+    path = corrupt(tmp_path / "bad.db", how)
+    before = digest(path)
+    result = runner.invoke(app, [*command, "--db", str(path)])
+    assert_one_error_line(result, str(path), needle)
+    assert digest(path) == before
+
+
+def test_a_full_disk_gives_one_error_line(tmp_path: Path, fake_bench: Benches,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    path = flashgen_db(tmp_path / "t.db", winner=False)
+    opened = TuningDB.__init__
+
+    def no_room_to_grow(self: TuningDB, *args: object, **kwargs: object) -> None:
+        opened(self, *args, **kwargs)
+        pages = self.db.execute("PRAGMA page_count").fetchone()[0]
+        self.db.execute(f"PRAGMA max_page_count = {pages}")  # SQLite's own "disk full"
+
+    monkeypatch.setattr(TuningDB, "__init__", no_room_to_grow)
+    result = runner.invoke(app, [*TUNE, "--trials", "200", "--db", str(path)])
+    assert_one_error_line(result, str(path), "database or disk is full", "free some space")
+
+
+def test_a_lock_held_too_long_gives_one_error_line(tmp_path: Path, fake_bench: Benches,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    path = flashgen_db(tmp_path / "t.db")
+    monkeypatch.setenv(guard.BUSY_TIMEOUT_ENV, "0.3")
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # another program holds the write lock
+    try:
+        started = time.monotonic()
+        result = runner.invoke(app, [*TUNE, "--db", str(path)])
+        waited = time.monotonic() - started
+        # show reads past a WAL writer; a rollback-journal file's exclusive lock blocks it
+        shown = runner.invoke(app, ["show", "--json", "--db", str(path)])
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    assert_one_error_line(result, str(path), "is locked", "0.3 s", guard.BUSY_TIMEOUT_ENV)
+    assert 0.3 <= waited < 20
+    assert shown.exit_code == 0 and len(json.loads(shown.output)) == 1
+
+    with sqlite3.connect(path) as conn:
+        conn.execute("PRAGMA journal_mode = DELETE")
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN EXCLUSIVE")
+    try:
+        shown = runner.invoke(app, ["show", "--db", str(path)])
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    assert_one_error_line(shown, str(path), "is locked")
+
+
+def unprivileged() -> list[str]:
+    """A command prefix under which file permissions hold. Root ignores them, so as root
+    the command runs through setpriv without the capabilities that override them."""
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    prefix = [setpriv or "setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner"]
+    if setpriv is None or subprocess.run([*prefix, "true"]).returncode != 0:
+        pytest.skip("running as root without a working setpriv: permissions never apply")
+    return prefix
+
+
+def run_flashgen(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "COLUMNS": "200"}
+    return subprocess.run([*unprivileged(), sys.executable, "-m", "flashgen.cli", *args],
+                          env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize(("case", "needle"), [
+    ("read-only file", "read-only"),
+    ("read-only folder", "read-only"),
+    ("missing folder under a read-only one", "permission denied"),
+    ("export into a read-only folder", "permission denied"),
+])
+def test_read_only_places_give_one_error_line(tmp_path: Path, case: str, needle: str) -> None:
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    path = flashgen_db(folder / "t.db")
+    command = [*TUNE, "--db", str(path)]
+    if case == "read-only file":
+        path.chmod(0o444)
+    elif case == "missing folder under a read-only one":
+        command = [*TUNE, "--db", str(folder / "new" / "t.db")]
+    elif case == "export into a read-only folder":
+        command = ["export", "--db", str(path), "--out", str(folder / "pkg")]
+    if case != "read-only file":
+        folder.chmod(0o555)
+    try:
+        before = digest(path)
+        done = run_flashgen(*command)
+    finally:
+        folder.chmod(0o755)
+        path.chmod(0o644)
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: ") and needle in line, done.stderr
+    assert digest(path) == before
+
+
+# ---- 4: Ctrl-C ----------------------------------------------------------------------------
+
+
+def test_ctrl_c_exits_130_and_reports_the_interrupted_problem(
+        tmp_path: Path, fake_bench: Benches) -> None:
+    path = tmp_path / "t.db"
+    fake_bench.interrupt_at = 4
+    result = runner.invoke(app, [*TUNE, "--trials", "10", "--db", str(path)])
+    assert result.exit_code == 130, result.output
+    (bench,) = fake_bench.made
+    assert len(bench.measured) == 3
+    best = min(bench.measured, key=ms_of)
+    said = " ".join(result.output.split())  # as one line, however the console wrapped it
+    assert f"interrupted: fwd {PROBLEM}: best so far {best}" in said
+    with TuningDB(path) as db:
+        assert len([r for r in db.trials() if r.status == "ok"]) == 3
+        key = TuningKey.for_problem(PROBLEM, INTERPRETER, "fwd")
+        assert db.winner(key).variant == best
+
+
+# ---- 5: reading a WAL-mode file where its -shm cannot be made ----------------------------
+
+
+def killed_tune_copy(tmp_path: Path) -> Path:
+    """The database of a tune killed before it checkpointed, copied with its -wal file but
+    without its -shm file: the winner is only in the -wal file."""
+    live = tmp_path / "live"
+    live.mkdir()
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    db = TuningDB(live / "t.db")
+    db.db.execute("PRAGMA wal_autocheckpoint = 0")
+    key = TuningKey.for_problem(PROBLEM, INTERPRETER, "fwd")
+    db.record_trial(key, PROBLEM, default_variant(PROBLEM, INTERPRETER), "ok",
+                    timing=Timing(1.0, 0.9, 1.1, 5), tflops=1.0)
+    db.update_winner(key)
+    for name in ("t.db", "t.db-wal"):
+        shutil.copyfile(live / name, copy / name)
+    db.close()
+    return copy / "t.db"
+
+
+def test_show_reads_the_wal_of_a_file_in_a_read_only_folder(tmp_path: Path) -> None:
+    path = killed_tune_copy(tmp_path)
+    path.parent.chmod(0o555)
+    try:
+        shown = run_flashgen("show", "--json", "--db", str(path))
+    finally:
+        path.parent.chmod(0o755)
+    assert shown.returncode == 0, shown.stderr
+    assert len(json.loads(shown.stdout)) == 1
+    assert sorted(p.name for p in path.parent.iterdir()) == ["t.db", "t.db-wal"]
+
+
+def test_an_unreadable_wal_is_named_not_skipped(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    path = killed_tune_copy(tmp_path)
+
+    copyfile = shutil.copyfile
+
+    def denied(src: Path, dst: Path) -> None:
+        if str(src).endswith("-wal"):
+            raise PermissionError(13, "Permission denied", str(src))
+        copyfile(src, dst)
+
+    monkeypatch.setattr(shutil, "copyfile", denied)
+    with pytest.raises(guard.StoreError, match=r"t\.db-wal, which cannot be read"):
+        guard.open_without_shm(path)
+    monkeypatch.undo()
+    conn = guard.open_without_shm(path)  # what open_readonly falls back to
+    try:
+        assert conn.execute("SELECT count(*) FROM winners").fetchone()[0] == 1
+    finally:
+        conn.close()
+
+
+# ---- 6: files a newer flashgen wrote ------------------------------------------------------
+
+
+@pytest.mark.parametrize("newer", ["migration", "user_version"])
+def test_a_newer_schema_is_read_but_never_written(tmp_path: Path, fake_bench: Benches,
+                                                  newer: str) -> None:
+    path = flashgen_db(tmp_path / "t.db")
+    with sqlite3.connect(path) as conn:
+        if newer == "migration":
+            conn.execute("INSERT INTO _sqlite_migrations (migration_set, name, applied_at) "
+                         "VALUES ('flashgen', 'm999_from_the_future', '')")
+        else:
+            conn.execute("PRAGMA user_version = 999")
+    before = digest(path)
+    with pytest.raises(guard.NewerDatabase, match="newer flashgen"):
+        TuningDB(path)
+    result = runner.invoke(app, [*TUNE, "--db", str(path)])
+    assert_one_error_line(result, str(path), "newer flashgen")
+    assert digest(path) == before and fake_bench.made == []
+    shown = runner.invoke(app, ["show", "--json", "--db", str(path)])
+    assert shown.exit_code == 0 and len(json.loads(shown.output)) == 1
+
+
+# ---- 7: nothing measured or stored twice ----------------------------------------------------
+
+
+def duplicate_groups(path: Path) -> list[tuple[str, int]]:
+    with sqlite3.connect(path) as conn:
+        return conn.execute(
+            "SELECT variant_json, count(*) FROM trials GROUP BY key_id, problem_json, "
+            "variant_json HAVING count(*) > 1").fetchall()
+
+
+def test_a_resumed_run_stores_no_row_twice(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each run asks the same invalid variants first, as a resumed run's sampler often does
+    (which ones it asks varies from run to run; here it must not)."""
+    path = tmp_path / "t.db"
+    problem = Problem(1, 2, 1, 256, 256, 64)  # big enough for tiles the rules prune
+    knobs = knob_choices(search_space(problem, INTERPRETER))
+    grid = (Variant(**dict(zip(knobs, values, strict=True)))
+            for values in itertools.product(*knobs.values()))
+    invalid = [v for v in grid if why_invalid(v, problem, INTERPRETER)][:5]
+    create_study = optuna.create_study
+
+    def asking_invalid_first(*args: object, **kwargs: object) -> optuna.Study:
+        study = create_study(*args, **kwargs)  # type: ignore[arg-type]
+        for variant in invalid:
+            study.enqueue_trial(variant.to_dict())
+        return study
+
+    monkeypatch.setattr(optuna, "create_study", asking_invalid_first)
+    for _ in range(2):
+        with TuningDB(path) as db:
+            tune_problem(problem, Bench(), db, INTERPRETER, trials=6, seed=1,
+                         versions=VERSIONS)
+    with TuningDB(path) as db:
+        pruned = {r.variant_json for r in db.trials() if r.status == "pruned"}
+    assert {v.to_json() for v in invalid} <= pruned
+    assert duplicate_groups(path) == []
+
+
+def test_tuners_running_at_once_never_measure_a_variant_twice(tmp_path: Path) -> None:
+    path = tmp_path / "t.db"
+    TuningDB(path).close()
+    problem = Problem(1, 2, 1, 256, 256, 64)
+    benches = [Bench(delay=0.02), Bench(delay=0.02)]
+    errors: list[BaseException] = []
+
+    def tuner(bench: Bench) -> None:
+        try:
+            with TuningDB(path) as db:
+                tune_problem(problem, bench, db, INTERPRETER, trials=8, seed=0,
+                             versions=VERSIONS)
+        except BaseException as exc:  # reported below, not lost in the thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=tuner, args=(b,)) for b in benches]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert errors == []
+    first, second = (set(b.measured) for b in benches)
+    assert len(first) == len(second) == 8 and not first & second
+    assert duplicate_groups(path) == []
+    with TuningDB(path) as db:
+        assert db.db["claims"].count == 0  # every mark released
+
+
+def test_a_stale_claim_is_taken_over(tmp_path: Path) -> None:
+    with TuningDB(tmp_path / "t.db") as db:
+        key = TuningKey.for_problem(PROBLEM, INTERPRETER, "fwd", VERSIONS)
+        variant = search_space(PROBLEM, INTERPRETER)[0]
+        assert claims.claim(db, key, PROBLEM, variant, "a").ours
+        assert not claims.claim(db, key, PROBLEM, variant, "b").ours  # "a" is alive
+        with db._write():
+            db.db.execute("UPDATE claims SET pid = 2147483647")  # its process is gone
+        assert claims.claim(db, key, PROBLEM, variant, "b").ours
+        db.record_trial(key, PROBLEM, variant, "failed", reason="boom")
+        taken = claims.claim(db, key, PROBLEM, variant, "c")
+        assert taken.row is not None and taken.row.status == "failed"
