@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 
 import flashgen
-from flashgen.kernels.fwd_space import all_points, portfolio, shared_memory_bytes
+from flashgen.kernels.bwd_space import bwd_portfolio, default_bwd_variant
+from flashgen.kernels.fwd_space import (
+    all_points,
+    default_variant,
+    portfolio,
+    shared_memory_bytes,
+)
 from flashgen.kernels.hardware import INTERPRETER, DeviceInfo
 
 PROBLEMS = [
@@ -142,3 +148,120 @@ def test_render_with_other_texts_tells_an_untouched_kernel_from_an_edited_one() 
     assert render_with(edited, v, p) != flashgen.render(v, p)
     other_family = {**texts, "attn_fwd_fa3.py.jinja": "# another kernel family\n"}
     assert render_with(other_family, v, p) == flashgen.render(v, p)
+
+
+# ------------------------------------------------- portfolios and defaults, pinned
+# The tables in fwd_space and bwd_space are data: reordering or editing a row changes what a
+# re-tune measures first and what an untuned shape runs. These lists are that behaviour as it
+# stands; change them together with the tables, on purpose.
+HOPPER = DeviceInfo("H-test", (9, 0), 132, 232448)
+
+FWD_PORTFOLIO_PINNED = {
+    (64, False): [
+        "fa3 m192 n128 w4 s3 p1 pp", "fa3 m192 n128 w4 s3 p1", "fa3 m128 n128 w4 s3 p1",
+        "fa3 m128 n128 w4 s2 p1", "fa3 m192 n128 w4 s4 p1", "fa3 m128 n64 w4 s3 p1",
+        "fa3 m128 n128 w4 s3", "fa3 m128 n128 w4 s4", "fa3 m128 n128 w4 s2",
+        "fa3 m128 n64 w4 s4", "fa3 m128 n128 w8 s3", "fa2 m64 n128 w4 s2 tma",
+        "fa2 m128 n64 w8 s4 tma", "fa2 m128 n128 w4 s3 tma", "fa2 m128 n64 w4 s3 tma",
+        "fa2 m128 n64 w8 s3 ws", "fa2 m128 n64 w8 s4", "fa2 m64 n64 w4 s3",
+    ],
+    (64, True): [
+        "fa3 m128 n128 w4 s3 p1", "fa3 m128 n128 w4 s2 p1", "fa3 m128 n64 w4 s3 p1",
+        "fa3 m128 n128 w4 s3 p1 heads", "fa3 m128 n128 w4 s2 p1 heads", "fa3 m128 n128 w4 s3",
+        "fa3 m128 n128 w4 s4", "fa3 m128 n128 w4 s2", "fa3 m128 n64 w4 s4",
+        "fa3 m128 n128 w8 s3", "fa2 m64 n128 w4 s2 tma", "fa2 m128 n64 w8 s4 tma",
+        "fa2 m128 n128 w4 s3 tma", "fa2 m128 n64 w4 s3 tma", "fa2 m128 n64 w8 s3 ws",
+        "fa2 m128 n64 w8 s4", "fa2 m64 n64 w4 s3",
+    ],
+    (128, True): [
+        "fa3 m128 n128 w4 s2 p1 pp", "fa3 m128 n128 w4 s2 p1", "fa3 m128 n64 w4 s3 p1",
+        "fa3 m128 n64 w4 s3 p1 pp", "fa3 m128 n128 w4 s3", "fa3 m128 n64 w4 s4 p1",
+        "fa3 m128 n64 w4 s3", "fa3 m128 n128 w4 s2", "fa3 m128 n64 w4 s4",
+        "fa3 m128 n128 w8 s2", "fa2 m128 n128 w8 s3 ws tma", "fa2 m128 n128 w8 s3 tma",
+        "fa2 m256 n64 w8 s4 ws tma", "fa2 m128 n64 w4 s2 tma", "fa2 m64 n64 w4 s3 tma",
+        "fa2 m256 n64 w8 s3 tma",
+    ],
+    (96, False): [
+        "fa2 m128 n128 w8 s3 ws tma", "fa2 m128 n128 w8 s3 tma", "fa2 m256 n64 w8 s4 ws tma",
+        "fa2 m128 n64 w4 s2 tma", "fa2 m64 n64 w4 s3 tma", "fa2 m256 n64 w8 s3 tma",
+    ],
+    (256, True): ["fa2 m64 n64 w4 s3 tma"],
+}
+
+BWD_PORTFOLIO_PINNED = {
+    64: [
+        "bwd-separate m64 n128 w4 s2 fa3", "bwd-separate m64 n128 w4 s3 fa3",
+        "bwd-separate m32 n128 w4 s3 fa3-dq dq-m64", "bwd-separate m32 n128 w4 s3 fa3-dq dq-m128",
+        "bwd-separate m128 n128 w4 s2 fa3", "bwd-separate m128 n128 w4 s2 fa3 dq-m64",
+        "bwd-separate m32 n128 w4 s3",
+    ],
+    128: ["bwd-separate m64 n128 w4 s2 fa3", "bwd-separate m64 n128 w4 s3 fa3",
+          "bwd-separate m64 n128 w8 s2"],
+    96: ["bwd-separate m64 n128 w8 s2"],
+    256: ["bwd-separate m32 n64 w8 s2"],
+}
+
+#: (device, head dim, dtype, causal, keys) -> (forward default, backward default, backward
+#: default without Gluon kernels). Every distinct answer and the key-count thresholds.
+DEFAULTS_PINNED = {
+    ("H-test", 64, "fp16", False, 1024): (
+        "fa2 m128 n64 w4 s3", "bwd-separate m32 n128 w4 s3 fa3-dq dq-m64",
+        "bwd-separate m32 n128 w4 s3"),
+    ("H-test", 64, "fp16", False, 2048): (
+        "fa3 m192 n128 w4 s3 p1 pp", "bwd-separate m32 n128 w4 s3 fa3-dq dq-m64",
+        "bwd-separate m32 n128 w4 s3"),
+    ("H-test", 64, "bf16", True, 2048): (
+        "fa2 m128 n64 w4 s3", "bwd-separate m32 n128 w4 s3 fa3-dq dq-m64",
+        "bwd-separate m32 n128 w4 s3"),
+    ("H-test", 64, "bf16", True, 4096): (
+        "fa3 m128 n128 w4 s2 p1", "bwd-separate m32 n128 w4 s3 fa3-dq dq-m64",
+        "bwd-separate m32 n128 w4 s3"),
+    ("H-test", 40, "fp16", False, 4096): (
+        "fa2 m128 n64 w4 s3", "bwd-separate m32 n128 w4 s3", "bwd-separate m32 n128 w4 s3"),
+    ("H-test", 128, "bf16", False, 512): (
+        "fa3 m128 n128 w4 s2 p1 pp", "bwd-separate m64 n128 w4 s2 fa3",
+        "bwd-separate m64 n128 w8 s2"),
+    ("H-test", 96, "fp16", True, 512): (
+        "fa2 m128 n64 w8 s3", "bwd-separate m64 n128 w8 s2", "bwd-separate m64 n128 w8 s2"),
+    ("H-test", 256, "fp16", False, 512): (
+        "fa2 m128 n32 w8 s2", "bwd-separate m32 n64 w8 s2", "bwd-separate m32 n64 w8 s2"),
+    ("H-test", 40, "fp32", False, 512): (
+        "fa2 m128 n64 w4 s3", "bwd-separate m32 n64 w4 s1", "bwd-separate m32 n64 w4 s1"),
+    ("H-test", 96, "fp32", False, 512): (
+        "fa2 m128 n32 w8 s2", "bwd-separate m16 n32 w4 s1", "bwd-separate m16 n32 w4 s1"),
+    ("H-test", 256, "fp32", True, 512): (
+        "fa2 m64 n32 w4 s2", "bwd-separate m16 n32 w4 s1", "bwd-separate m16 n32 w4 s1"),
+    ("small-gpu", 64, "fp16", False, 16384): (
+        "fa2 m128 n64 w4 s2", "bwd-separate m32 n128 w4 s2", "bwd-separate m32 n128 w4 s2"),
+    ("small-gpu", 128, "bf16", True, 4096): (
+        "fa2 m128 n64 w8 s2", "bwd-separate m32 n64 w4 s2", "bwd-separate m32 n64 w4 s2"),
+    ("small-gpu", 256, "fp16", False, 512): (
+        "fa2 m64 n32 w4 s2", "bwd-separate m32 n32 w4 s1", "bwd-separate m32 n32 w4 s1"),
+    ("small-gpu", 256, "fp32", False, 512): (
+        "fa2 m32 n16 w2 s1", "bwd-separate m16 n32 w4 s1", "bwd-separate m16 n32 w4 s1"),
+    ("cpu-interpreter", 64, "fp16", True, 4096): (
+        "fa2 m128 n64 w4 s2", "bwd-separate m32 n128 w4 s2", "bwd-separate m32 n128 w4 s2"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FWD_PORTFOLIO_PINNED), ids=str)
+def test_hopper_portfolio_order_is_pinned(case: tuple[int, bool]) -> None:
+    head_dim, causal = case
+    problem = flashgen.Problem(2, 8, 2, 2048, 2048, head_dim, "bf16", causal)
+    assert [str(v) for v in portfolio(problem, HOPPER)] == FWD_PORTFOLIO_PINNED[case]
+
+
+@pytest.mark.parametrize("head_dim", sorted(BWD_PORTFOLIO_PINNED))
+def test_hopper_backward_portfolio_order_is_pinned(head_dim: int) -> None:
+    problem = flashgen.Problem(2, 8, 2, 2048, 2048, head_dim, "bf16", True)
+    assert [str(v) for v in bwd_portfolio(problem, HOPPER)] == BWD_PORTFOLIO_PINNED[head_dim]
+
+
+@pytest.mark.parametrize("case", sorted(DEFAULTS_PINNED), ids=str)
+def test_default_choices_are_pinned(case: tuple[str, int, str, bool, int]) -> None:
+    name, head_dim, dtype, causal, keys = case
+    device = {d.name: d for d in (HOPPER, SMALL_GPU, INTERPRETER)}[name]
+    problem = flashgen.Problem(2, 8, 2, keys, keys, head_dim, dtype, causal)
+    got = (default_variant(problem, device), default_bwd_variant(problem, device),
+           default_bwd_variant(problem, device, fa3=False))
+    assert tuple(str(v) for v in got) == DEFAULTS_PINNED[case]
