@@ -314,7 +314,7 @@ def test_fa3_backward_points_exist_only_where_the_gluon_kernels_run() -> None:
             assert {v.fa3 for v in bwd_search_space(_fa3_problem(d), device)} == {"none"}
         assert bwd_portfolio(_fa3_problem(d), HOPPER)
         assert not bwd_portfolio(_fa3_problem(d), AMPERE)
-    for point in HOPPER_BWD_PORTFOLIO:  # each serves some problem it is meant for
+    for point in (pick.variant for pick in HOPPER_BWD_PORTFOLIO):  # each serves some problem
         assert any(why_invalid_bwd(point, _fa3_problem(d, t, c), HOPPER) is None
                    for d in (64, 128) for t in ("fp16", "bf16") for c in (False, True)), point
     for problem in (_fa3_problem(96), _fa3_problem(64, "fp32")):
@@ -506,7 +506,8 @@ def test_gpu_search_space_sample() -> None:
         _backward(11, True, 777, 777, 64, torch.bfloat16, (4, 2), "bhnd", "cuda", variant, 2)
 
 
-FA3_BWD_POINTS = [*HOPPER_BWD_PORTFOLIO, BwdVariant(32, 64, 4, 2, fa3="both"),
+FA3_BWD_POINTS = [*(pick.variant for pick in HOPPER_BWD_PORTFOLIO),
+                  BwdVariant(32, 64, 4, 2, fa3="both"),
                   BwdVariant(128, 64, 4, 3, fa3="dq"), BwdVariant(32, 128, 4, 4, fa3="dq"),
                   BwdVariant(64, 128, 4, 2, fa3="both", dq_block_m=128)]
 

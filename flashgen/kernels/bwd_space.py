@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from flashgen.kernels.bwd_variant import DQ_MODES, FA3_KERNELS, BwdVariant
-from flashgen.kernels.fwd_space import MAX_ACC_PER_THREAD, first_broken, tile_reason
+from flashgen.kernels.fwd_space import MAX_ACC_PER_THREAD, Pick, first_broken, tile_reason
 from flashgen.kernels.hardware import DeviceInfo, device_info
 from flashgen.kernels.problem import Problem
 
@@ -171,80 +171,87 @@ def bwd_search_space(problem: Problem, device: DeviceInfo | str | None = None) -
     return [v for v in all_bwd_points() if why_invalid_bwd(v, problem, dev) is None]
 
 
+_16BIT = ("fp16", "bf16")
+
+#: The untuned backward default: the first row that serves the problem and is valid for it
+#: (Gluon rows only when asked for). Rows without a measurement are untimed guesses in the
+#: spirit of FlashAttention 2's backward: a big owned key tile (128) with a narrower query
+#: step, more warps as the head dim grows, smaller tiles for D > 128 where dK and dV alone
+#: take half the registers; the separate dQ kernel is preferred for being deterministic. The
+#: tail steps down to the 16 x 16 tile, which every problem admits.
+#: Measurements: docs/backward-kernels.md.
+BWD_DEFAULTS: tuple[Pick[BwdVariant], ...] = (
+    Pick(BwdVariant(64, 128, 4, 2, fa3="both"), "both Gluon kernels: won every D128 fa-bench "
+         "key on H100 and H200", min_d=128),
+    Pick(BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_m=64), "Triton dK/dV with the Gluon "
+         "dQ on 64-key tiles: won most D64 keys", max_d=64, hopper=True),
+    # fp32 dots run exactly on CUDA cores, unrolled per thread: big tiles compile for
+    # minutes, and fp32 is the exactness path, so compile time decides.
+    Pick(BwdVariant(16, 32, 4, 1), "fp32 at D >= 128: seconds to compile, not half a minute",
+         min_d=128, dtypes=("fp32",)),
+    Pick(BwdVariant(32, 64, 4, 1), "fp32 up to D64", max_d=64, dtypes=("fp32",)),
+    Pick(BwdVariant(32, 32, 4, 1), "fp32 up to D64, smaller", max_d=64, dtypes=("fp32",)),
+    Pick(BwdVariant(32, 128, 4, 3), "D64 Triton winner on Hopper", max_d=64, dtypes=_16BIT,
+         hopper=True),
+    Pick(BwdVariant(64, 128, 8, 3), "D64, wider query step", max_d=64, dtypes=_16BIT,
+         hopper=True),
+    Pick(BwdVariant(32, 128, 4, 2), "D64 off Hopper", max_d=64, dtypes=_16BIT, hopper=False),
+    Pick(BwdVariant(64, 128, 8, 2), "D64 off Hopper, wider query step", max_d=64,
+         dtypes=_16BIT, hopper=False),
+    Pick(BwdVariant(64, 128, 8, 2), "D128 Triton", min_d=128, max_d=128, dtypes=_16BIT),
+    Pick(BwdVariant(32, 128, 8, 2), "D128 Triton, narrower query step", min_d=128, max_d=128,
+         dtypes=_16BIT),
+    Pick(BwdVariant(32, 64, 8, 2), "D256: dK and dV take half the registers", min_d=256,
+         dtypes=_16BIT),
+    Pick(BwdVariant(32, 64, 8, 1), "D256, unpipelined", min_d=256, dtypes=_16BIT),
+    Pick(BwdVariant(64, 64, 4, 2), "smaller tiles from here on"),
+    Pick(BwdVariant(32, 64, 4, 2), "smaller still"),
+    Pick(BwdVariant(32, 32, 4, 1), "smaller still"),
+    Pick(BwdVariant(16, 32, 4, 1), "smaller still"),
+    Pick(BwdVariant(32, 16, 2, 1), "short key blocks"),
+    Pick(BwdVariant(16, 16, 2, 1), "the smallest tile: every problem admits it"),
+)
+
+
 def default_bwd_variant(problem: Problem, device: DeviceInfo | str | None = None,
                         fa3: bool = True) -> BwdVariant:
-    """A hand-picked backward variant valid for any problem: the answer when nothing was tuned.
-
-    On Hopper at fp16/bf16 Gluon (fa3) kernels come first, unless `fa3` is False: both at
-    D128, where they won every fa-bench key (H100 and H200, 2026-11-24); at D64 the Gluon dQ
-    kernel on 64-key tiles beside the Triton dK/dV kernel, which won 45 of the 48 D64 keys
-    of the two GPUs (with 64- or 128-key dQ tiles, 2026-11-25; NOTES.md).
-
-    Untimed guesses for H100/H200 in the spirit of FlashAttention 2's backward: a big owned
-    key tile (128) with a narrower query step, more warps as the head dim grows, smaller
-    tiles for D > 128 where dK and dV alone take half the registers. The separate dQ kernel
-    is preferred for being deterministic. Later entries step down to the 16 x 16 tile, which
-    every problem admits.
-    """
+    """A hand-picked backward variant valid for any problem: the answer when nothing was tuned
+    (the first row of BWD_DEFAULTS that serves `problem` and is valid for it). `fa3` False
+    skips the Gluon rows: the all-Triton default, which the portfolio also measures."""
     dev = device_info(device)
-    d = problem.padded_head_dim
-    deep = 3 if dev.is_hopper else 2
-    if problem.dtype == "fp32":
-        # fp32 dots run in exact ("ieee") precision on CUDA cores, unrolled per thread: big
-        # tiles make huge kernels that compile for minutes. On an H100 (2026-11-22) the causal
-        # D=128 dK/dV kernel compiled in 31 s at 32 x 64 and in 2.6 s at 16 x 32, and ran in
-        # milliseconds either way; fp32 is the exactness path, so compile time wins.
-        if d >= 128:
-            first = [BwdVariant(16, 32, 4, 1)]
-        else:
-            first = [BwdVariant(32, 64, 4, 1), BwdVariant(32, 32, 4, 1)]
-    elif d <= 64:
-        first = [BwdVariant(32, 128, 4, deep), BwdVariant(64, 128, 8, deep)]
-    elif d <= 128:
-        first = [BwdVariant(64, 128, 8, 2), BwdVariant(32, 128, 8, 2)]
-    else:
-        first = [BwdVariant(32, 64, 8, 2), BwdVariant(32, 64, 8, 1)]
-    if fa3 and d > 64:
-        first = [BwdVariant(64, 128, 4, 2, fa3="both"), *first]
-    elif fa3:
-        first = [BwdVariant(32, 128, 4, deep, fa3="dq", dq_block_m=64), *first]
-    prefs = [
-        *first,
-        BwdVariant(64, 64, 4, 2),
-        BwdVariant(32, 64, 4, 2),
-        BwdVariant(32, 32, 4, 1),
-        BwdVariant(16, 32, 4, 1),
-        BwdVariant(32, 16, 2, 1),
-        BwdVariant(16, 16, 2, 1),
-    ]
-    for v in prefs:
-        if why_invalid_bwd(v, problem, dev) is None:
+    for pick in BWD_DEFAULTS:
+        v = pick.variant
+        if (pick.serves(problem, dev) and (fa3 or v.fa3 == "none")
+                and why_invalid_bwd(v, problem, dev) is None):
             return v
     raise AssertionError(f"no default backward variant fits {problem}")
 
 
-#: Gluon (fa3) points measured before the sampler's on Hopper (see `bwd_portfolio`).
-HOPPER_BWD_PORTFOLIO: tuple[BwdVariant, ...] = (
-    BwdVariant(64, 128, 4, 2, fa3="both"),
-    BwdVariant(64, 128, 4, 3, fa3="both"),
-    # The Triton dK/dV tile that wins at D64, with the Gluon dQ kernel on its own tiles.
-    BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_m=64),
-    BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_m=128),
-    # D64 only: the Gluon dK/dV kernel's 128-row step, which issues S^T alone (it spilled
-    # 952 B with S^T and dP^T in flight together; NOTES.md), with dQ on 128- or 64-key tiles.
-    BwdVariant(128, 128, 4, 2, fa3="both"),
-    BwdVariant(128, 128, 4, 2, fa3="both", dq_block_m=64),
+#: Gluon (fa3) points measured before the sampler's on Hopper, in this order, where valid,
+#: then the all-Triton default (see `bwd_portfolio`). Measurements: docs/backward-kernels.md.
+HOPPER_BWD_PORTFOLIO: tuple[Pick[BwdVariant], ...] = (
+    Pick(BwdVariant(64, 128, 4, 2, fa3="both"), "both Gluon kernels, 64-query steps: the "
+         "D128 winner"),
+    Pick(BwdVariant(64, 128, 4, 3, fa3="both"), "the same on a 3-stage ring"),
+    Pick(BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_m=64), "the Triton dK/dV tile that "
+         "wins at D64, with the Gluon dQ on 64-key tiles"),
+    Pick(BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_m=128), "the same, dQ on 128-key "
+         "tiles"),
+    Pick(BwdVariant(128, 128, 4, 2, fa3="both"), "D64: the Gluon dK/dV's 128-row step, S^T "
+         "issued alone (it spilled with S^T and dP^T together)"),
+    Pick(BwdVariant(128, 128, 4, 2, fa3="both", dq_block_m=64), "the same, dQ on 64-key "
+         "tiles"),
 )
 
 
 def bwd_portfolio(problem: Problem, device: DeviceInfo | str | None = None) -> list[BwdVariant]:
-    """Points the tuner measures first on Hopper: the Gluon kernels' configurations that ran
-    fastest in their first measurement (H100, 2026-11-24, NOTES.md), where valid, then the
-    all-Triton default, so every key also holds the Triton kernels' time."""
+    """Points the tuner measures first on Hopper: the portfolio's valid Gluon points, then
+    the all-Triton default, so every key also holds the Triton kernels' time."""
     dev = device_info(device)
     if not dev.is_hopper:
         return []
-    points = [v for v in HOPPER_BWD_PORTFOLIO if why_invalid_bwd(v, problem, dev) is None]
+    points = [pick.variant for pick in HOPPER_BWD_PORTFOLIO if pick.serves(problem, dev)
+              and why_invalid_bwd(pick.variant, problem, dev) is None]
     return [*points, default_bwd_variant(problem, dev, fa3=False)]
 
 

@@ -35,15 +35,15 @@ class BwdVariant(Knobs):
     fa3: which kernels are the Gluon (FlashAttention-3 style, Hopper) ones: "none", "dq" (the
         dQ kernel; dK/dV stays Triton's) or "both". Their consumer warpgroups own 64 rows each
         (block_n / 64 of them, 4 warps each, num_warps = 4), a producer warp feeds them by TMA.
-        On an H100 (2026-11-24, each kernel alone against the Triton one) the Gluon dK/dV
-        kernel ran 1.10-1.26x at D128 and 0.82-0.99x at D64, the Gluon dQ kernel 1.06-1.47x
-        with 64- or 128-key tiles (NOTES.md). "dq" pairs the Triton dK/dV kernel with the Gluon
-        dQ one.
+        On an H100 (each kernel alone against the Triton one) the Gluon dK/dV kernel ran
+        1.10-1.26x at D128 and 0.82-0.99x at D64, the Gluon dQ kernel 1.06-1.47x with 64- or
+        128-key tiles (docs/backward-kernels.md). "dq" pairs the Triton dK/dV kernel with the
+        Gluon dQ one.
     dq_block_m: the keys the Gluon dQ kernel streams per step; 0 takes block_m. Why a knob of
         its own: the Triton dK/dV kernel does best streaming 32 queries at D64 (block_m 32),
         while the Gluon dQ kernel ran 1.06-1.19x the Triton one with 64- or 128-key tiles and
-        0.76-0.86x with 32 (H100, 2026-11-24, each kernel alone; NOTES.md). With dQ tied to
-        block_m, "dq" won no fa-bench key. Only the Gluon dQ kernel reads it (rule-checked).
+        0.76-0.86x with 32 (H100, each kernel alone). With dQ tied to block_m, "dq" won no
+        fa-bench key. Only the Gluon dQ kernel reads it (rule-checked).
     """
 
     kind = "backward variant"

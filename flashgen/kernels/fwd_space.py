@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from flashgen.kernels.hardware import DeviceInfo, device_info
-from flashgen.kernels.problem import Problem
+from flashgen.kernels.problem import MAX_HEAD_DIM, Problem
 from flashgen.kernels.variant import LOOP_ORDERS, Variant
 
 if TYPE_CHECKING:
@@ -302,114 +303,144 @@ def _fa2(bm: int, bn: int, warps: int, stages: int, *, ws: bool = False,
                    use_tma=tma)
 
 
-#: Hopper points that measured fastest when whole blocks of the fa2 space were swept
-#: (`scripts/sweep_fwd.py` on an H100, 2026-11-22, fp16, N = 2k..16k, causal and not; NOTES.md):
-#: by padded head dim, fastest first. A tuner sampling a few points of a space this size
-#: rarely lands on them (the shipped D128 winners had missed the 128x128 TMA tiles, ~10%
-#: faster), so they are measured first and the sampler explores from there.
-#: The fa3 points lead: two 64-row consumers measured up to 1.09x (D128) and 1.12x (D64)
-#: cuDNN on an H100 and beat the tuned fa2 winners at D128 from N=2k (2026-11-23, NOTES.md;
-#: `scripts/sweep_fa3.py` re-measures them).
-#: The persistent fa3 points follow: one program per SM hides the TMA prologue and epilogue
-#: that dominate short programs (H100, 2026-11-23, an experiment of the same kernel: D128
-#: N512 0.69 -> 0.84x cuDNN at 2 stages, D64 N512 0.67 -> 0.83x; NOTES.md "fa3"). Tuned on
-#: fa-bench and llama3-8b (2026-11-24) they won about half of the keys on both GPUs (most of
-#: D64 and of GQA D128 up to 4k); fa2 kept only D64 N512 causal. Since a slot's K and V are
-#: released apart (2026-11-24), persistent m128 n128 s2 measured 1.00-1.11x cuDNN at D128
-#: N512-8k on an H100 (NOTES.md), so the persistent points now come first: a short re-tune
-#: (`--trials 3`) measures them and the strongest one-tile point. Since each causal consumer
-#: stops at its own last visible key (2026-11-24), persistent m128 n64 s3 ran 0.95x cuDNN at
-#: D64 N512 causal (fa2's best 0.88x) and 1.00x at D128 N512 causal (0.96x before).
-#: Three 64-row consumers (m192, D64) ran 1.03-1.06x cuDNN at N2k-4k without the mask, where
-#: m128 ran 0.99-1.02x, and lost at N512-1k (0.94-0.95 against 1.01-1.03; H100, 2026-11-24,
-#: `scripts/ab_templates.py`, NOTES.md "three consumers"). Under the causal mask they spill
-#: (160 registers a thread) and ran 0.40-0.86x, so `portfolio` leaves them out there.
-#: With the consumers taking turns at the tensor cores (pingpong), persistent m128 n128 s2 ran
-#: 2-8% faster at D128 from N1k (N2k causal 1.02 -> 1.10x cuDNN), even at N512, and three
-#: consumers at D64 without the mask 1-5% faster (m192 n128 s3, N2k 1.04 -> 1.09x); two
-#: consumers at D64 and 64-key tiles ran 0-3% slower (H100, 2026-11-24,
-#: `scripts/ab_templates.py`, NOTES.md "ping-pong"). So ping-pong leads at D128 and among
-#: the three-consumer points, with the plain points right after it.
-#: Under the causal mask a program of the persistent kernel may take whole heads instead of
-#: tile pairs (head_units): at D64 N512 m128 n128 s3 ran 0.996x cuDNN against 0.90x in pairs
-#: and 0.98x for the best pair point, but slower from N1k and at D128 (0.75x; H100,
-#: 2026-11-25, `scripts/ab_templates.py`, NOTES.md), so it sits in the D64 list only, where
-#: the rules keep it to causal problems.
-#: Keys from which the untuned default takes fa3 over fa2 at head dim 64 (see default_variant).
+V = TypeVar("V")
+
+
+@dataclass(frozen=True)
+class Pick(Generic[V]):
+    """One row of a portfolio or defaults table: a point, one line of why it is there, and
+    the problems it is for. Head dims are padded ones (what the kernels tile with); None in
+    `causal` or `hopper` means either. The variant's own rules still apply on top."""
+
+    variant: V
+    why: str
+    min_d: int = 0
+    max_d: int = MAX_HEAD_DIM
+    min_keys: int = 0
+    causal: bool | None = None
+    dtypes: tuple[str, ...] = ("fp16", "bf16", "fp32")
+    hopper: bool | None = None
+
+    def serves(self, problem: Problem, dev: DeviceInfo) -> bool:
+        """Whether this row is meant for `problem` on `dev` (before the validity rules)."""
+        return (self.min_d <= problem.padded_head_dim <= self.max_d
+                and problem.seq_k >= self.min_keys and problem.dtype in self.dtypes
+                and self.causal in (None, problem.causal)
+                and self.hopper in (None, dev.is_hopper))
+
+
+#: Keys from which the untuned default takes fa3 over fa2 at head dim 64 (see DEFAULTS).
 FA3_DEFAULT_MIN_KEYS_D64 = 4096
 #: Keys from which the untuned default takes three consumers at head dim 64 without the mask.
 FA3_THREE_CONSUMERS_MIN_KEYS = 2048
 
-HOPPER_PORTFOLIO: dict[str, tuple[Variant, ...]] = {
-    "d<=64": (
-        _fa3(192, 128, 4, 3, persistent=1, pingpong=True),
-        _fa3(192, 128, 4, 3, persistent=1), _fa3(128, 128, 4, 3, persistent=1),
-        _fa3(128, 128, 4, 2, persistent=1), _fa3(192, 128, 4, 4, persistent=1),
-        _fa3(128, 64, 4, 3, persistent=1),
-        _fa3(128, 128, 4, 3, persistent=1, heads=True),
-        _fa3(128, 128, 4, 2, persistent=1, heads=True),
-        _fa3(128, 128, 4, 3), _fa3(128, 128, 4, 4), _fa3(128, 128, 4, 2), _fa3(128, 64, 4, 4),
-        _fa3(128, 128, 8, 3),
-        _fa2(64, 128, 4, 2), _fa2(128, 64, 8, 4), _fa2(128, 128, 4, 3), _fa2(128, 64, 4, 3),
-        _fa2(128, 64, 8, 3, ws=True, tma=False), _fa2(128, 64, 8, 4, tma=False),
-        _fa2(64, 64, 4, 3, tma=False),
-    ),
-    "d>=128": (
-        _fa3(128, 128, 4, 2, persistent=1, pingpong=True), _fa3(128, 128, 4, 2, persistent=1),
-        _fa3(128, 64, 4, 3, persistent=1), _fa3(128, 64, 4, 3, persistent=1, pingpong=True),
-        _fa3(128, 128, 4, 3), _fa3(128, 64, 4, 4, persistent=1),
-        _fa3(128, 64, 4, 3), _fa3(128, 128, 4, 2), _fa3(128, 64, 4, 4), _fa3(128, 128, 8, 2),
-        _fa2(128, 128, 8, 3, ws=True), _fa2(128, 128, 8, 3), _fa2(256, 64, 8, 4, ws=True),
-        _fa2(128, 64, 4, 2), _fa2(64, 64, 4, 3), _fa2(256, 64, 8, 3),
-    ),
-}
+#: What the tuner measures right after the default on Hopper, in this order, before it
+#: samples: a sampler rarely lands on these points in a space this size. fa3 leads (persistent
+#: first), then the fa2 points that won exhaustive sweeps. Measurements: docs/forward-portfolio.md.
+HOPPER_PORTFOLIO: tuple[Pick[Variant], ...] = (
+    # Padded head dim 64 and below.
+    Pick(_fa3(192, 128, 4, 3, persistent=1, pingpong=True), "three consumers taking turns: "
+         "the fastest D64 point without the mask from 2k keys", max_d=64, causal=False),
+    Pick(_fa3(192, 128, 4, 3, persistent=1), "three 64-row consumers (FlashAttention 3's "
+         "D64 tile); spill under the causal mask", max_d=64, causal=False),
+    Pick(_fa3(128, 128, 4, 3, persistent=1), "two consumers, persistent: shipped at D64 "
+         "N1k causal", max_d=64),
+    Pick(_fa3(128, 128, 4, 2, persistent=1), "the same on a 2-stage ring (the D64 default "
+         "from 4k keys)", max_d=64),
+    Pick(_fa3(192, 128, 4, 4, persistent=1), "three consumers on a 4-stage ring",
+         max_d=64, causal=False),
+    Pick(_fa3(128, 64, 4, 3, persistent=1), "64-key tiles end at each consumer's "
+         "diagonal: the D64 N512 causal pair winner", max_d=64),
+    Pick(_fa3(128, 128, 4, 3, persistent=1, heads=True), "whole heads per program: "
+         "level with cuDNN at D64 N512 causal", max_d=64),
+    Pick(_fa3(128, 128, 4, 2, persistent=1, heads=True), "whole heads on a 2-stage ring",
+         max_d=64),
+    Pick(_fa3(128, 128, 4, 3), "one-tile fa3, the first fa3 kernel's best point", max_d=64),
+    Pick(_fa3(128, 128, 4, 4), "one-tile fa3, deeper ring", max_d=64),
+    Pick(_fa3(128, 128, 4, 2), "one-tile fa3, shallower ring", max_d=64),
+    Pick(_fa3(128, 64, 4, 4), "one-tile fa3 on 64-key tiles", max_d=64),
+    Pick(_fa3(128, 128, 8, 3), "one 128-row consumer: measured against two 64-row ones",
+         max_d=64),
+    Pick(_fa2(64, 128, 4, 2), "fa2 sweep: fastest at D64 N16k", max_d=64),
+    Pick(_fa2(128, 64, 8, 4), "fa2 sweep: D64 N16k causal's tile, with TMA", max_d=64),
+    Pick(_fa2(128, 128, 4, 3), "fa2 sweep: 128-key tiles with TMA", max_d=64),
+    Pick(_fa2(128, 64, 4, 3), "fa2 sweep: fastest at D64 N4k", max_d=64),
+    Pick(_fa2(128, 64, 8, 3, ws=True, tma=False), "fa2 sweep: fastest at D64 N4k causal",
+         max_d=64),
+    Pick(_fa2(128, 64, 8, 4, tma=False), "fa2 sweep: fastest at D64 N16k causal", max_d=64),
+    Pick(_fa2(64, 64, 4, 3, tma=False), "the last fa2 winner (D64 N512 causal)", max_d=64),
+    # Padded head dim 128 and above (80 and 96 pad to 128; fa3 rules drop them there).
+    Pick(_fa3(128, 128, 4, 2, persistent=1, pingpong=True), "two consumers taking turns: "
+         "the fastest D128 point from N1k (the D128 default)", min_d=128),
+    Pick(_fa3(128, 128, 4, 2, persistent=1), "K and V released apart: at or above cuDNN "
+         "without the mask from N512", min_d=128),
+    Pick(_fa3(128, 64, 4, 3, persistent=1), "64-key tiles: the D128 N512 causal winner",
+         min_d=128),
+    Pick(_fa3(128, 64, 4, 3, persistent=1, pingpong=True), "the same, taking turns",
+         min_d=128),
+    Pick(_fa3(128, 128, 4, 3), "one-tile fa3: its best D128 point", min_d=128),
+    Pick(_fa3(128, 64, 4, 4, persistent=1), "64-key tiles, deeper ring: short D128 keys",
+         min_d=128),
+    Pick(_fa3(128, 64, 4, 3), "one-tile fa3 on 64-key tiles: short causal keys", min_d=128),
+    Pick(_fa3(128, 128, 4, 2), "one-tile fa3, shallower ring", min_d=128),
+    Pick(_fa3(128, 64, 4, 4), "one-tile fa3, 64-key tiles, deeper ring", min_d=128),
+    Pick(_fa3(128, 128, 8, 2), "one 128-row consumer: measured against two 64-row ones",
+         min_d=128),
+    Pick(_fa2(128, 128, 8, 3, ws=True), "fa2 sweep: fastest at D128 N16k and N2k causal",
+         min_d=128),
+    Pick(_fa2(128, 128, 8, 3), "fa2 sweep: fastest at D128 N16k causal and N2k", min_d=128),
+    Pick(_fa2(256, 64, 8, 4, ws=True), "fa2 sweep: a 256-row tile", min_d=128),
+    Pick(_fa2(128, 64, 4, 2), "fa2 sweep: TMA's largest gain (405 -> 510 TFLOP/s)",
+         min_d=128),
+    Pick(_fa2(64, 64, 4, 3), "fa2 sweep: a small tile", min_d=128),
+    Pick(_fa2(256, 64, 8, 3), "fa2 sweep: a 256-row tile, 3 stages", min_d=128),
+)
+
+#: The untuned default: the first row that serves the problem and is valid for it, from the
+#: fastest general choice on recent GPUs down to the smallest tile, which every problem
+#: admits. Measurements: docs/forward-portfolio.md.
+DEFAULTS: tuple[Pick[Variant], ...] = (
+    Pick(Variant("fa3", 192, 128, 4, 3, persistent=1, pingpong=True), "D64 without the "
+         "mask: three consumers taking turns", max_d=64, min_keys=FA3_THREE_CONSUMERS_MIN_KEYS,
+         causal=False),
+    Pick(Variant("fa3", 128, 128, 4, 2, persistent=1, pingpong=True), "D128: two consumers "
+         "taking turns, persistent", min_d=128),
+    Pick(Variant("fa3", 128, 128, 4, 2, persistent=1), "D64: fa3 pays from 4k keys; shorter "
+         "programs leave its TMA prologue exposed", max_d=64, min_keys=FA3_DEFAULT_MIN_KEYS_D64),
+    Pick(Variant("fa2", 128, 64, 8, 3), "fa2's tuned D128 tile", min_d=128, hopper=True),
+    Pick(Variant("fa2", 128, 64, 8, 2), "fa2's D128 tile, 2 stages off Hopper", min_d=128,
+         hopper=False),
+    Pick(Variant("fa2", 128, 64, 4, 3), "fa2's tuned D64 tile", max_d=64, hopper=True),
+    Pick(Variant("fa2", 128, 64, 4, 2), "fa2's D64 tile, 2 stages off Hopper", max_d=64,
+         hopper=False),
+    Pick(Variant("fa2", 128, 32, 8, 2), "narrower key tile: less shared memory"),
+    Pick(Variant("fa2", 64, 64, 4, 2), "smaller tiles, for short or wide problems"),
+    Pick(Variant("fa2", 64, 32, 4, 2), "smaller still"),
+    Pick(Variant("fa2", 32, 32, 4, 2), "smaller still"),
+    Pick(Variant("fa2", 32, 16, 2, 1), "short sequences"),
+    Pick(Variant("fa2", 16, 32, 2, 1), "short query blocks"),
+    Pick(Variant("fa2", 16, 16, 2, 1), "the smallest tile: every problem admits it"),
+)
 
 
 def portfolio(problem: Problem, device: DeviceInfo | str | None = None) -> list[Variant]:
     """The valid points of the Hopper portfolio for `problem` (none on other devices).
 
-    Head dims between 64 and 128 (80, 96) pad to 128 and take the d>=128 list; points that a
+    Head dims between 64 and 128 (80, 96) pad to 128 and take the D128 rows; points that a
     rule excludes (shared memory at D=256, TMA on rows that are not 16-byte multiples) drop.
     """
     dev = device_info(device)
     if not dev.is_hopper:
         return []
-    picks = HOPPER_PORTFOLIO["d>=128" if problem.padded_head_dim >= 128 else "d<=64"]
-    return [v for v in picks if why_invalid(v, problem, dev) is None
-            and not (problem.causal and v.block_m in FA3_EXTRA_BLOCK_M)]
+    return [pick.variant for pick in HOPPER_PORTFOLIO
+            if pick.serves(problem, dev) and why_invalid(pick.variant, problem, dev) is None]
 
 
 def default_variant(problem: Problem, device: DeviceInfo | str | None = None) -> Variant:
-    """A hand-picked variant that is valid for any problem: the answer when nothing was tuned.
-
-    Preferences go from the fastest general choice on recent GPUs down to the smallest tile,
-    which every problem admits.
-    """
+    """A hand-picked variant that is valid for any problem: the answer when nothing was tuned
+    (the first row of DEFAULTS that serves `problem` and is valid for it)."""
     dev = device_info(device)
-    big_d = problem.padded_head_dim >= 128
-    prefs = [
-        # Hopper, 16-bit, D 64 or 128 (the fa3 rules drop it elsewhere). At D64 fa3 pays off
-        # only from 4k keys on: below that a program is too short to hide its TMA prologue
-        # (H100, 2026-11-23: 0.67-0.89x cuDNN against fa2's 0.85-0.93x; NOTES.md "fa3").
-        # On the persistent grid: with K and V released apart it ran 1.00-1.11x cuDNN at D128
-        # N1k-8k where the one-tile kernel ran 0.89-1.05x (H100, 2026-11-24, NOTES.md).
-        # At D64 without the mask, three consumers from 2k keys. Three consumers, and two at
-        # D128, take turns at the tensor cores (pingpong, see HOPPER_PORTFOLIO).
-        *([Variant("fa3", 192, 128, 4, 3, persistent=1, pingpong=True)]
-          if not big_d and not problem.causal
-          and problem.seq_k >= FA3_THREE_CONSUMERS_MIN_KEYS else []),
-        *([Variant("fa3", 128, 128, 4, 2, persistent=1, pingpong=big_d)]
-          if big_d or problem.seq_k >= FA3_DEFAULT_MIN_KEYS_D64 else []),
-        Variant("fa2", 128, 64, 8 if big_d else 4, 3 if dev.is_hopper else 2),
-        Variant("fa2", 128, 32, 8, 2),
-        Variant("fa2", 64, 64, 4, 2),
-        Variant("fa2", 64, 32, 4, 2),
-        Variant("fa2", 32, 32, 4, 2),
-        Variant("fa2", 32, 16, 2, 1),
-        Variant("fa2", 16, 32, 2, 1),
-        Variant("fa2", 16, 16, 2, 1),
-    ]
-    for v in prefs:
-        if why_invalid(v, problem, dev) is None:
-            return v
+    for pick in DEFAULTS:
+        if pick.serves(problem, dev) and why_invalid(pick.variant, problem, dev) is None:
+            return pick.variant
     raise AssertionError(f"no default variant fits {problem}")  # the 16x16 tile always fits

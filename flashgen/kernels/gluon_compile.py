@@ -121,7 +121,8 @@ def exp_under_pv(machine_code: str) -> list[bool]:
     whether an exponential (MUFU.EX2) follows before the wait for everything.
 
     The PTX always orders the softmax before the second wait; ptxas may still move that wait
-    ahead of it (NOTES.md, 2026-11-24), which only the machine code shows.
+    ahead of it (docs/fa3-hopper.md, "The softmax held under P V"), which only the machine
+    code shows.
     """
     found: list[bool] = []
     waiting = False  # between a one-in-flight wait and the next wait for everything
@@ -160,7 +161,7 @@ def report(variant: Variant | BwdVariant, problem: Problem,
         "exp_under_pv": exp_under_pv(machine_code),
         # Byte permutes: none in these kernels, but 192 when a branch took P, the P V
         # product's operand, and ptxas then repacked P before every P V product of the loop
-        # (2-7% slower on the H100, NOTES.md "Half-width diagonal step").
+        # (2-7% slower on the H100, docs/fa3-hopper.md "Half-width diagonal step").
         "byte_permutes": sum(" PRMT " in line for line in machine_code.splitlines()),
     }
 

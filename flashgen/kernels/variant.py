@@ -37,12 +37,12 @@ class Variant(Knobs):
         producer loading the next tile's Q and K/V while the consumers finish the current one.
     pingpong (fa3, persistent, two or three consumers): the consumers take turns to issue their
         tensor-core products (FlashAttention 3's ping-pong), so one consumer's products run
-        under the others' softmax; faster at D128, slower at D64 on an H100 (NOTES.md).
+        under the others' softmax; faster at D128, slower at D64 on an H100 (docs/fa3-hopper.md).
     head_units (fa3, persistent, causal): a program takes a whole head's Q tiles at a time
         (its pairs one after the other: longest, shortest, next longest, ...) instead of one
         pair, so every tile after the first reads K/V the same program has just read. At D64
         N512 (m128 n128 s3, H100) it ran 0.996x cuDNN where pairs ran 0.90x (the best pair
-        point 0.98x); at D128 it ran 0.75x against 0.99x (2026-11-25, NOTES.md). Dispatch
+        point 0.98x); at D128 it ran 0.75x against 0.99x (docs/fa3-hopper.md). Dispatch
         serves it only with heads enough to keep the programs as busy as pairs would
         (`space.head_units_leave_programs_idle`).
     """

@@ -248,7 +248,7 @@ class TuningDB:
 
         Why: changing the journal mode can fail at once with "database is locked" rather
         than wait out the busy timeout, and two processes opening a new file race through
-        it (seen in CI, 2026-11-25: one of two writers in the concurrency test died here)."""
+        it (seen in CI: one of two writers in the concurrency test died here)."""
         deadline = time.monotonic() + busy_timeout_s(BUSY_TIMEOUT_S)
         delay = 0.01
         while True:

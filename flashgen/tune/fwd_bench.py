@@ -192,7 +192,7 @@ class KernelBench:
     def _warm(self, variant: Variant) -> None:
         # A new thread has no CUDA context bound until a runtime call binds the device's
         # primary one; TMA descriptors are made through the driver API and fail without it
-        # ("invalid device context", seen on an H200, 2026-11-22).
+        # ("invalid device context", seen on an H200; docs/tuning.md).
         torch.cuda.set_device(self.device)
         torch.cuda.synchronize(self.device)
         with torch.cuda.device(self.device):

@@ -8,8 +8,9 @@ difference from noise.
 The launches are queued behind a GPU spin long enough for the host to queue them all, so a
 timed span never contains the GPU waiting for the host. The flush alone (~85 us on an H100)
 did not guarantee that: queuing an fa3 call takes the host 90-200 us, and on an H100
-(2026-11-24, `scripts/probe_launch_gap.py`) a 0.118 ms kernel then read up to 0.215 ms,
-unsteady, in some runs and not others: wrong winners in the tuner, low ratios in the bench.
+(`scripts/probe_launch_gap.py`) a 0.118 ms kernel then read up to 0.215 ms, unsteady, in
+some runs and not others: wrong winners in the tuner, low ratios in the bench. Measurements:
+docs/timing.md.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ FLUSH_BYTES = 256 * 1024 * 1024
 
 #: Repeats whose p20..p80 range is wider than this fraction of their median are unsteady:
 #: something else held the GPU or the host for part of the run, and the median may be off by
-#: far more than the differences being measured (an H100, 2026-11-24: one fa3 point timed
-#: 0.219 ms with p20..p80 0.200..0.244, then 0.118 ms steady on the same problem in bf16).
+#: far more than the differences being measured (on an H100 one fa3 point timed 0.219 ms
+#: with p20..p80 0.200..0.244, then 0.118 ms steady on the same problem in bf16).
 UNSTEADY_SPREAD = 0.10
 
 #: How many times an unsteady GPU measurement is taken again before the steadiest is kept.
@@ -74,7 +75,7 @@ class Timing:
     @property
     def spread(self) -> float:
         """(p80 - p20) / median: how unsteady the repeats were. Host-bound calls that the GPU
-        sometimes waits on show up as a wide spread (seen at 0.5 on an H100, 2026-11-22)."""
+        sometimes waits on show up as a wide spread (seen at 0.5 on an H100)."""
         return (self.p80_ms - self.p20_ms) / self.median_ms if self.median_ms > 0 else 0.0
 
     @property
@@ -155,7 +156,7 @@ def queue_seconds(fn: Callable[[], object], calls: int = 5) -> float:
     its own while a GPU spin holds the queue, so no call waits for the GPU. The host cost of
     issuing work, which decides whether a caller keeps the GPU busy. The median, not the
     mean: one slow call (a pause of the interpreter, say) must not count as the cost of every
-    call (an H100 bench, 2026-11-24, read over 5 ms for a ~0.11 ms call from a mean of 3).
+    call (an H100 bench read over 5 ms for a ~0.11 ms call from a mean of 3).
     The spin covers up to 1 ms of host time per call."""
     torch.cuda._sleep(int((0.02 + calls * 1e-3) * SPIN_HZ))
     samples = []

@@ -282,7 +282,7 @@ def tune_problem(
         # variant has passed in this run, the timeout stretches (up to OVERTIME x) rather
         # than end the run on candidates it compiled and never measured. Resumed rows do not
         # count: after a template change a key may hold only the rows of kernels that did
-        # not change, and a re-tune then measured none of the new ones (H200, 2026-11-24).
+        # not change, and a re-tune then measured none of the new ones (docs/tuning.md).
         passed = any(o.status == "ok" for j, o in result.outcomes.items() if j not in resumed)
         return clock() - start < (timeout if passed else OVERTIME * timeout)
 
