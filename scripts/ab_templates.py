@@ -2,7 +2,7 @@
 
 A template change is judged by how the same variant runs before and after it. Two separate
 runs cannot tell: on an H100 the same cell moved by up to 0.15x cuDNN between benches
-minutes apart (NOTES.md, 2026-11-24). Here every version of each variant's kernel runs on the
+minutes apart (docs/timing.md, 2026-11-24). Here every version of each variant's kernel runs on the
 same inputs, interleaved round by round with SDPA's cuDNN backend, and each round's ratio to
 cuDNN is kept; the table gives their medians. Every kernel is first checked against the
 float64 reference on the timed problem itself, so a persistent kernel is checked with its

@@ -179,7 +179,7 @@ def test_head_units_is_a_causal_knob_of_persistent_fa3() -> None:
 def test_portfolio_and_default_lead_with_fa3_on_hopper() -> None:
     # The tuner measures fa3 first on Hopper (every candidate passes the reference check
     # before it can win). Untuned, fa3 serves D128 and long D64; short D64, fp32, other head
-    # dims and other GPUs keep fa2 (NOTES.md "fa3").
+    # dims and other GPUs keep fa2 (docs/forward-portfolio.md).
     for d in (64, 128):
         assert portfolio(_problem(d), HOPPER)[0].loop_order == "fa3"
         assert default_variant(_problem(d), HOPPER).loop_order == "fa3"
