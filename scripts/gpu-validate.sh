@@ -4,7 +4,8 @@
 # the lease; logs and the tuning database land in $OUT (or ./gpu-out).
 #   source .device-kit/install.sh && bash scripts/gpu-validate.sh [tests|quick|fa3|tune|tune-all|bench]...
 # tune-all tunes fa-bench and llama3-8b, fp16 and bf16, causal and not, into $DB (default
-# $out/tuning.db): the recipe of the shipped tuning_db/flashgen.db. TUNE_S caps that stage.
+# $out/tuning.db), with a time cap per preset (TUNE_S); scripts/retune.sh is the shipped
+# database's recipe.
 set -u
 out="${OUT:-gpu-out}"
 mkdir -p "$out/t"

@@ -1,0 +1,43 @@
+"""scripts/retune.sh: the commands it would run are ones `flashgen tune` accepts."""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import typer.main
+
+from flashgen.cli import app
+from flashgen.kernels.presets import PRESETS
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+
+
+def _dry_run(*args: str) -> list[list[str]]:
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "retune.sh"), "--dry-run", *args],
+                         capture_output=True, text=True, check=True)
+    return [shlex.split(line[2:]) for line in run.stdout.splitlines() if line.startswith("+ ")]
+
+
+def test_retune_runs_tune_with_options_it_has() -> None:
+    tune = typer.main.get_command(app).commands["tune"]  # type: ignore[attr-defined]
+    known = {opt for param in tune.params for opt in param.opts}
+    commands = _dry_run("--db", "x.db", "--", "--remeasure")
+    assert [c[c.index("--mode") + 1] for c in commands] == ["fwd", "bwd"]
+    for command in commands:
+        assert command[1:4] == ["-m", "flashgen", "tune"]
+        options = [word for word in command[4:] if word.startswith("--")]
+        assert set(options) <= known, set(options) - known
+        presets = [command[i + 1] for i, word in enumerate(command) if word == "--preset"]
+        assert presets == ["fa-bench", "llama3-8b"] and set(presets) <= set(PRESETS)
+        assert command[command.index("--db") + 1] == "x.db"
+
+
+def test_retune_needs_a_database() -> None:
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "retune.sh"), "--dry-run"],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and "--db" in run.stderr
