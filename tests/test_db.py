@@ -17,10 +17,12 @@ from flashgen.kernels.bwd_variant import BwdVariant
 from flashgen.kernels.hardware import INTERPRETER, DeviceInfo
 from flashgen.kernels.problem import Problem
 from flashgen.kernels.render import _templates, kernel_hash
+from flashgen.kernels.resources import data_dir
 from flashgen.kernels.variant import Variant
 from flashgen.store.current import LEGACY, family_hash, row_is_current
 from flashgen.store.db import SCHEMA_VERSION, TuningDB, default_db_path, migrations
 from flashgen.store.keys import TuningKey, Versions, seq_bucket
+from flashgen.store.slim import check_current, slim
 from flashgen.tune.timing import Timing
 
 H100 = DeviceInfo("NVIDIA H100 80GB HBM3", (9, 0), 132, 232448)
@@ -398,3 +400,58 @@ def test_two_processes_writing_one_file_lose_nothing(tmp_path: Path) -> None:
         assert db.schema_version == SCHEMA_VERSION
         assert db.db["_sqlite_migrations"].count == SCHEMA_VERSION
         assert db.update_winner(key_of()).median_ms == 1.0
+
+
+# ---- the shipped database and the slim step --------------------------------------------
+
+
+def test_shipped_database_is_small_and_every_winner_is_current() -> None:
+    # A template edit that changes a shipped kernel must come with a re-tune of its rows,
+    # or dispatch passes them over; prose edits keep them (tests/test_kernel_hash.py).
+    path = Path(str(data_dir("tuning_db") / "flashgen.db"))
+    assert path.stat().st_size <= 2 * 1024 * 1024
+    assert check_current(path) == []
+    with TuningDB.open_readonly(path) as db:
+        winners, runs = db.all_winners(), db.runs()
+        assert db.db["trials"].count == len(winners)  # each winner's own trial, no more
+    assert {w.key.gpu_name for w in winners} == {r.gpu_name for r in runs}
+
+
+def test_slim_keeps_current_winners_their_trials_and_provenance(tmp_path: Path) -> None:
+    path = tmp_path / "user.db"
+    with TuningDB(path) as db:
+        db.start_run("r1", H100, command="flashgen tune")
+        for causal in (True, False):
+            problem, key = PROBLEM.with_(causal=causal), key_of(PROBLEM.with_(causal=causal))
+            for block_m in (32, 64, 128):
+                db.record_trial(key, problem, Variant(block_m=block_m), "ok",
+                                timing=timing(1.0), tflops=float(block_m), run_id="r1")
+            db.record_baseline(H100.key, problem, "cudnn", timing(2.0), VERSIONS.torch)
+            db.record_baseline(H100.key, problem, "cudnn", timing(1.5), VERSIONS.torch)
+            db.update_winner(key)
+        db.finish_run("r1", "ok")
+        record_ok(db, key_of(device=INTERPRETER), Variant(), 1.0)  # a row of no recorded run
+        db.update_winner(key_of(device=INTERPRETER))
+        _change_kernel(db, "winners", "causal = 0 and device_key = ?", [H100.key])
+    before = path.read_bytes()
+    with pytest.raises(ValueError, match="in_place"):
+        slim(path, path, provenance="x")
+    report = slim(path, tmp_path / "out.db", provenance="earlier runs")
+    assert path.read_bytes() == before  # the source is only read
+    assert (report.winners, report.trials, report.baselines, report.stale_winners) == (2, 2,
+                                                                                       1, 1)
+    out = tmp_path / "out.db"
+    assert check_current(out) == []
+    with TuningDB.open_readonly(out) as db:
+        assert db.db.journal_mode == "delete"
+        assert [w.variant for w in db.load_winners(H100.key, VERSIONS.triton)] == [
+            Variant(block_m=128)]
+        assert db.baseline(H100.key, VERSIONS.torch, PROBLEM) == ("cudnn", 1.5)
+        runs = {r.id: r for r in db.runs()}
+    assert runs["r1"].command == "flashgen tune"
+    earlier = runs[f"earlier:{INTERPRETER.key}"]
+    assert (earlier.command, earlier.trials, earlier.winners) == ("earlier runs", 1, 1)
+    with pytest.raises(FileExistsError):
+        slim(path, out, provenance="x")
+    slim(path, in_place=True, provenance="x")
+    assert check_current(path) == [] and path.stat().st_size < len(before)
