@@ -42,13 +42,7 @@ from flashgen.kernels.hardware import CPU_INTERPRETER, DeviceInfo
 from flashgen.kernels.modes import AnyVariant, space_of
 from flashgen.kernels.problem import Problem
 from flashgen.kernels.render import _templates
-from flashgen.store.current import (
-    LEGACY,
-    RETIRED,
-    family_hash,
-    kernel_hash_now,
-    row_is_current,
-)
+from flashgen.store.current import LEGACY, RETIRED, family_hash, kernel_hash_now, row_is_current
 from flashgen.store.keys import KEY_COLUMNS, TuningKey, Versions, package_version
 from flashgen.tune.timing import Timing
 
