@@ -169,10 +169,11 @@ def m006_kernel_hash(db: sqlite_utils.Database) -> None:
     db.execute("DROP INDEX IF EXISTS idx_winners_device_key_triton_version_template_hash_mode")
     for table in ("trials", "winners"):
         db[table].add_column("kernel_hash", str)
-    db.conn.executemany("UPDATE trials SET key_id = ?, kernel_hash = ? WHERE id = ?",
-                        [(*rekey(row), row["id"]) for row in db["trials"].rows])
+    read = ", ".join((*_M006_KEY, "template_hash", "variant_json", "problem_json"))
+    db.conn.executemany("UPDATE trials SET key_id = ?, kernel_hash = ? WHERE id = ?", [
+        (*rekey(row), row["id"]) for row in db.query(f"SELECT id, status, {read} FROM trials")])
     kept: dict[str, tuple[tuple[bool, str], str, str | None]] = {}
-    for row in db["winners"].rows:
+    for row in list(db.query(f"SELECT key_id, updated_at, {read} FROM winners")):
         key_id, kernel = rekey(row)
         rank = (kernel is not None and not kernel.startswith(RETIRED), row["updated_at"])
         held = kept.get(key_id)
