@@ -79,7 +79,7 @@ def render_bwd(kernel: BwdKernel, variant: BwdVariant, problem: Problem) -> str:
 def render_bwd_with(templates: Mapping[str, str], kernel: BwdKernel, variant: BwdVariant,
                     problem: Problem) -> str:
     """What `render_bwd` gives with other template texts (say an earlier revision's): lets a
-    tool check that a template change leaves a stored variant's kernels byte-identical."""
+    tool or test see which kernels (so which rows' kernel hashes) a template change alters."""
     env = _make_environment(templates.get)
     return env.get_template(bwd_template_name(kernel, variant)).render(
         **bwd_render_context(kernel, variant, problem))

@@ -45,8 +45,8 @@ def normalised(source: str) -> str:
     """`source` without comments, docstrings (any statement that is a bare string literal),
     trailing blanks and blank lines: what a kernel hash covers, so an edit of a template's
     prose keeps the rows of every kernel it renders. Found by Python's tokenizer, so a `#`
-    or a quote inside a string is left alone; text it cannot tokenize is only cut of blank
-    lines and trailing blanks."""
+    or a quote inside a string is left alone; from text it cannot tokenize, only blank lines
+    and trailing blanks are cut. The same on Python 3.10 to 3.13."""
     lines = io.StringIO(source).readlines()  # the tokenizer's lines: split at "\n" only
     try:
         tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
@@ -117,7 +117,7 @@ def _environment() -> jinja2.Environment:
 
 def render_with(templates: Mapping[str, str], variant: Variant, problem: Problem) -> str:
     """What `render` gives with other template texts (say an earlier revision's): lets a
-    tool check that a template change leaves a stored variant's kernel byte-identical."""
+    tool or test see which kernel (so which rows' kernel hashes) a template change alters."""
     env = _make_environment(templates.get)
     return env.get_template(template_name(variant)).render(**render_context(variant, problem))
 

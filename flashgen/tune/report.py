@@ -79,8 +79,8 @@ def _took(run: RunRow) -> str:
         return ""
     seconds = (datetime.fromisoformat(run.ended_at)
                - datetime.fromisoformat(run.started_at)).total_seconds()
-    minutes, hours = round(seconds / 60), seconds / 3600
-    return f"{hours:.0f}h{minutes % 60:02d}m" if hours >= 1 else f"{minutes}m"
+    minutes = round(seconds / 60)
+    return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m"
 
 
 def runs_table(runs: Iterable[RunRow]) -> Table:
