@@ -33,7 +33,7 @@ from flashgen.tune.tuner import TuneResult, knob_choices, tune_problem
 PROBLEM = Problem(1, 2, 1, 256, 256, 64)
 #: 16-long sequences admit only 16-row tiles: a space small enough to measure exhaustively.
 SMALL = Problem(1, 2, 1, 16, 16, 16)
-VERSIONS = Versions("3.6.0", "2.13.0", "tpl")
+VERSIONS = Versions("3.6.0", "2.13.0")
 
 
 def made_up_ms(v: Variant) -> float:

@@ -195,8 +195,8 @@ def _seeds(problem: Problem, device: DeviceInfo, db: TuningDB, versions: Version
     same mode, dtype, head dim and mask on this device and versions, nearest sequence buckets
     and GQA ratio first."""
     key = TuningKey.for_problem(problem, device, space.mode, versions)
-    similar = [w for w in db.load_winners(device.key, versions.triton, versions.template_hash,
-                                          mode=space.mode, torch_version=versions.torch)
+    similar = [w for w in db.load_winners(device.key, versions.triton, mode=space.mode,
+                                          torch_version=versions.torch)
                if (w.key.dtype, w.key.head_dim, w.key.causal)
                == (key.dtype, key.head_dim, key.causal)]
 
@@ -231,7 +231,7 @@ def tune_problem(
     """Search `mode`'s variants of `problem` on `device`; every trial goes to `db`.
 
     `bench` measures that mode's variants: `KernelBench` for "fwd", `BwdKernelBench` for
-    "bwd". `versions` default to the running ones, with `mode`'s template hash.
+    "bwd". `versions` default to the running ones.
 
     Budget: `trials` new measurements (pruned and resumed points are free) and/or `timeout`
     seconds; the search also ends when every valid variant has been measured. `batch`
@@ -247,7 +247,7 @@ def tune_problem(
     if trials is not None and trials < 0:
         raise ValueError(f"trials must be >= 0, got {trials}")
     space = space_of(mode)
-    versions = versions or Versions.current(mode)
+    versions = versions or Versions.current()
     run_id = run_id or uuid.uuid4().hex[:12]
     key = TuningKey.for_problem(problem, device, mode, versions)
     result = TuneResult(problem, key, trials)
