@@ -207,7 +207,7 @@ def _run_tuning(problems: list[Problem], device_type: str, gpu: int, trials: int
     from flashgen.kernels.hardware import device_info
     from flashgen.store.db import TuningDB
     from flashgen.tune.report import results_table
-    from flashgen.tune.tuner import tune_problem
+    from flashgen.tune.tuner import TuneOptions, tune_problem
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     if device_type == "cuda":
@@ -246,10 +246,9 @@ def _run_tuning(problems: list[Problem], device_type: str, gpu: int, trials: int
                     progress.update(task, completed=r.measured, best=best, last=r.last[:50])
 
                 bench = _make_bench(mode, problem, target, seed, compile_workers, database.path)
-                results.append(tune_problem(
-                    problem, bench, database, info, mode=mode, trials=trials,
-                    timeout=timeout, seed=seed, batch=batch, run_id=run_id, on_progress=show,
-                    remeasure=remeasure))
+                options = TuneOptions(mode, trials, timeout, seed, batch, remeasure)
+                results.append(tune_problem(problem, bench, database, info, options,
+                                           run_id=run_id, on_progress=show))
             status = "ok"
         except KeyboardInterrupt:
             interrupted = True

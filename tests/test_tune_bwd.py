@@ -20,7 +20,7 @@ from flashgen.store.keys import MODES, TuningKey, Versions
 from flashgen.tune.bwd_bench import BWD_FLOPS_RATIO, BwdKernelBench
 from flashgen.tune.fwd_bench import Measurement
 from flashgen.tune.timing import Timing, tflops
-from flashgen.tune.tuner import TuneResult, knob_choices, tune_problem
+from flashgen.tune.tuner import TuneOptions, TuneResult, knob_choices, tune_problem
 
 PROBLEM = Problem(1, 2, 1, 256, 256, 64)
 VERSIONS = Versions("3.6.0", "2.13.0")
@@ -66,8 +66,11 @@ def db(tmp_path: Path) -> TuningDB:
 
 def tune_bwd(bench: FakeBwdBench, db: TuningDB, problem: Problem = PROBLEM,
              **kw: object) -> TuneResult:
-    kw.setdefault("versions", VERSIONS)
-    return tune_problem(problem, bench, db, INTERPRETER, mode="bwd", **kw)  # type: ignore[arg-type]
+    extra = {k: kw.pop(k) for k in ("run_id", "on_progress", "clock") if k in kw}
+    versions = kw.pop("versions", VERSIONS)
+    return tune_problem(problem, bench, db, INTERPRETER,  # type: ignore[arg-type]
+                        TuneOptions(mode="bwd", **kw), versions=versions,  # type: ignore[arg-type]
+                        **extra)  # type: ignore[arg-type]
 
 
 # ---- the tuner over BwdVariants ----------------------------------------------------------
@@ -122,7 +125,7 @@ def test_bwd_rerun_resumes_and_seeds_from_bwd_winners_only(db: TuningDB) -> None
     assert again.best == min(first_bench.measured + again_bench.measured, key=made_up_ms)
     assert again.best != default_bwd_variant(PROBLEM, INTERPRETER)
     # A forward study of the same problem neither resumes nor seeds from backward rows.
-    fwd = tune_problem(PROBLEM, _FwdBench(), db, INTERPRETER, trials=2,
+    fwd = tune_problem(PROBLEM, _FwdBench(), db, INTERPRETER, TuneOptions(trials=2),
                        versions=VERSIONS)
     assert fwd.resumed == 0 and fwd.mode == "fwd" and isinstance(fwd.best, Variant)
     longer = PROBLEM.with_(seq_q=512, seq_k=512)
