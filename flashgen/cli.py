@@ -207,7 +207,7 @@ def _run_tuning(problems: list[Problem], device_type: str, gpu: int, trials: int
     from flashgen.kernels.hardware import device_info
     from flashgen.store.db import TuningDB
     from flashgen.tune.report import results_table
-    from flashgen.tune.tuner import tune_problem
+    from flashgen.tune.tuner import TuneOptions, tune_problem
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     if device_type == "cuda":
@@ -233,6 +233,8 @@ def _run_tuning(problems: list[Problem], device_type: str, gpu: int, trials: int
     ) as progress:
         progress.console.print(f"tuning {len(problems)} problem(s) on {info.name} "
                                f"(db: {database.path})")
+        database.start_run(run_id, info)
+        status = "failed"  # unless the loop ends or is interrupted
         try:
             for problem, mode in ((p, m) for p in problems for m in modes):
                 current, reported[:] = (problem, mode), []
@@ -244,15 +246,18 @@ def _run_tuning(problems: list[Problem], device_type: str, gpu: int, trials: int
                     progress.update(task, completed=r.measured, best=best, last=r.last[:50])
 
                 bench = _make_bench(mode, problem, target, seed, compile_workers, database.path)
-                results.append(tune_problem(
-                    problem, bench, database, info, mode=mode, trials=trials,
-                    timeout=timeout, seed=seed, batch=batch, run_id=run_id, on_progress=show,
-                    remeasure=remeasure))
+                options = TuneOptions(mode, trials, timeout, seed, batch, remeasure)
+                results.append(tune_problem(problem, bench, database, info, options,
+                                           run_id=run_id, on_progress=show))
+            status = "ok"
         except KeyboardInterrupt:
             interrupted = True
+            status = "interrupted"
             if current is not None:
                 results.append(_interrupted(*current, info, trials, reported, database,
                                             progress))
+        finally:
+            database.finish_run(run_id, status)
     console.print(results_table(results))
     if interrupted:
         raise typer.Exit(130)  # as a shell reports a process that SIGINT stopped
@@ -284,14 +289,17 @@ def _interrupted(problem: Problem, mode: str, info: DeviceInfo, trials: int | No
 def show(
     db: DbOption = None,
     as_json: Annotated[bool, typer.Option(
-        "--json", help="Print the winners as JSON instead of a table.")] = False,
+        "--json", help="Print the winners (or runs) as JSON instead of a table.")] = False,
     current: Annotated[bool, typer.Option(
         help="Only winners that the installed Triton and templates can use.")] = False,
+    runs: Annotated[bool, typer.Option(
+        "--runs", help="List the runs that wrote the database (its provenance) instead.")
+    ] = False,
 ) -> None:
     """List the winners in the tuning database, one per key (device, versions, dtype, mask,
-    head dim, GQA ratio and sequence-length buckets)."""
+    head dim, GQA ratio and sequence-length buckets), or with --runs the runs that wrote it."""
     from flashgen.store.db import TuningDB, default_db_path
-    from flashgen.tune.report import is_current, winners_table
+    from flashgen.tune.report import is_current, runs_table, winners_table
 
     path = db or default_db_path()
     if not path.exists():
@@ -299,6 +307,14 @@ def show(
     # Read only: `show` must not migrate or re-journal the file it lists (say the database
     # shipped inside the installed package, which may not be writable at all).
     with TuningDB.open_readonly(path) as database:
+        if runs:
+            rows = database.runs()
+            if as_json:
+                typer.echo(json.dumps([vars(r) for r in rows], indent=2))
+            else:
+                console = _console()
+                console.print(runs_table(rows), width=min(80, console.width))
+            return
         winners = [w for w in database.all_winners() if not current or is_current(w)]
     if as_json:
         typer.echo(json.dumps([{**w.to_dict(), "current": is_current(w)} for w in winners],

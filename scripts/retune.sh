@@ -13,7 +13,8 @@
 # then on the sampler. From an empty database each key's first trials go to the default and
 # the portfolio (up to 20 forward points at head dim 64): raise --fwd-trials and
 # --fwd-timeout so every key gets through them. One database can be carried from GPU to GPU;
-# rows are keyed by GPU, so each GPU's winners stay apart.
+# rows are keyed by GPU, so each GPU's winners stay apart. scripts/slim_db.py then cuts it to
+# the file that ships (winners, their trials, provenance).
 set -euo pipefail
 
 usage() { sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'; cat <<'EOF'
