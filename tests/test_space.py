@@ -267,3 +267,10 @@ def test_default_choices_are_pinned(case: tuple[str, int, str, bool, int]) -> No
     got = (default_variant(problem, device), default_bwd_variant(problem, device),
            default_bwd_variant(problem, device, fa3=False))
     assert tuple(str(v) for v in got) == DEFAULTS_PINNED[case]
+
+
+def test_default_without_gluon_is_the_portable_one() -> None:
+    for head_dim, expected in ((64, "fa2 m128 n64 w4 s3"), (128, "fa2 m128 n64 w8 s3")):
+        problem = flashgen.Problem(2, 8, 2, 8192, 8192, head_dim, "bf16", False)
+        assert default_variant(problem, HOPPER).loop_order == "fa3"
+        assert str(default_variant(problem, HOPPER, fa3=False)) == expected

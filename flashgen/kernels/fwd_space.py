@@ -436,11 +436,15 @@ def portfolio(problem: Problem, device: DeviceInfo | str | None = None) -> list[
             if pick.serves(problem, dev) and why_invalid(pick.variant, problem, dev) is None]
 
 
-def default_variant(problem: Problem, device: DeviceInfo | str | None = None) -> Variant:
+def default_variant(problem: Problem, device: DeviceInfo | str | None = None,
+                    fa3: bool = True) -> Variant:
     """A hand-picked variant that is valid for any problem: the answer when nothing was tuned
-    (the first row of DEFAULTS that serves `problem` and is valid for it)."""
+    (the first row of DEFAULTS that serves `problem` and is valid for it). `fa3` False skips
+    the Gluon rows: the portable Triton default."""
     dev = device_info(device)
     for pick in DEFAULTS:
-        if pick.serves(problem, dev) and why_invalid(pick.variant, problem, dev) is None:
-            return pick.variant
+        v = pick.variant
+        if (pick.serves(problem, dev) and (fa3 or v.loop_order != "fa3")
+                and why_invalid(v, problem, dev) is None):
+            return v
     raise AssertionError(f"no default variant fits {problem}")  # the 16x16 tile always fits
