@@ -37,18 +37,17 @@ Check = Callable[[Entry], "str | None"]
 MODES: tuple[str, ...] = ("fwd", "bwd")
 
 
-class Shape(NamedTuple):
-    """What a call asks for: q is B x Hq x Nq x D, k and v B x Hkv x Nk x D. The fields are
-    flashgen's `Problem`'s, in its order."""
+#: flashgen's `Problem` fields, in its order, so that each converts to the other in one call
+#: (`Problem(*shape)`); written as one list, not restated field by field.
+_SHAPE = NamedTuple("_SHAPE", [  # noqa: UP014
+    ("batch", int), ("heads_q", int), ("heads_kv", int), ("seq_q", int), ("seq_k", int),
+    ("head_dim", int), ("dtype", str), ("causal", bool)])
 
-    batch: int
-    heads_q: int
-    heads_kv: int
-    seq_q: int
-    seq_k: int
-    head_dim: int
-    dtype: str
-    causal: bool
+
+class Shape(_SHAPE):
+    """What a call asks for: q is B x Hq x Nq x D, k and v B x Hkv x Nk x D."""
+
+    __slots__ = ()
 
     @classmethod
     def of(cls, q: torch.Tensor, k: torch.Tensor, causal: bool) -> Shape:
