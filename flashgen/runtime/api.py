@@ -25,6 +25,13 @@ def _needs_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         return False
 
 
+@torch.compiler.assume_constant_result
+def _encoded(mode: str, variant: Any) -> str:
+    """An explicit variant as the op's text, worked out at trace time (a constant of the
+    graph): the tracer cannot follow the default dispatcher's making or the JSON."""
+    return default_dispatcher().encode(mode, variant)
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -60,8 +67,8 @@ def attention(
             d.check_variant("bwd", bwd_variant)
             out, lse = ops.EagerAttention.apply(q, k, v, causal, scale, variant, bwd_variant, d)
             return (out, lse) if return_lse else out
-        text = "" if variant is None else default_dispatcher().encode("fwd", variant)
-        bwd_text = "" if bwd_variant is None else default_dispatcher().encode("bwd", bwd_variant)
+        text = "" if variant is None else _encoded("fwd", variant)
+        bwd_text = "" if bwd_variant is None else _encoded("bwd", bwd_variant)
         out, lse = ops.attention_fwd(q, k, v, causal, scale, text, bwd_text)
     else:
         out, lse = (dispatcher or default_dispatcher()).forward(q, k, v, causal, scale, variant)
