@@ -400,6 +400,9 @@ def test_cli_refusals(tmp_path: Path) -> None:
     _export("--db", str(db), "--out", str(tmp_path), "--name", "pkg", "--force")
     bad = runner.invoke(app, ["export", "--db", str(db), "--out", str(tmp_path), "--name", "a-b"])
     assert bad.exit_code == 2 and "identifier" in bad.output
+    ours = runner.invoke(app, ["export", "--db", str(db), "--out", str(tmp_path), "--name",
+                               "flashgen"])
+    assert ours.exit_code == 2 and "shadow" in ours.output
     aot = runner.invoke(app, ["export", "--db", str(db), "--out", str(tmp_path), "--format", "aot"])
     assert aot.exit_code == 2 and "only the CPU interpreter" in aot.output
 

@@ -201,6 +201,8 @@ def write_package(selection: Selection, out: Path, name: str, force: bool = Fals
     """Write package `name` under `out` (replacing an existing one only with `force`)."""
     if not name.isidentifier():
         raise ValueError(f"package name {name!r} is not a Python identifier")
+    if name == "flashgen":
+        raise ValueError("package name 'flashgen' would shadow flashgen itself; pick another")
     if not selection.gpus:
         raise ValueError("no winners to export (see the notes)")
     target = out / name

@@ -13,7 +13,8 @@ An entry holds the bucket it was tuned for ("dtype", "causal", "head_dim", "gqa"
 "seq_q_bucket", "seq_k_bucket"; defaults have no "gqa"), "variant" (the knobs, a dict),
 "twin" (the knobs of what runs where TMA cannot address the inputs, for variants that use
 it), and optionally "kernels" (role -> module, exports), "need" (the smallest power-of-two
-query and key lengths its tiles fit), "source" (the database row) and "kernel_hash".
+query and key lengths its tiles fit), "source" (the database row) and what a dispatcher's
+`kernel_is_current` reads (such as the hash of the kernel the row was tuned with).
 
 For a call: the exact (dtype, causal, head dim, GQA ratio, Nq bucket, Nk bucket) entry; else
 the nearest tuned bucket of the same kind that is valid for the call; else the default.
