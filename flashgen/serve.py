@@ -10,6 +10,7 @@ variants through the same launch code (`run_forward`, `run_backward`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -33,8 +34,8 @@ from flashgen.store.table import default_paths, device_table, entry
 
 
 def shape_of(problem: Problem) -> Shape:
-    return Shape(problem.batch, problem.heads_q, problem.heads_kv, problem.seq_q,
-                 problem.seq_k, problem.head_dim, problem.dtype, problem.causal)
+    """The runtime's view of `problem` (the same fields, in the same order)."""
+    return Shape(*dataclasses.astuple(problem))
 
 
 def load_role(found: Entry, role: str, problem: Problem) -> Any:
