@@ -54,9 +54,9 @@ TABLE_FORMAT = 1
 #: The package's one generated Python file (the runtime's `package.py` does the work).
 INIT = '''"""{name}: flash-attention kernels exported by flashgen {version}.
 
-Needs only torch and triton; tuned for {gpus}. `runtime/` is flashgen's
-own runtime, copied verbatim; `kernels/` holds the rendered Triton sources and `table.json`
-which of them serves which problem (see README.md).
+Needs only torch and triton. Tuned for: {gpus}.
+`runtime/` is flashgen's own runtime, copied verbatim; `kernels/` holds the rendered Triton
+sources, and `table.json` says which of them serves which problem (see README.md).
 """
 
 from .runtime import package as _package
