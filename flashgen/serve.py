@@ -30,7 +30,7 @@ from flashgen.runtime.backward import BwdLauncher, prepare_backward
 from flashgen.runtime.forward import Launcher, default_scale
 from flashgen.runtime.forward import prepare_forward as _prepare_entry
 from flashgen.runtime.table import Choice, Entry, Shape, Table
-from flashgen.store.table import default_paths, device_table, entry
+from flashgen.store.table import default_paths, device_table, entry, entry_is_current
 
 
 def shape_of(problem: Problem) -> Shape:
@@ -109,11 +109,11 @@ class Dispatcher(dispatch.Dispatcher):
                                  Problem(*shape), table.device)
 
     def kernel_is_current(self, mode: str, entry: Entry) -> str | None:
-        """Tuned rows are keyed to the text of their template family, and the databases
-        serve only rows of the installed templates (`TuningDB.load_winners`), so every row
-        read is current. Where rows carry the hash of the kernel they ran instead, this is
-        the place to compare it with the variant's kernel rendered now."""
-        return None
+        """A row whose kernel a template edit has changed since it was tuned gives way (to
+        the next row of its bucket, the nearest bucket, or the default): it timed another
+        kernel. The check renders the variant, so the runtime asks it once per row."""
+        return None if entry_is_current(mode, entry) else (
+            "its kernel has changed since it was tuned (re-tune)")
 
     # ---- flashgen's own questions ----------------------------------------------------------
 

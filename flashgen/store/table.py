@@ -9,17 +9,18 @@ next one of the same bucket may.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from flashgen.kernels.bwd_render import PREPROCESS_BLOCK_M
 from flashgen.kernels.bwd_space import bwd_pointer_twin
 from flashgen.kernels.hardware import DeviceInfo
-from flashgen.kernels.modes import AnyVariant
+from flashgen.kernels.modes import AnyVariant, space_of
 from flashgen.kernels.problem import Problem
 from flashgen.kernels.resources import data_dir
 from flashgen.kernels.variant import Variant
+from flashgen.store.current import hash_is_current
 from flashgen.store.db import TuningDB, WinnerRow, default_db_path
 from flashgen.store.keys import MODES
 
@@ -57,14 +58,24 @@ def entry(variant: AnyVariant, problem: Problem, device: DeviceInfo | None) -> d
 
 
 def winner_entry(winner: WinnerRow, source: str, device: DeviceInfo) -> dict[str, Any]:
-    """A winner row as a tuned entry: its bucket, the entry of its variant, and its row."""
+    """A winner row as a tuned entry: its bucket, the entry of its variant, its row, and
+    what `entry_is_current` reads (the problem it was tuned on, its kernel's hash)."""
     k = winner.key
     return {
         "dtype": k.dtype, "causal": k.causal, "head_dim": k.head_dim, "gqa": k.gqa,
         "seq_q_bucket": k.seq_q_bucket, "seq_k_bucket": k.seq_k_bucket,
         **entry(winner.variant, winner.problem, device),
         "tflops": winner.tflops, "source": source,
+        "problem": winner.problem.to_dict(), "kernel_hash": winner.kernel_hash,
     }
+
+
+def entry_is_current(mode: str, found: Mapping[str, Any]) -> bool:
+    """Whether tuned entry `found` still names the kernel its row was tuned with (its
+    variant rendered now hashes as it did; `current.hash_is_current`, cached per process)."""
+    variant = space_of(mode).variant_type.from_dict(found["variant"])
+    return hash_is_current(mode, variant, Problem.from_dict(found["problem"]),
+                           found.get("kernel_hash"))
 
 
 def device_table(paths: Sequence[Path], device: DeviceInfo) -> dict[str, Any]:
