@@ -25,11 +25,16 @@ def _needs_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         return False
 
 
-@torch.compiler.assume_constant_result
 def _encoded(mode: str, variant: Any) -> str:
     """An explicit variant as the op's text, worked out at trace time (a constant of the
     graph): the tracer cannot follow the default dispatcher's making or the JSON."""
     return default_dispatcher().encode(mode, variant)
+
+
+# What `torch.compiler.assume_constant_result(_encoded)` does, without importing
+# torch._dynamo (and with it triton) whenever the package is imported: the CLI must choose
+# the Triton interpreter before triton is first imported.
+_encoded._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def attention(
