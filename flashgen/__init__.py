@@ -7,8 +7,9 @@ from flashgen.kernels.problem import Problem
 from flashgen.kernels.render import kernel_hash, render
 from flashgen.kernels.variant import Variant
 from flashgen.runtime.api import attention, explain
-from flashgen.runtime.dispatch import Choice, Dispatcher
 from flashgen.runtime.sdpa import scaled_dot_product_attention
+from flashgen.runtime.table import Choice
+from flashgen.serve import Dispatcher
 
 __all__ = [
     "BwdVariant",

@@ -182,7 +182,8 @@ def _make_bench(mode: str, problem: Problem, target: torch.device, seed: int,
         from flashgen.tune.fwd_bench import KernelBench
 
         return KernelBench(problem, target, seed=seed, compile_workers=compile_workers)
-    from flashgen.runtime.dispatch import Dispatcher, shipped_db_path
+    from flashgen.serve import Dispatcher
+    from flashgen.store.table import shipped_db_path
     from flashgen.tune.bwd_bench import BwdKernelBench
 
     return BwdKernelBench(problem, target, seed=seed, compile_workers=compile_workers,
@@ -441,8 +442,8 @@ def export(
     if fmt not in ("python", "aot"):
         raise _fail(f"--format must be python or aot, got {fmt!r}")
     from flashgen.export.rows import select_winners
-    from flashgen.runtime.dispatch import shipped_db_path
     from flashgen.store.db import default_db_path
+    from flashgen.store.table import shipped_db_path
 
     paths = [db] if db else [default_db_path(), shipped_db_path()]
     if db and not db.is_file():

@@ -103,6 +103,30 @@ def test_user_database_takes_precedence(tmp_path: Path) -> None:
     assert only_shipped.explain(q, k, v, causal=True).source.startswith(str(shipped))
 
 
+def test_a_row_whose_kernel_changed_gives_way_and_is_checked_once(tmp_path: Path) -> None:
+    # `kernel_is_current` is asked once per row, when it is first considered; a stale row
+    # gives way to the next one of its bucket (here the shipped database's).
+    user, shipped = tmp_path / "user.db", tmp_path / "shipped.db"
+    other = flashgen.Variant("fa2", 16, 16, 2, 1)
+    _store(shipped, P64, other)
+    _store(user, P64, WINNER)
+    asked: list[str] = []
+
+    class Checking(flashgen.Dispatcher):
+        def kernel_is_current(self, mode: str, entry: object) -> str | None:
+            asked.append(entry["source"])  # type: ignore[index]
+            stale = entry["variant"] == WINNER.to_dict()  # type: ignore[index]
+            return "its kernel has changed since it was tuned" if stale else None
+
+    d = Checking([user, shipped])
+    for n in (64, 50, 33):
+        q, k, v = make_inputs(1, 2, 1, n, n, 32, torch.float32)
+        choice = d.explain(q, k, v, causal=True)
+        assert (choice.variant, choice.how) == (other, "exact")
+        assert choice.source.startswith(str(shipped))
+    assert [a.split(" ")[0] for a in asked] == [str(user), str(shipped)]
+
+
 def test_no_entries_logs_one_suggestion(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     d = flashgen.Dispatcher(tmp_path / "none.db")
     q, k, v = make_inputs(1, 1, 1, 16, 16, 16, torch.float32)

@@ -67,13 +67,13 @@ def test_autograd_runs_the_stored_winner(tmp_path: Path, monkeypatch: pytest.Mon
     _store(db, P64, WINNER)
     monkeypatch.setattr(dispatch, "_default", flashgen.Dispatcher(db))
     ran: list[BwdVariant] = []
-    real = dispatch.run_backward
+    real = dispatch.prepare_backward
 
-    def recording(*args: object) -> tuple[torch.Tensor, ...]:
-        ran.append(args[6])  # type: ignore[arg-type]
-        return real(*args)  # type: ignore[arg-type]
+    def recording(entry: dict, *args: object) -> object:
+        ran.append(BwdVariant.from_dict(entry["variant"]))
+        return real(entry, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(dispatch, "run_backward", recording)
+    monkeypatch.setattr(dispatch, "prepare_backward", recording)
     q, k, v = make_inputs(1, 2, 1, 40, 64, 32, torch.float32, seed=5)
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
     out = flashgen.attention(*leaves, causal=True)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from flashgen.kernels.hardware import device_info
 from flashgen.kernels.problem import Problem
 from flashgen.runtime.api import attention
-from flashgen.runtime.dispatch import default_dispatcher
+from flashgen.serve import default_dispatcher
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
