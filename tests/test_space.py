@@ -64,6 +64,46 @@ def test_hopper_portfolio_holds_only_valid_points(head_dim: int) -> None:
     assert portfolio(problem, SMALL_GPU) == [] and portfolio(problem, INTERPRETER) == []
 
 
+#: Described GPUs, one per architecture, with the shared memory a block may opt into.
+ARCHITECTURES = {
+    "ampere-8.0": DeviceInfo("A-test", (8, 0), 108, 166912),
+    "ada-8.9": DeviceInfo("L-test", (8, 9), 142, 101376),
+    "hopper-9.0": DeviceInfo("H-test", (9, 0), 132, 232448),
+    "blackwell-10.0": DeviceInfo("B-test", (10, 0), 148, 232448),
+    "blackwell-12.0": DeviceInfo("R-test", (12, 0), 170, 101376),
+}
+
+
+def _hopper_only(v: flashgen.Variant | flashgen.BwdVariant) -> bool:
+    """Whether `v` uses a kernel or feature written for Hopper alone: Gluon (fa3) kernels,
+    TMA descriptors or the warp-specialized loop."""
+    if isinstance(v, flashgen.BwdVariant):
+        return v.fa3 != "none"
+    return v.loop_order == "fa3" or v.use_tma or v.warp_specialize
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_hopper_kernels_are_offered_on_hopper_only(name: str) -> None:
+    """Blackwell (10.x, 12.x) once counted as Hopper (capability >= 9.0) and would have been
+    served Gluon/wgmma/TMA kernels; every GPU but 9.x gets the portable Triton variants, by
+    default, in the portfolio and in the whole search space, for both passes."""
+    from flashgen.kernels.modes import SPACES
+
+    dev = ARCHITECTURES[name]
+    hopper = dev.capability[0] == 9
+    assert dev.is_hopper == hopper
+    for problem in (flashgen.Problem(4, 16, 16, 4096, 4096, 128, "fp16", False),
+                    flashgen.Problem(2, 32, 8, 8192, 8192, 64, "bf16", True)):
+        for space in SPACES.values():
+            default = space.default(problem, dev)
+            assert _hopper_only(default) == hopper, (space.mode, problem, default)
+            picks = space.portfolio(problem, dev)
+            assert any(_hopper_only(v) for v in picks) == hopper, (space.mode, problem)
+            points = space.points(problem, dev)
+            assert any(_hopper_only(v) for v in points) == hopper, (space.mode, problem)
+        assert not _hopper_only(flashgen.default_variant(problem, dev, fa3=False))
+
+
 def test_rules_name_the_reason() -> None:
     p = flashgen.Problem(1, 1, 1, 8, 8, 256, "fp32")
     assert "longer than" in flashgen.why_invalid(flashgen.Variant("fa2", 64, 16, 4, 1), p)

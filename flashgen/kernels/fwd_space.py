@@ -104,20 +104,22 @@ def fa1_has_no_fa2_knobs(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
 
 
 def warp_specialize_needs_hopper(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
-    # Triton's warp specialization targets Hopper (and newer); the interpreter ignores it,
-    # which lets CPU tests exercise the code path.
+    # Triton's warp specialization of this loop was written and measured for Hopper; later
+    # GPUs get the portable loop (see DeviceInfo.is_hopper). The interpreter ignores the
+    # knob, which lets CPU tests exercise the code path.
     if v.warp_specialize and not (dev.is_hopper or dev.is_interpreter):
-        return "warp_specialize needs a Hopper GPU (compute capability 9.0+)"
+        return "warp_specialize needs a Hopper GPU (compute capability 9.x)"
     return None
 
 
 def tma_needs_hopper_and_aligned_rows(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
-    # TMA descriptors exist from Hopper on (the interpreter emulates them, for CPU tests), and
-    # every stride but the last must be a multiple of 16 bytes: rows of D elements must be.
+    # TMA descriptors are served on Hopper only (the interpreter emulates them, for CPU
+    # tests), and every stride but the last must be a multiple of 16 bytes: rows of D
+    # elements must be.
     if not v.use_tma:
         return None
     if not (dev.is_hopper or dev.is_interpreter):
-        return "use_tma needs a Hopper GPU (compute capability 9.0+)"
+        return "use_tma needs a Hopper GPU (compute capability 9.x)"
     elem = 4 if p.dtype == "fp32" else 2
     if (p.head_dim * elem) % 16:
         return f"use_tma needs 16-byte rows; head dim {p.head_dim} x {elem} B is not"
@@ -140,7 +142,7 @@ def fa3_needs_hopper_and_16bit(v: Variant, p: Problem, dev: DeviceInfo) -> str |
     if v.loop_order != "fa3":
         return None
     if not dev.is_hopper:
-        return "fa3 needs a Hopper GPU (compute capability 9.0; Gluon does not interpret)"
+        return "fa3 needs a Hopper GPU (compute capability 9.x; Gluon does not interpret)"
     if p.dtype not in ("fp16", "bf16"):
         return f"fa3 runs fp16 and bf16, not {p.dtype}"
     if p.head_dim not in FA3_HEAD_DIMS:
@@ -379,15 +381,17 @@ def portfolio(problem: Problem, device: DeviceInfo | str | None = None) -> list[
             and not (problem.causal and v.block_m in FA3_EXTRA_BLOCK_M)]
 
 
-def default_variant(problem: Problem, device: DeviceInfo | str | None = None) -> Variant:
+def default_variant(problem: Problem, device: DeviceInfo | str | None = None,
+                    fa3: bool = True) -> Variant:
     """A hand-picked variant that is valid for any problem: the answer when nothing was tuned.
 
     Preferences go from the fastest general choice on recent GPUs down to the smallest tile,
-    which every problem admits.
+    which every problem admits. With `fa3` False the Gluon kernels are left out: the
+    portable Triton default, which dispatch falls back to where a kernel fails to compile.
     """
     dev = device_info(device)
     big_d = problem.padded_head_dim >= 128
-    prefs = [
+    fa3_first = [
         # Hopper, 16-bit, D 64 or 128 (the fa3 rules drop it elsewhere). At D64 fa3 pays off
         # only from 4k keys on: below that a program is too short to hide its TMA prologue
         # (H100, 2026-11-23: 0.67-0.89x cuDNN against fa2's 0.85-0.93x; NOTES.md "fa3").
@@ -400,6 +404,9 @@ def default_variant(problem: Problem, device: DeviceInfo | str | None = None) ->
           and problem.seq_k >= FA3_THREE_CONSUMERS_MIN_KEYS else []),
         *([Variant("fa3", 128, 128, 4, 2, persistent=1, pingpong=big_d)]
           if big_d or problem.seq_k >= FA3_DEFAULT_MIN_KEYS_D64 else []),
+    ]
+    prefs = [
+        *(fa3_first if fa3 else []),
         Variant("fa2", 128, 64, 8 if big_d else 4, 3 if dev.is_hopper else 2),
         Variant("fa2", 128, 32, 8, 2),
         Variant("fa2", 64, 64, 4, 2),

@@ -30,7 +30,11 @@ class DeviceInfo:
 
     @property
     def is_hopper(self) -> bool:
-        return self.capability >= (9, 0) and not self.is_interpreter
+        """Compute capability 9.x. The Gluon (fa3) kernels, their TMA descriptors and
+        Triton's warp specialization here are written for Hopper's wgmma and were measured
+        on it only; later GPUs (Blackwell is 10.x and 12.x) have other instructions, so
+        they, like Ampere and Ada, get the portable Triton variants."""
+        return self.capability[0] == 9 and not self.is_interpreter
 
     @property
     def key(self) -> str:

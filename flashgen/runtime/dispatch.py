@@ -24,9 +24,9 @@ from typing import Literal
 
 import torch
 
-from flashgen.kernels.bwd_space import why_invalid_bwd
+from flashgen.kernels.bwd_space import default_bwd_variant, why_invalid_bwd
 from flashgen.kernels.bwd_variant import BwdVariant
-from flashgen.kernels.fwd_space import why_invalid
+from flashgen.kernels.fwd_space import default_variant, why_invalid
 from flashgen.kernels.hardware import DeviceInfo, device_info
 from flashgen.kernels.modes import AnyVariant, space_of
 from flashgen.kernels.problem import Problem
@@ -121,6 +121,7 @@ class Dispatcher:
         self._plans: dict[tuple, _Plan] = {}
         self._bwd_choices: dict[tuple[Problem, str], BwdChoice] = {}
         self._warned: set[str] = set()
+        self._failed: set[tuple] = set()  # kernels whose failure was warned of
 
     # ---- choosing ------------------------------------------------------------------------
 
@@ -274,9 +275,38 @@ class Dispatcher:
         if plan is None:
             _check_variant_type(variant)
             plan = self._plan(q, k, v, causal, variant)
+            try:  # the first launch compiles the kernel
+                result = plan.launch(q, k, v, plan.scale if scale is None else scale)
+            except Exception as exc:
+                problem = Problem.from_tensors(q, k, v, causal)
+                portable = default_variant(problem, device_info(q.device), fa3=False)
+                why = self._give_way(plan.choice, portable, problem, q.device, exc)
+                plan = _Plan(prepare_forward(portable, problem, strict=False),
+                             Choice(portable, "fallback", why), plan.scale)
+                result = plan.launch(q, k, v, plan.scale if scale is None else scale)
             if key is not None:
                 self._plans[key] = plan
+            return result
         return plan.launch(q, k, v, plan.scale if scale is None else scale)
+
+    def _give_way(self, failed: Choice | BwdChoice, portable: AnyVariant, problem: Problem,
+                  device: torch.device, exc: Exception) -> str:
+        """Why `portable` replaces a chosen kernel that failed on its first launch (where
+        Triton compiles it): a GPU nobody tuned may not build its default, and an attention
+        call must not fail over a choice the caller never made. One warning per kernel;
+        explicitly requested variants, out-of-memory and a failing portable default raise."""
+        if (failed.how == "explicit" or failed.variant == portable
+                or isinstance(exc, torch.cuda.OutOfMemoryError)):
+            raise exc
+        dev = device_info(device)
+        error = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        why = f"{failed.variant} failed on {dev.name} ({type(exc).__name__}: {error})"
+        kernel = (dev.key, str(failed.variant), problem.dtype, problem.causal, problem.head_dim)
+        if kernel not in self._failed:  # other lengths and batches build the same source
+            self._failed.add(kernel)
+            log.warning("flashgen: %s for %s; running the portable default %s instead",
+                        why, problem, portable)
+        return why
 
     def backward(
         self,
@@ -293,13 +323,19 @@ class Dispatcher:
         """(dq, dk, dv) for the forward's saved tensors, with the chosen backward variant."""
         problem = Problem.from_tensors(q, k, v, causal)
         dev = device_info(q.device)
-        if variant is None:
-            variant = self.choose_bwd(problem, dev).variant
-        else:
+        if variant is not None:
             reason = why_invalid_bwd(variant, problem, dev)
             if reason:
                 raise ValueError(f"backward variant {variant} is invalid for {problem}: {reason}")
-        return run_backward(grad_out, q, k, v, out, lse, variant, problem, scale)
+            return run_backward(grad_out, q, k, v, out, lse, variant, problem, scale)
+        choice = self.choose_bwd(problem, dev)
+        try:
+            return run_backward(grad_out, q, k, v, out, lse, choice.variant, problem, scale)
+        except Exception as exc:
+            portable = default_bwd_variant(problem, dev, fa3=False)
+            why = self._give_way(choice, portable, problem, q.device, exc)
+            self._bwd_choices[(problem, dev.key)] = BwdChoice(portable, "fallback", why)
+            return run_backward(grad_out, q, k, v, out, lse, portable, problem, scale)
 
     def explain(
         self,
