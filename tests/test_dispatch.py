@@ -149,6 +149,22 @@ def test_a_kernel_that_fails_to_compile_gives_way_to_the_portable_default(
         d.forward(q, k, v, causal=True, variant=WINNER)
 
 
+def test_the_tune_hint_fits_the_device(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The untuned-device hint once said `--gpu 0 --preset fa-bench` on the CPU interpreter
+    too, which fails there: it names `--device cpu` and the call's own shape on the
+    interpreter, a GPU index on a GPU."""
+    problem = flashgen.Problem(1, 2, 1, 16, 24, 16, "fp32", True)
+    with caplog.at_level(logging.WARNING, logger="flashgen"):
+        flashgen.Dispatcher(tmp_path / "none.db").choose(problem, INTERPRETER)
+        flashgen.Dispatcher(tmp_path / "none.db").choose(
+            problem, DeviceInfo("A-test", (8, 0), 108, 166912))
+    cpu, gpu = (r.message for r in caplog.records)
+    assert ("`flashgen tune --device cpu --shape 1,2,1,16,24,16 --dtype fp32 --causal yes "
+            "--mode both`") in cpu
+    assert "--gpu" not in cpu and "--preset" not in cpu
+    assert "flashgen tune --gpu 0 --shape 1,2,1,16,24,16" in gpu and "--device cpu" not in gpu
+
+
 def test_lookup_reads_sqlite_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     db = tmp_path / "t.db"
     _store(db, P64, WINNER)

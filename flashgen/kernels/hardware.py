@@ -82,3 +82,13 @@ def device_info(device: torch.device | str | int | DeviceInfo | None = None) -> 
         )
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _cuda_info(index)
+
+
+def cuda_index(info: DeviceInfo) -> int:
+    """The index of the first visible CUDA device that `info` describes (0 where none does):
+    a key names a GPU model, a command line needs an index."""
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            if _cuda_info(index).key == info.key:
+                return index
+    return 0

@@ -29,6 +29,7 @@ from flashgen.kernels.bwd_variant import BwdVariant
 from flashgen.kernels.fwd_space import default_variant, why_invalid
 from flashgen.kernels.hardware import DeviceInfo, device_info
 from flashgen.kernels.modes import AnyVariant, space_of
+from flashgen.kernels.presets import tune_command
 from flashgen.kernels.problem import Problem
 from flashgen.kernels.resources import data_dir
 from flashgen.kernels.variant import Variant
@@ -125,14 +126,15 @@ class Dispatcher:
 
     # ---- choosing ------------------------------------------------------------------------
 
-    def _table(self, device: DeviceInfo, mode: str = "fwd") -> dict[_Family, list[_Entry]]:
+    def _table(self, device: DeviceInfo, mode: str,
+               problem: Problem) -> dict[_Family, list[_Entry]]:
         tables = self._tables.get(device.key)
         if tables is None:
             tables = self._tables[device.key] = self._load(device)
         table = tables[mode]
         if not table and device.key not in self._warned:
             self._warned.add(device.key)
-            self._warn_untuned(device, mode, tuned_fwd=bool(tables["fwd"]))
+            self._warn_untuned(device, mode, tuned_fwd=bool(tables["fwd"]), problem=problem)
         return table
 
     def _load(self, device: DeviceInfo) -> dict[str, dict[_Family, list[_Entry]]]:
@@ -153,24 +155,22 @@ class Dispatcher:
                 tables[k.mode].setdefault(bucket[:4], []).append(_Entry(row, path))
         return tables
 
-    def _warn_untuned(self, device: DeviceInfo, mode: str, tuned_fwd: bool) -> None:
-        """One log line per device on how to tune it: the whole GPU, or only the backward
-        where the forward has winners."""
+    def _warn_untuned(self, device: DeviceInfo, mode: str, tuned_fwd: bool,
+                      problem: Problem) -> None:
+        """One log line per device on how to tune it (the whole GPU, or only the backward
+        where the forward has winners), with the command that fits the device: the CPU
+        interpreter is tuned with `--device cpu`, and a preset is for GPUs only."""
         where = ", ".join(str(p) for p in self.paths)
-        if mode == "bwd" and tuned_fwd:
-            log.warning(
-                "flashgen: no tuned backward kernels for %s in %s; using default backward "
-                "variants. Run `flashgen tune --mode bwd --gpu 0 --preset fa-bench` (or "
-                "--shape ...) to tune them.",
-                device.name, where,
-            )  # fmt: skip
-        else:
-            log.warning(
-                "flashgen: no tuned kernels for %s in %s; using default variants. Run "
-                "`flashgen tune --gpu 0 --preset fa-bench --mode both` (or --shape ...) to "
-                "tune this GPU.",
-                device.name, where,
-            )  # fmt: skip
+        only_bwd = mode == "bwd" and tuned_fwd
+        command = tune_command(device, problem, "bwd" if only_bwd else "both")
+        more = "" if device.is_interpreter else " (or --preset fa-bench for a whole grid)"
+        log.warning(
+            "flashgen: no tuned %skernels for %s in %s; using default %svariants. Run `%s`%s "
+            "to tune %s.",
+            "backward " if only_bwd else "", device.name, where,
+            "backward " if only_bwd else "", command, more,
+            "them" if only_bwd else "this device",
+        )  # fmt: skip
 
     def choose(self, problem: Problem, device: DeviceInfo | str | None = None) -> Choice:
         """Pick the variant for `problem` on `device`: exact hit, nearest bucket, or default."""
@@ -193,7 +193,7 @@ class Dispatcher:
     def _pick(self, problem: Problem, dev: DeviceInfo, mode: str) -> _Pick:
         space = space_of(mode)
         family = (problem.dtype, problem.causal, problem.head_dim, problem.group)
-        entries = self._table(dev, mode).get(family, [])
+        entries = self._table(dev, mode, problem).get(family, [])
         want_q, want_k = seq_bucket(problem.seq_q), seq_bucket(problem.seq_k)
 
         def distance(e: _Entry) -> tuple[float, int]:
