@@ -148,6 +148,27 @@ def test_render_works_from_any_directory(tmp_path: Path) -> None:
     assert out == hashlib.sha256(here.encode()).hexdigest()
 
 
+def test_rendered_kernels_stay_out_of_the_home_cache(monkeypatch: pytest.MonkeyPatch,
+                                                     tmp_path: Path) -> None:
+    """The suite once wrote hundreds of kernel sources into ~/.cache/flashgen: conftest
+    points FLASHGEN_CACHE_DIR at a session folder, which `cache_dir` follows."""
+    import inspect
+
+    from flashgen.kernels.render import cache_dir, load_kernel
+
+    home = (Path.home() / ".cache" / "flashgen").resolve()
+    problem = PROBLEMS[0]
+    kernel = load_kernel(flashgen.default_variant(problem, INTERPRETER), problem)
+    written = Path(inspect.getfile(kernel.fn)).resolve()
+    assert written.parent == cache_dir().resolve()
+    assert not written.is_relative_to(home) and not cache_dir().resolve().is_relative_to(home)
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path / "here"))
+    assert cache_dir() == tmp_path / "here" / "kernels"
+    monkeypatch.delenv("FLASHGEN_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "flashgen" / "kernels"
+
+
 def test_template_hash_is_stable() -> None:
     assert flashgen.template_hash() == flashgen.template_hash()
     assert len(flashgen.template_hash()) == 16

@@ -114,11 +114,13 @@ def length_label(n: int) -> str:
 def kind_label(dtype: str, causal: bool, head_dim: int, gqa: int, seq_q: int,
                seq_k: int) -> str:
     """The short name of a problem's kind, e.g. "bf16 c D128 g4 2k": dtype, c(ausal) or
-    f(ull), head dim, query heads per key/value head, and the lengths ("512/2k" where Nq and
-    Nk differ). Short so that a table row fits 80 columns; the CLI's help explains it."""
+    f(ull), head dim, query heads per key/value head (GQA; left out where it is 1), and the
+    lengths ("512/2k" where Nq and Nk differ). Short so that a table row fits 80 columns;
+    the CLI's help explains it."""
     lengths = (length_label(seq_q) if seq_q == seq_k
                else f"{length_label(seq_q)}/{length_label(seq_k)}")
-    return f"{dtype} {'c' if causal else 'f'} D{head_dim} g{gqa} {lengths}"
+    group = f" g{gqa}" if gqa > 1 else ""
+    return f"{dtype} {'c' if causal else 'f'} D{head_dim}{group} {lengths}"
 
 
 def problem_label(p: Problem) -> str:
