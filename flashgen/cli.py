@@ -38,15 +38,23 @@ def _explained(invoke: Callable[[typer.Context], Any], ctx: typer.Context) -> An
     try:
         return invoke(ctx)
     except (sqlite3.Error, OSError) as exc:
-        from flashgen.store.db import BUSY_TIMEOUT_S, default_db_path
-        from flashgen.store.guard import busy_timeout_s, explain
-
-        db = ctx.params.get("db") or default_db_path()
-        message = explain(exc, db, busy_timeout_s(BUSY_TIMEOUT_S))
-        if message is None:
+        failure = _store_failure(exc, ctx.params.get("db"))
+        if failure is None:
             raise
-        typer.echo(f"error: {message}", err=True)
-        raise typer.Exit(1) from None
+        raise failure from None
+
+
+def _store_failure(exc: sqlite3.Error | OSError, db: Path | None) -> typer.Exit | None:
+    """Print the one `error:` line for a known store or file error of database `db` (None:
+    the default user database) and return the exit to raise; None for other errors."""
+    from flashgen.store.db import BUSY_TIMEOUT_S, default_db_path
+    from flashgen.store.guard import busy_timeout_s, explain
+
+    message = explain(exc, db or default_db_path(), busy_timeout_s(BUSY_TIMEOUT_S))
+    if message is None:
+        return None
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(1)
 
 
 class _Group(TyperGroup):
@@ -312,7 +320,6 @@ def _interrupted(problem: Problem, mode: str, info: DeviceInfo, trials: int | No
     """The result of the problem Ctrl-C stopped, for the summary: what its progress last
     reported (this run's best so far, resumed results included), with the key's stored
     winner, since its trials are in the database too."""
-    from flashgen.kernels.presets import problem_label
     from flashgen.store.keys import TuningKey
     from flashgen.tune.tuner import TuneResult
 
@@ -324,8 +331,8 @@ def _interrupted(problem: Problem, mode: str, info: DeviceInfo, trials: int | No
     result.seconds = (progress.tasks[-1].elapsed or 0.0) if progress.tasks else 0.0
     best = (f"best so far {result.best} ({result.best_tflops:.3g} TFLOP/s)"
             if result.best is not None and result.best_tflops else "nothing passed yet")
-    progress.console.print(f"interrupted: {mode} {problem_label(problem)}: {best}; results "
-                           f"so far are in the database")
+    progress.console.print(f"interrupted: {mode} {problem}: {best}; results so far are in "
+                           f"the database")
     return result
 
 
@@ -357,8 +364,14 @@ def show(
             continue
         # Read only: `show` must not migrate or re-journal the file it lists (say the
         # database shipped inside the installed package, which may not be writable at all).
-        with TuningDB.open_readonly(path) as database:
-            sources.append((source, path, database.all_winners()))
+        try:
+            with TuningDB.open_readonly(path) as database:
+                sources.append((source, path, database.all_winners()))
+        except (sqlite3.Error, OSError) as exc:  # the error line names this file
+            failure = _store_failure(exc, path)
+            if failure is None:
+                raise
+            raise failure from None
     rows = [r for r in listed(sources) if r.current or not current]
     if as_json:
         typer.echo(json.dumps([r.to_dict() for r in rows], indent=2))
