@@ -26,8 +26,8 @@ _PUBLIC: dict[str, str] = {
     "explain": "flashgen.runtime.api",
     "render": "flashgen.kernels.render",
     "scaled_dot_product_attention": "flashgen.runtime.sdpa",
+    "kernel_hash": "flashgen.kernels.render",
     "search_space": "flashgen.kernels.fwd_space",
-    "template_hash": "flashgen.kernels.render",
     "why_invalid": "flashgen.kernels.fwd_space",
 }
 
@@ -42,10 +42,10 @@ __all__ = [
     "default_variant",
     "device_info",
     "explain",
+    "kernel_hash",
     "render",
     "scaled_dot_product_attention",
     "search_space",
-    "template_hash",
     "why_invalid",
 ]
 
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from flashgen.kernels.fwd_space import default_variant, search_space, why_invalid
     from flashgen.kernels.hardware import DeviceInfo, device_info
     from flashgen.kernels.problem import Problem
-    from flashgen.kernels.render import render, template_hash
+    from flashgen.kernels.render import kernel_hash, render
     from flashgen.kernels.variant import Variant
     from flashgen.runtime.api import attention, explain
     from flashgen.runtime.dispatch import Choice, Dispatcher

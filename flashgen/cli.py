@@ -264,7 +264,7 @@ def _run_tuning(problems: list[Problem], device_type: str, gpu: int, trials: int
     from flashgen.kernels.presets import problem_label
     from flashgen.store.db import TuningDB
     from flashgen.tune.report import progress_columns, results_tables, tflops_text
-    from flashgen.tune.tuner import tune_problem
+    from flashgen.tune.tuner import TuneOptions, tune_problem
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     if device_type == "cuda":
@@ -288,6 +288,8 @@ def _run_tuning(problems: list[Problem], device_type: str, gpu: int, trials: int
     ) as progress:
         progress.console.print(f"tuning {len(problems)} problem(s) on {info.name} "
                                f"(db: {database.path})")
+        database.start_run(run_id, info)
+        status = "failed"  # unless the loop ends or is interrupted
         try:
             for problem, mode in ((p, m) for p in problems for m in modes):
                 current, reported[:] = (problem, mode), []
@@ -300,15 +302,18 @@ def _run_tuning(problems: list[Problem], device_type: str, gpu: int, trials: int
                     progress.update(task, completed=r.measured, best=best, last=r.last[:50])
 
                 bench = _make_bench(mode, problem, target, seed, compile_workers, database.path)
-                results.append(tune_problem(
-                    problem, bench, database, info, mode=mode, trials=trials,
-                    timeout=timeout, seed=seed, batch=batch, run_id=run_id, on_progress=show,
-                    remeasure=remeasure))
+                options = TuneOptions(mode, trials, timeout, seed, batch, remeasure)
+                results.append(tune_problem(problem, bench, database, info, options,
+                                           run_id=run_id, on_progress=show))
+            status = "ok"
         except KeyboardInterrupt:
             interrupted = True
+            status = "interrupted"
             if current is not None:
                 results.append(_interrupted(*current, info, trials, reported, database,
                                             progress))
+        finally:
+            database.finish_run(run_id, status)
     _print_tables(console, results_tables(results, wide), wide)
     if interrupted:
         raise typer.Exit(130)  # as a shell reports a process that SIGINT stopped
@@ -340,15 +345,19 @@ def _interrupted(problem: Problem, mode: str, info: DeviceInfo, trials: int | No
 def show(
     db: DbOption = None,
     as_json: Annotated[bool, typer.Option(
-        "--json", help="Print the winners as JSON instead of tables.")] = False,
+        "--json", help="Print the winners (or runs) as JSON instead of tables.")] = False,
     current: Annotated[bool, typer.Option(
         help="Only winners that the installed Triton and templates can use.")] = False,
+    runs: Annotated[bool, typer.Option(
+        "--runs", help="List the runs that wrote the database (its provenance) instead.")
+    ] = False,
     wide: WideOption = False,
 ) -> None:
     """List the winners, one per key (device, versions, dtype, mask, head dim, GQA ratio and
-    sequence-length buckets). Without --db, those dispatch reads: the user database, then
-    the one shipped with flashgen; each table (JSON: each row's "db" and "source") says
-    which, and a note marks the rows dispatch would not serve."""
+    sequence-length buckets), or with --runs the runs that wrote them. Without --db, the
+    databases dispatch reads: the user database, then the one shipped with flashgen; each
+    table (JSON: each row's "db" and "source") says which, and a note marks the rows
+    dispatch would not serve."""
     from flashgen.runtime.dispatch import shipped_db_path
     from flashgen.store.db import TuningDB, default_db_path
     from flashgen.tune.report import listed, winners_tables
@@ -366,12 +375,16 @@ def show(
         # database shipped inside the installed package, which may not be writable at all).
         try:
             with TuningDB.open_readonly(path) as database:
-                sources.append((source, path, database.all_winners()))
+                sources.append((source, path, database.runs() if runs
+                                else database.all_winners()))
         except (sqlite3.Error, OSError) as exc:  # the error line names this file
             failure = _store_failure(exc, path)
             if failure is None:
                 raise
             raise failure from None
+    if runs:
+        _show_runs(sources, as_json)
+        return
     rows = [r for r in listed(sources) if r.current or not current]
     if as_json:
         typer.echo(json.dumps([r.to_dict() for r in rows], indent=2))
@@ -382,6 +395,23 @@ def show(
     if not rows:
         console.print("no winners")
     _print_tables(console, winners_tables(rows, wide), wide)
+
+
+def _show_runs(sources: list[tuple[str, Path, list[Any]]], as_json: bool) -> None:
+    """`show --runs`: each database's runs, in a table that fits 80 columns however wide
+    the console (its command column folds), or as JSON with each run's database."""
+    from flashgen.tune.report import runs_table
+
+    if as_json:
+        typer.echo(json.dumps([{**vars(r), "db": str(path), "source": source}
+                               for source, path, rows in sources for r in rows], indent=2))
+        return
+    console = _console()
+    for i, (source, path, rows) in enumerate(sources):
+        if i:
+            console.print()
+        console.print(f"{source}: {path}", highlight=False, markup=False, soft_wrap=True)
+        console.print(runs_table(rows), width=min(80, console.width))
 
 
 @app.command("presets")

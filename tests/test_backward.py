@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import flashgen
-from flashgen.kernels.bwd_render import BWD_KERNELS, render_bwd
+from flashgen.kernels.bwd_render import BWD_KERNELS, bwd_kernel_hash, render_bwd
 from flashgen.kernels.bwd_space import (
     HOPPER_BWD_PORTFOLIO,
     all_bwd_points,
@@ -285,13 +285,14 @@ def test_every_bwd_variant_renders_to_valid_python(problem: flashgen.Problem) ->
                 assert f"BLOCK_N: tl.constexpr = {v.block_m}" in source
 
 
-def test_bwd_render_ignores_lengths_and_is_covered_by_template_hash() -> None:
+def test_bwd_render_and_kernel_hash_ignore_lengths() -> None:
     v, p = BwdVariant(32, 64, 4, 2), PROBLEMS[0]
     for kernel in BWD_KERNELS:
         first = render_bwd(kernel, v, p)  # type: ignore[arg-type]
         same = render_bwd(kernel, v, p.with_(seq_q=999, seq_k=5, batch=7, heads_q=16))  # type: ignore[arg-type]
         assert same == first
     assert render_bwd("dq", v, p) != render_bwd("dq", v, p.with_(causal=False))
+    assert bwd_kernel_hash(v, p) == bwd_kernel_hash(v, p.with_(seq_q=999, batch=7))
     from flashgen.kernels.render import _templates
 
     assert {f"attn_bwd_{k}.py.jinja" for k in BWD_KERNELS} <= set(_templates())

@@ -178,6 +178,7 @@ def test_tune_both_modes_then_show_lists_fwd_and_bwd(tmp_path: Path) -> None:
         measured = [r for r in db.trials() if r.status != "pruned"]
         assert sorted(r.key.mode for r in measured) == ["bwd"] * 3 + ["fwd"] * 3
         assert all(r.status == "ok" and r.error <= r.bound for r in measured)
+        written = len(db.trials())
 
     shown = _flashgen("show", "--json", "--db", str(db_path), env=env)
     assert shown.returncode == 0, shown.stderr
@@ -185,12 +186,38 @@ def test_tune_both_modes_then_show_lists_fwd_and_bwd(tmp_path: Path) -> None:
     assert set(winners) == {"fwd", "bwd"}
     assert all(w["current"] and w["tflops"] > 0 for w in winners.values())
     assert winners["bwd"]["variant"]["dq_mode"] in ("separate", "atomic")
-    assert winners["fwd"]["template_hash"] != winners["bwd"]["template_hash"]
+    assert winners["fwd"]["kernel_hash"] != winners["bwd"]["kernel_hash"]
 
     table = _flashgen("show", "--db", str(db_path), env=env)
     assert "cpu-interpreter · sm00 · forward" in table.stdout
     assert "cpu-interpreter · sm00 · backward" in table.stdout
     assert table.stdout.count("fp16 f D16 g2 32 ") == 2
+
+    # The run recorded itself: provenance, in a table that fits 80 columns however wide.
+    runs = _flashgen("show", "--runs", "--db", str(db_path), env=env)
+    assert runs.returncode == 0, runs.stderr
+    assert "cpu-interpreter" in runs.stdout and " trials" in runs.stdout
+    assert max(map(len, runs.stdout.splitlines())) <= 80
+    (run,) = json.loads(_flashgen("show", "--runs", "--json", "--db", str(db_path),
+                                  env=env).stdout)
+    assert (run["status"], run["winners"], run["trials"]) == ("ok", 2, written)
+    assert run["ended_at"] and "tune --device cpu --mode both" in run["command"]
+
+
+@pytest.mark.parametrize(("error", "status"), [(KeyboardInterrupt, "interrupted"),
+                                               (RuntimeError, "failed")])
+def test_a_run_that_stops_early_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                        error: type[BaseException], status: str) -> None:
+    def stop(*args: object, **kwargs: object) -> None:
+        raise error("stopped")
+
+    monkeypatch.setattr("flashgen.tune.tuner.tune_problem", stop)
+    db_path = tmp_path / "t.db"
+    runner.invoke(app, ["tune", "--device", "cpu", "--shape", "1,2,1,8,8,16", "--trials", "1",
+                        "--db", str(db_path)])
+    with TuningDB.open_readonly(db_path) as db:
+        (run,) = db.runs()
+    assert (run.status, run.trials, run.winners) == (status, 0, 0) and run.ended_at
 
 
 def test_unknown_mode_is_explained() -> None:
@@ -387,7 +414,7 @@ def test_show_tables_fit_80_columns(tmp_path: Path) -> None:
             for p, mode, v, tflops in LONG_ROWS:
                 _winner(db, TuningKey.for_problem(p, device, mode), p, v, tflops)
         p, mode, v, tflops = LONG_ROWS[1]
-        old = Versions("3.0.0", "2.4.0", "deadbeefdeadbeef")
+        old = Versions("3.0.0", "2.4.0")
         _winner(db, TuningKey.for_problem(p.with_(causal=True), HOPPER, mode, old), p, v, 1.5)
     result = runner.invoke(app, ["show", "--db", str(db_path)], env={"COLUMNS": "80"})
     assert result.exit_code == 0, result.output

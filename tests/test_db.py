@@ -3,6 +3,7 @@ read-only opening, and two processes writing one file at once."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import sqlite3
 from dataclasses import replace
@@ -11,15 +12,21 @@ from pathlib import Path
 import pytest
 import sqlite_utils
 
+from flashgen.kernels.bwd_render import bwd_kernel_hash
+from flashgen.kernels.bwd_variant import BwdVariant
 from flashgen.kernels.hardware import INTERPRETER, DeviceInfo
 from flashgen.kernels.problem import Problem
+from flashgen.kernels.render import _templates, kernel_hash
+from flashgen.kernels.resources import data_dir
 from flashgen.kernels.variant import Variant
+from flashgen.store.current import LEGACY, family_hash, row_is_current
 from flashgen.store.db import SCHEMA_VERSION, TuningDB, default_db_path, migrations
 from flashgen.store.keys import TuningKey, Versions, seq_bucket
+from flashgen.store.slim import check_current, slim
 from flashgen.tune.timing import Timing
 
 H100 = DeviceInfo("NVIDIA H100 80GB HBM3", (9, 0), 132, 232448)
-VERSIONS = Versions("3.6.0", "2.11.0+cu130", "abc123")
+VERSIONS = Versions("3.6.0", "2.11.0+cu130")
 PROBLEM = Problem(2, 8, 2, 1000, 1000, 128, "bf16", True)
 
 
@@ -64,7 +71,7 @@ def test_key_buckets_q_and_k_separately_and_ignores_batch_and_heads() -> None:
     assert key_of(Problem(7, 64, 16, 120, 2500, 128)).id == key.id
     assert key_of(Problem(1, 32, 8, 100, 3000, 128, causal=True)).id != key.id
     assert key_of(Problem(1, 32, 32, 100, 3000, 128)).id != key.id
-    assert key_of(versions=replace(VERSIONS, template_hash="other")).id != key_of().id
+    assert key_of(versions=replace(VERSIONS, triton="3.5.0")).id != key_of().id
 
 
 def test_key_columns_round_trip() -> None:
@@ -180,20 +187,26 @@ def test_winner_is_fastest_correct_trial_and_carries_sdpa(db: TuningDB) -> None:
     assert db.db["winners"].count == 1  # one row per key, updated in place
 
 
-def test_winners_of_other_triton_or_templates_are_never_served(db: TuningDB) -> None:
+def test_winners_of_other_triton_or_retired_kernels_are_never_served(db: TuningDB) -> None:
     current = key_of()
-    for versions in (VERSIONS, replace(VERSIONS, triton="3.5.0"),
-                     replace(VERSIONS, template_hash="old")):
+    for versions in (VERSIONS, replace(VERSIONS, triton="3.5.0")):
         key = key_of(versions=versions)
         record_ok(db, key, Variant(block_m=64), 1.0)
         db.update_winner(key)
     other_gpu = key_of(device=INTERPRETER)
     record_ok(db, other_gpu, Variant(block_m=64), 1.0)
     db.update_winner(other_gpu)
-    served = db.load_winners(H100.key, VERSIONS.triton, VERSIONS.template_hash)
+    retired = key_of(PROBLEM.with_(causal=False))  # as the re-keying migration leaves one
+    record_ok(db, retired, Variant(block_m=64), 1.0, PROBLEM.with_(causal=False))
+    db.update_winner(retired)
+    with db.db.conn:
+        db.db.execute("UPDATE winners SET kernel_hash = 'retired:abc' WHERE key_id = ?",
+                      [retired.id])
+    served = db.load_winners(H100.key, VERSIONS.triton)
     assert [w.key for w in served] == [current]
-    assert db.load_winners(H100.key, "3.5.0", "abc123")[0].key.triton_version == "3.5.0"
-    assert db.load_winners("no such gpu", VERSIONS.triton, VERSIONS.template_hash) == []
+    assert row_is_current(served[0]) and served[0].kernel_hash == kernel_hash(Variant(), PROBLEM)
+    assert db.load_winners(H100.key, "3.5.0")[0].key.triton_version == "3.5.0"
+    assert db.load_winners("no such gpu", VERSIONS.triton) == []
     assert len(db.all_winners()) == 4
 
 
@@ -204,7 +217,7 @@ def test_winners_prefer_the_running_torch(db: TuningDB) -> None:
         key = key_of(versions=replace(VERSIONS, torch=torch_version))
         record_ok(db, key, variant, 1.0)
         db.update_winner(key)
-    args = (H100.key, VERSIONS.triton, VERSIONS.template_hash)
+    args = (H100.key, VERSIONS.triton)
     any_torch = db.load_winners(*args)
     assert len(any_torch) == 1  # one per bucket
     only = db.load_winners(*args, torch_version="2.10.0")
@@ -218,6 +231,120 @@ def test_load_winners_defaults_to_installed_versions(db: TuningDB) -> None:
     assert [w.key for w in db.load_winners(H100.key)] == [key]
 
 
+def _change_kernel(db: TuningDB, table: str, where: str, args: list) -> None:
+    """Store another kernel hash on rows, as if a template edit had changed their kernel."""
+    with db.db.conn:
+        db.db.execute(f"UPDATE {table} SET kernel_hash = 'edited' WHERE {where}", args)
+
+
+def test_rows_of_a_changed_kernel_are_measured_again_and_never_win(db: TuningDB) -> None:
+    key = key_of()
+    fast, slow = Variant(block_m=128), Variant(block_m=64)
+    fast_id = record_ok(db, key, fast, 1.0)
+    record_ok(db, key, slow, 2.0)
+    assert db.update_winner(key).variant == fast
+    assert db.trials(key)[0].kernel_hash == kernel_hash(fast, PROBLEM)
+    _change_kernel(db, "trials", "id = ?", [fast_id])
+    assert set(db.measured(key, PROBLEM)) == {slow.to_json()}  # fast is measured again
+    assert db.update_winner(key).variant == slow
+    record_ok(db, key, fast, 1.0)  # measured again on today's kernel: it wins again
+    assert db.update_winner(key).variant == fast
+    # A pruned trial ran nothing, so it has no kernel hash.
+    db.record_trial(key, PROBLEM, Variant(block_m=256), "pruned", reason="too big")
+    assert db.trials(key)[-1].kernel_hash is None
+
+
+# ---- runs ------------------------------------------------------------------------------
+
+
+def test_a_run_records_its_provenance_and_what_it_wrote(db: TuningDB) -> None:
+    db.start_run("r1", H100, command="flashgen tune --preset fa-bench")
+    (running,) = db.runs()
+    assert (running.status, running.ended_at, running.gpu_name) == ("running", None, H100.name)
+    assert running.triton_version == Versions.current().triton and running.flashgen_version
+    key = key_of()
+    for block_m in (64, 128):
+        db.record_trial(key, PROBLEM, Variant(block_m=block_m), "ok", timing=timing(1.0),
+                        tflops=float(block_m), run_id="r1")
+    db.record_trial(key, PROBLEM, Variant(block_m=16), "ok", timing=timing(1.0), tflops=1.0,
+                    run_id="other")
+    db.update_winner(key)
+    done = db.finish_run("r1", "interrupted")
+    assert (done.status, done.trials, done.winners) == ("interrupted", 2, 1)
+    assert done.ended_at >= done.started_at and db.runs() == [done]
+
+
+# ---- re-keying by kernel hash (migration m006) -----------------------------------------
+
+
+def _old_row(mode: str, template_hash: str, variant: Variant | BwdVariant,
+             problem: Problem = PROBLEM, **extra: object) -> dict[str, object]:
+    """A trial row as the schema before m006 stored it: the template hash in the key."""
+    key = TuningKey.for_problem(problem, H100, mode, VERSIONS)
+    return {"key_id": f"{key.id}|{template_hash}", **key.to_columns(),
+            "template_hash": template_hash, **problem.to_dict(),
+            "problem_json": json.dumps(problem.to_dict(), sort_keys=True),
+            "variant_json": variant.to_json(), "status": "ok", "median_ms": 1.0,
+            "p20_ms": 1.0, "p80_ms": 1.0, "reps": 10, "tflops": 1.0,
+            "created_at": "2026-01-01", **extra}
+
+
+def _old_database(path: Path) -> dict[str, int]:
+    """A file at schema m005 with current and stale rows of both modes; trial ids by name."""
+    now = {mode: family_hash(_templates(), mode) for mode in ("fwd", "bwd")}
+    old = sqlite_utils.Database(path)
+    migrations.apply(old, stop_before="m006_kernel_hash")
+    full = PROBLEM.with_(causal=False)
+    rows = {
+        "current": _old_row("fwd", now["fwd"], Variant(block_m=128)),
+        "stale": _old_row("fwd", "0123456789abcdef", Variant(block_m=32)),
+        "pruned": _old_row("fwd", now["fwd"], Variant(block_m=16), status="pruned"),
+        "bwd": _old_row("bwd", now["bwd"], BwdVariant(32, 64, 4, 2)),
+        "bwd_stale": _old_row("bwd", "fedcba9876543210", BwdVariant(), full),
+    }
+    ids = {name: int(old["trials"].insert(row).last_pk) for name, row in rows.items()}
+    winner_columns = set(old["winners"].columns_dict)
+    for name, updated in (("current", "2026-01-01"), ("stale", "2026-02-01"), ("bwd", "x"),
+                          ("bwd_stale", "x")):  # "stale" is the newer row of current's bucket
+        row = {c: v for c, v in rows[name].items() if c in winner_columns}
+        old["winners"].insert({**row, "trial_id": ids[name], "updated_at": updated})
+    old.close()
+    return ids
+
+
+def test_migration_rekeys_current_rows_and_retires_stale_ones(tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    ids = _old_database(path)
+    with TuningDB(path) as db:
+        assert db.schema_version == SCHEMA_VERSION
+        assert "template_hash" not in db.db["trials"].columns_dict
+        hashes = {r.id: r.kernel_hash for r in db.trials()}
+        assert hashes[ids["current"]] == kernel_hash(Variant(block_m=128), PROBLEM)
+        assert hashes[ids["stale"]] == "retired:0123456789abcdef"
+        assert hashes[ids["pruned"]] is None
+        assert hashes[ids["bwd"]] == bwd_kernel_hash(BwdVariant(32, 64, 4, 2), PROBLEM)
+        key = key_of()
+        (winner,) = db.load_winners(H100.key, VERSIONS.triton)
+        # The current row keeps the bucket although the stale one is newer; ids match TuningKey.
+        assert (winner.key, winner.variant, db.winner(key)) == (key, Variant(block_m=128),
+                                                                winner)
+        assert set(db.measured(key, PROBLEM)) == {Variant(block_m=128).to_json()}
+        (bwd,) = db.load_winners(H100.key, VERSIONS.triton, mode="bwd")
+        assert bwd.variant == BwdVariant(32, 64, 4, 2) and row_is_current(bwd)
+        assert len(db.all_winners()) == 3  # the retired backward row stays, never served
+        assert [w.kernel_hash for w in db.all_winners()].count("retired:fedcba9876543210") == 1
+
+
+def test_an_unmigrated_file_read_only_is_judged_as_the_migration_would(tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    _old_database(path)
+    with TuningDB.open_readonly(path) as ro:
+        current = {w.variant: row_is_current(w) for w in ro.all_winners()}
+        assert all(w.kernel_hash.startswith(LEGACY) for w in ro.all_winners())
+    assert current == {Variant(block_m=128): True, Variant(block_m=32): False,
+                       BwdVariant(32, 64, 4, 2): True, BwdVariant(): False}
+
+
 # ---- read-only -------------------------------------------------------------------------
 
 
@@ -228,7 +355,7 @@ def test_open_readonly_reads_and_never_writes(tmp_path: Path) -> None:
         record_ok(db, key, Variant(), 1.0)
         db.update_winner(key)
     with TuningDB.open_readonly(path) as ro:
-        assert len(ro.load_winners(H100.key, VERSIONS.triton, VERSIONS.template_hash)) == 1
+        assert len(ro.load_winners(H100.key, VERSIONS.triton)) == 1
         with pytest.raises(sqlite3.OperationalError):
             ro.record_trial(key, PROBLEM, Variant(), "pruned")
     with pytest.raises(FileNotFoundError):
@@ -275,16 +402,56 @@ def test_two_processes_writing_one_file_lose_nothing(tmp_path: Path) -> None:
         assert db.update_winner(key_of()).median_ms == 1.0
 
 
-def test_shipped_winners_are_keyed_by_the_current_templates() -> None:
-    # A template edit re-keys results: the shipped database must be re-tuned or carried over
-    # (scripts/carry_rows.py) in the same change, or dispatch silently stops serving it.
-    from flashgen.kernels.render import template_hash
-    from flashgen.kernels.resources import data_dir
+# ---- the shipped database and the slim step --------------------------------------------
 
+
+def test_shipped_database_is_small_and_every_winner_is_current() -> None:
+    # A template edit that changes a shipped kernel must come with a re-tune of its rows,
+    # or dispatch passes them over; prose edits keep them (tests/test_kernel_hash.py).
     path = Path(str(data_dir("tuning_db") / "flashgen.db"))
-    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as conn:
-        hashes = {mode: {h for (h,) in conn.execute(
-            "SELECT DISTINCT template_hash FROM winners WHERE mode = ?", (mode,))}
-            for mode in ("fwd", "bwd")}
-    assert hashes["fwd"] == {template_hash("fwd")}
-    assert hashes["bwd"] == {template_hash("bwd")}
+    assert path.stat().st_size <= 2 * 1024 * 1024
+    assert check_current(path) == []
+    with TuningDB.open_readonly(path) as db:
+        winners, runs = db.all_winners(), db.runs()
+        assert db.db["trials"].count == len(winners)  # each winner's own trial, no more
+    assert {w.key.gpu_name for w in winners} == {r.gpu_name for r in runs}
+
+
+def test_slim_keeps_current_winners_their_trials_and_provenance(tmp_path: Path) -> None:
+    path = tmp_path / "user.db"
+    with TuningDB(path) as db:
+        db.start_run("r1", H100, command="flashgen tune")
+        for causal in (True, False):
+            problem, key = PROBLEM.with_(causal=causal), key_of(PROBLEM.with_(causal=causal))
+            for block_m in (32, 64, 128):
+                db.record_trial(key, problem, Variant(block_m=block_m), "ok",
+                                timing=timing(1.0), tflops=float(block_m), run_id="r1")
+            db.record_baseline(H100.key, problem, "cudnn", timing(2.0), VERSIONS.torch)
+            db.record_baseline(H100.key, problem, "cudnn", timing(1.5), VERSIONS.torch)
+            db.update_winner(key)
+        db.finish_run("r1", "ok")
+        record_ok(db, key_of(device=INTERPRETER), Variant(), 1.0)  # a row of no recorded run
+        db.update_winner(key_of(device=INTERPRETER))
+        _change_kernel(db, "winners", "causal = 0 and device_key = ?", [H100.key])
+    before = path.read_bytes()
+    with pytest.raises(ValueError, match="in_place"):
+        slim(path, path, provenance="x")
+    report = slim(path, tmp_path / "out.db", provenance="earlier runs")
+    assert path.read_bytes() == before  # the source is only read
+    assert (report.winners, report.trials, report.baselines, report.stale_winners) == (2, 2,
+                                                                                       1, 1)
+    out = tmp_path / "out.db"
+    assert check_current(out) == []
+    with TuningDB.open_readonly(out) as db:
+        assert db.db.journal_mode == "delete"
+        assert [w.variant for w in db.load_winners(H100.key, VERSIONS.triton)] == [
+            Variant(block_m=128)]
+        assert db.baseline(H100.key, VERSIONS.torch, PROBLEM) == ("cudnn", 1.5)
+        runs = {r.id: r for r in db.runs()}
+    assert runs["r1"].command == "flashgen tune"
+    earlier = runs[f"earlier:{INTERPRETER.key}"]
+    assert (earlier.command, earlier.trials, earlier.winners) == ("earlier runs", 1, 1)
+    with pytest.raises(FileExistsError):
+        slim(path, out, provenance="x")
+    slim(path, in_place=True, provenance="x")
+    assert check_current(path) == [] and path.stat().st_size < len(before)

@@ -56,7 +56,7 @@ def test_exact_nearest_and_fallback(tmp_path: Path) -> None:
 def test_forward_winners_and_stale_backward_rows_are_not_served(tmp_path: Path) -> None:
     db = tmp_path / "t.db"
     _store(db, P64, flashgen.Variant("fa1", 32, 16, 2, 1), mode="fwd")
-    _store(db, P64, WINNER, versions=Versions("0.0.1", "2.0", "deadbeefdeadbeef"))
+    _store(db, P64, WINNER, versions=Versions("0.0.1", "2.0"))
     d = flashgen.Dispatcher(db)
     assert d.choose(P64, INTERPRETER).how == "exact"
     assert d.choose_bwd(P64, INTERPRETER).how == "fallback"

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import shutil
+import sqlite3
 import subprocess
 import sys
 import sysconfig
@@ -32,7 +33,7 @@ from flashgen.kernels.problem import DTYPES
 from flashgen.runtime.backward import fa3_tile_rows
 from flashgen.runtime.forward import fa3_grid
 from flashgen.store.db import TuningDB
-from flashgen.store.keys import TuningKey, Versions
+from flashgen.store.keys import TuningKey
 from flashgen.tune.check import compare, make_inputs
 from flashgen.tune.grads import compare_grads
 from flashgen.tune.timing import Timing
@@ -51,11 +52,14 @@ V_FA3 = flashgen.Variant("fa3", 128, 128, 4, 2)
 
 
 def _store(path: Path, problem: flashgen.Problem, variant: Any, device: DeviceInfo,
-           mode: str = "fwd", versions: Versions | None = None) -> None:
+           mode: str = "fwd", stale: bool = False) -> None:
     with TuningDB(path) as db:
-        key = TuningKey.for_problem(problem, device, mode, versions=versions)
+        key = TuningKey.for_problem(problem, device, mode)
         db.record_trial(key, problem, variant, "ok", timing=Timing(1.0, 0.9, 1.1, 5), tflops=1.0)
         db.update_winner(key)
+    if stale:  # as if a template edit had changed its kernel since
+        with sqlite3.connect(path) as conn:
+            conn.execute("UPDATE winners SET kernel_hash = 'other' WHERE key_id = ?", [key.id])
 
 
 def _export(*args: str) -> str:
@@ -320,7 +324,7 @@ def test_selection_precedence_gpu_filter_and_stale_rows(tmp_path: Path) -> None:
     _store(first, P_FP16, winner, H200)
     _store(second, P_FP16, loser, H200)  # same bucket: the first database wins it
     _store(second, P_FP16, loser, INTERPRETER)
-    _store(second, P_FP32, loser, H200, versions=Versions("3.6.0", "2.0", "old-templates"))
+    _store(second, P_FP32, loser, H200, stale=True)
     _store(second, P_FP32, BwdVariant(32, 64, 4, 1), H200, mode="bwd")
     sel = select_winners([first, second])
     assert [g.device.name for g in sel.gpus] == ["NVIDIA H200", "cpu-interpreter"]

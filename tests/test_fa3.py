@@ -79,7 +79,7 @@ def test_fa3_persistent_is_one_program_per_sm_with_its_own_o_buffer() -> None:
 def test_persistent_causal_kernels_alone_take_the_row_bound_mask() -> None:
     # The causal kernel masks against each row's last visible key (`_mask_bound`); the one
     # without the mask keeps `_mask_scores` for the ragged tail, so it renders as it did
-    # before the row-bound mask and its tuned rows stay carried (scripts/carry_rows.py).
+    # before the row-bound mask and its tuned rows stay current (same kernel hash).
     # Partitions follow the consumer count: one `_consume` each, then the producer.
     for m, consumers in ((128, 2), (192, 3)):
         v = flashgen.Variant("fa3", m, 128, 4, 2, persistent=1)
@@ -167,7 +167,7 @@ def test_head_units_is_a_causal_knob_of_persistent_fa3() -> None:
                                                                             HOPPER)
     assert head_units_leave_programs_idle(heads, bench, HOPPER) is None
     # In the D64 portfolio, for the causal mask only; the kernels without the knob render
-    # as before it existed (their tuned rows carry over, scripts/carry_rows.py).
+    # as before it existed (their tuned rows stay current: same kernel hash).
     assert heads in portfolio(bench, HOPPER)
     assert not any(v.head_units for v in portfolio(replace(bench, causal=False), HOPPER))
     assert not any(v.head_units for v in portfolio(replace(bench, head_dim=128), HOPPER))

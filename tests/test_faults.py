@@ -33,13 +33,13 @@ from flashgen.store.keys import TuningKey, Versions
 from flashgen.tune.baseline import Baseline
 from flashgen.tune.fwd_bench import Measurement
 from flashgen.tune.timing import Timing
-from flashgen.tune.tuner import knob_choices, tune_problem
+from flashgen.tune.tuner import TuneOptions, knob_choices, tune_problem
 
 runner = CliRunner()
 PROBLEM = Problem(1, 2, 1, 32, 32, 16)
 SHAPE = "1,2,1,32,32,16"
 TUNE = ["tune", "--device", "cpu", "--shape", SHAPE, "--trials", "6"]
-VERSIONS = Versions("3.6.0", "2.13.0", "tpl")
+VERSIONS = Versions("3.6.0", "2.13.0")
 
 
 def digest(path: Path) -> str:
@@ -422,7 +422,7 @@ def test_a_resumed_run_stores_no_row_twice(tmp_path: Path,
     monkeypatch.setattr(optuna, "create_study", asking_invalid_first)
     for _ in range(2):
         with TuningDB(path) as db:
-            tune_problem(problem, Bench(), db, INTERPRETER, trials=6, seed=1,
+            tune_problem(problem, Bench(), db, INTERPRETER, TuneOptions(trials=6, seed=1),
                          versions=VERSIONS)
     with TuningDB(path) as db:
         pruned = {r.variant_json for r in db.trials() if r.status == "pruned"}
@@ -440,8 +440,8 @@ def test_tuners_running_at_once_never_measure_a_variant_twice(tmp_path: Path) ->
     def tuner(bench: Bench) -> None:
         try:
             with TuningDB(path) as db:
-                tune_problem(problem, bench, db, INTERPRETER, trials=8, seed=0,
-                             versions=VERSIONS)
+                tune_problem(problem, bench, db, INTERPRETER,
+                             TuneOptions(trials=8, seed=0), versions=VERSIONS)
         except BaseException as exc:  # reported below, not lost in the thread
             errors.append(exc)
 

@@ -169,9 +169,11 @@ def test_rendered_kernels_stay_out_of_the_home_cache(monkeypatch: pytest.MonkeyP
     assert cache_dir() == tmp_path / "xdg" / "flashgen" / "kernels"
 
 
-def test_template_hash_is_stable() -> None:
-    assert flashgen.template_hash() == flashgen.template_hash()
-    assert len(flashgen.template_hash()) == 16
+def test_kernel_hash_is_stable_and_ignores_lengths_and_batch() -> None:
+    v, p = flashgen.Variant("fa2", 64, 32, 4, 2), PROBLEMS[0]
+    assert flashgen.kernel_hash(v, p) == flashgen.kernel_hash(v, p.with_(batch=7, seq_q=5))
+    assert len(flashgen.kernel_hash(v, p)) == 16
+    assert flashgen.kernel_hash(v, p) != flashgen.kernel_hash(v, p.with_(causal=not p.causal))
 
 
 def test_problem_parse_and_errors() -> None:
@@ -192,8 +194,8 @@ def test_causal_flops_count_the_visible_half() -> None:
 
 
 def test_render_with_other_texts_tells_an_untouched_kernel_from_an_edited_one() -> None:
-    # scripts/carry_rows.py keeps a tuned row across a template change only when its kernel
-    # renders byte-identical with the old and the new texts.
+    # What the kernel-hash tests (tests/test_kernel_hash.py) build on: rendering with other
+    # template texts, which only changes the kernels of the family that was edited.
     from flashgen.kernels.render import _templates, render_with
 
     texts = dict(_templates())

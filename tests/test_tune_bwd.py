@@ -1,14 +1,8 @@
 """Backward tuning: the tuner over BwdVariants with a fake bench, the real backward bench on
-the interpreter, backward rows in the database, per-family template hashes, and re-keying a
-database from the old all-templates hash."""
+the interpreter, and backward rows in the database."""
 
 from __future__ import annotations
 
-import importlib
-import shutil
-import sqlite3
-import subprocess
-import sys
 from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
@@ -26,13 +20,10 @@ from flashgen.store.keys import MODES, TuningKey, Versions
 from flashgen.tune.bwd_bench import BWD_FLOPS_RATIO, BwdKernelBench
 from flashgen.tune.fwd_bench import Measurement
 from flashgen.tune.timing import Timing, tflops
-from flashgen.tune.tuner import TuneResult, knob_choices, tune_problem
+from flashgen.tune.tuner import TuneOptions, TuneResult, knob_choices, tune_problem
 
 PROBLEM = Problem(1, 2, 1, 256, 256, 64)
-VERSIONS = Versions("3.6.0", "2.13.0", "bwdtpl")
-ROOT = Path(__file__).resolve().parent.parent
-#: The module (the package's `flashgen.kernels.render` attribute is the `render` function).
-render = importlib.import_module("flashgen.kernels.render")
+VERSIONS = Versions("3.6.0", "2.13.0")
 
 
 def made_up_ms(v: BwdVariant) -> float:
@@ -75,8 +66,11 @@ def db(tmp_path: Path) -> TuningDB:
 
 def tune_bwd(bench: FakeBwdBench, db: TuningDB, problem: Problem = PROBLEM,
              **kw: object) -> TuneResult:
-    kw.setdefault("versions", VERSIONS)
-    return tune_problem(problem, bench, db, INTERPRETER, mode="bwd", **kw)  # type: ignore[arg-type]
+    extra = {k: kw.pop(k) for k in ("run_id", "on_progress", "clock") if k in kw}
+    versions = kw.pop("versions", VERSIONS)
+    return tune_problem(problem, bench, db, INTERPRETER,  # type: ignore[arg-type]
+                        TuneOptions(mode="bwd", **kw), versions=versions,  # type: ignore[arg-type]
+                        **extra)  # type: ignore[arg-type]
 
 
 # ---- the tuner over BwdVariants ----------------------------------------------------------
@@ -99,9 +93,9 @@ def test_bwd_study_measures_the_default_first_and_stores_a_bwd_winner(db: Tuning
     assert isinstance(result.winner.variant, BwdVariant) and result.winner.key.mode == "bwd"
     key = TuningKey.for_problem(PROBLEM, INTERPRETER, "bwd", VERSIONS)
     assert db.winner(key) == result.winner
-    assert [w.variant for w in db.load_winners(INTERPRETER.key, "3.6.0", "bwdtpl",
+    assert [w.variant for w in db.load_winners(INTERPRETER.key, "3.6.0",
                                                mode="bwd")] == [result.best]
-    assert db.load_winners(INTERPRETER.key, "3.6.0", "bwdtpl") == []  # not a forward winner
+    assert db.load_winners(INTERPRETER.key, "3.6.0") == []  # not a forward winner
     for row in db.trials():
         assert row.key.mode == "bwd"
         if row.status == "pruned":
@@ -131,7 +125,7 @@ def test_bwd_rerun_resumes_and_seeds_from_bwd_winners_only(db: TuningDB) -> None
     assert again.best == min(first_bench.measured + again_bench.measured, key=made_up_ms)
     assert again.best != default_bwd_variant(PROBLEM, INTERPRETER)
     # A forward study of the same problem neither resumes nor seeds from backward rows.
-    fwd = tune_problem(PROBLEM, _FwdBench(), db, INTERPRETER, trials=2,
+    fwd = tune_problem(PROBLEM, _FwdBench(), db, INTERPRETER, TuneOptions(trials=2),
                        versions=VERSIONS)
     assert fwd.resumed == 0 and fwd.mode == "fwd" and isinstance(fwd.best, Variant)
     longer = PROBLEM.with_(seq_q=512, seq_k=512)
@@ -195,83 +189,3 @@ def test_bwd_kernel_bench_fails_wrong_gradients(monkeypatch: pytest.MonkeyPatch)
     m = BwdKernelBench(Problem(1, 1, 1, 16, 16, 16, "fp32"), "cpu").measure(
         BwdVariant(16, 16, 2, 1))
     assert m.status == "failed" and m.reason.startswith("wrong answer: dk")
-
-
-# ---- per-family template hashes ----------------------------------------------------------
-
-
-def test_template_hash_is_per_family(monkeypatch: pytest.MonkeyPatch) -> None:
-    texts = dict(render._templates())
-    assert render.family_templates(texts, "fwd") == [
-        "_fa3_softmax.py.jinja", "_online_softmax.py.jinja", "attn_fwd_fa1.py.jinja",
-        "attn_fwd_fa2.py.jinja", "attn_fwd_fa3.py.jinja", "attn_fwd_fa3_persistent.py.jinja"]
-    assert {"_bwd_rows.py.jinja", "attn_bwd_dq.py.jinja"} <= set(
-        render.family_templates(texts, "bwd"))
-    fwd, bwd = render.template_hash("fwd"), render.template_hash("bwd")
-    assert fwd != bwd and render.template_hash() == fwd
-    assert Versions.current("bwd").template_hash == bwd
-
-    def hashes_with(changes: dict[str, str]) -> tuple[str, str]:
-        monkeypatch.setattr(render, "_templates", lambda: {**texts, **changes})
-        render.template_hash.cache_clear()
-        try:
-            return render.template_hash("fwd"), render.template_hash("bwd")
-        finally:
-            monkeypatch.undo()
-            render.template_hash.cache_clear()
-
-    edited = texts["attn_bwd_dkdv.py.jinja"] + "\n# edited\n"
-    assert hashes_with({"attn_bwd_dkdv.py.jinja": edited})[0] == fwd  # forward keeps its key
-    assert hashes_with({"_bwd_rows.py.jinja": "x"})[0] == fwd
-    assert hashes_with({"_bwd_rows.py.jinja": "x"})[1] != bwd  # a fragment of the backward
-    assert hashes_with({"attn_fwd_fa2.py.jinja": "y"})[1] == bwd  # and the other way round
-    # A fragment included by both families belongs to both.
-    include = '{% include "_shared.py.jinja" %}'
-    shared = {"_shared.py.jinja": "s", "attn_fwd_fa1.py.jinja": include,
-              "attn_bwd_dq.py.jinja": include}
-    before = hashes_with(shared)
-    after = hashes_with({**shared, "_shared.py.jinja": "t"})
-    assert before[0] != after[0] and before[1] != after[1]
-    with pytest.raises(ValueError, match="family"):
-        render.family_hash(texts, "sideways")
-
-
-# ---- re-keying a database from the old all-templates hash --------------------------------
-
-
-def _load_rehash() -> object:
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import rehash_db
-    finally:
-        sys.path.pop(0)
-    return rehash_db
-
-
-@pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(),
-                    reason="needs the git checkout")
-def test_rehash_moves_old_rows_to_their_family_hash(tmp_path: Path) -> None:
-    rehash_db = _load_rehash()
-    templates = rehash_db.templates_at("HEAD")
-    old = rehash_db.legacy_hash(templates)
-    path = tmp_path / "old.db"
-    stale = Versions("3.6.0", "2.13.0", "0123456789abcdef")  # another revision: left alone
-    with TuningDB(path) as db:
-        for versions, variant in ((Versions("3.6.0", "2.13.0", old), Variant()),
-                                  (stale, Variant(block_m=32))):
-            key = TuningKey.for_problem(PROBLEM, INTERPRETER, versions=versions)
-            db.record_trial(key, PROBLEM, variant, "ok", timing=Timing(1, 1, 1, 1), tflops=1.0)
-            db.update_winner(key)
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "rehash_db.py"), str(path)],
-                   check=True, capture_output=True, cwd=tmp_path)
-    new = Versions("3.6.0", "2.13.0", render.family_hash(templates, "fwd"))
-    with TuningDB.open_readonly(path) as db:
-        moved = db.load_winners(INTERPRETER.key, "3.6.0", new.template_hash)
-        assert [w.variant for w in moved] == [Variant()]
-        assert moved[0].key == TuningKey.for_problem(PROBLEM, INTERPRETER, versions=new)
-        assert db.trials(moved[0].key)[0].variant == Variant().to_dict()
-        assert [w.variant for w in db.load_winners(INTERPRETER.key, "3.6.0",
-                                                   stale.template_hash)] == [Variant(block_m=32)]
-    conn = sqlite3.connect(path)
-    assert conn.execute("SELECT count(*) FROM trials WHERE template_hash = ?",
-                        (old,)).fetchone() == (0,)

@@ -28,12 +28,12 @@ from flashgen.tune.fwd_bench import (
     gate_problem,
 )
 from flashgen.tune.timing import Timing, tflops, time_cpu
-from flashgen.tune.tuner import TuneResult, knob_choices, tune_problem
+from flashgen.tune.tuner import TuneOptions, TuneResult, knob_choices, tune_problem
 
 PROBLEM = Problem(1, 2, 1, 256, 256, 64)
 #: 16-long sequences admit only 16-row tiles: a space small enough to measure exhaustively.
 SMALL = Problem(1, 2, 1, 16, 16, 16)
-VERSIONS = Versions("3.6.0", "2.13.0", "tpl")
+VERSIONS = Versions("3.6.0", "2.13.0")
 
 
 def made_up_ms(v: Variant) -> float:
@@ -86,8 +86,10 @@ def db(tmp_path: Path) -> TuningDB:
 
 
 def tune(bench: FakeBench, db: TuningDB, problem: Problem = PROBLEM, **kw: object) -> TuneResult:
-    kw.setdefault("versions", VERSIONS)
-    return tune_problem(problem, bench, db, INTERPRETER, **kw)  # type: ignore[arg-type]
+    extra = {k: kw.pop(k) for k in ("run_id", "on_progress", "clock") if k in kw}
+    versions = kw.pop("versions", VERSIONS)
+    return tune_problem(problem, bench, db, INTERPRETER, TuneOptions(**kw),  # type: ignore[arg-type]
+                        versions=versions, **extra)  # type: ignore[arg-type]
 
 
 def fastest_valid(problem: Problem = PROBLEM) -> Variant:
@@ -299,7 +301,8 @@ def test_the_hopper_portfolio_is_measured_right_after_the_default(db: TuningDB) 
     picks = portfolio(problem, hopper)
     assert picks and all(why_invalid(v, problem, hopper) is None for v in picks)
     bench = FakeBench(problem)
-    tune_problem(problem, bench, db, hopper, trials=len(picks) + 3, versions=VERSIONS)
+    tune_problem(problem, bench, db, hopper, TuneOptions(trials=len(picks) + 3),
+                 versions=VERSIONS)
     # The default (fa3 on Hopper) may lead the portfolio too: it is measured once.
     seeds = list(dict.fromkeys([default_variant(problem, hopper), *picks]))
     assert bench.measured[:len(seeds)] == seeds

@@ -46,7 +46,7 @@ from flashgen.export.rows import (
 )
 from flashgen.kernels.hardware import CPU_INTERPRETER
 from flashgen.kernels.problem import Problem
-from flashgen.kernels.render import render, template_hash
+from flashgen.kernels.render import render
 from flashgen.kernels.variant import Variant
 from flashgen.store.keys import Versions
 
@@ -297,7 +297,8 @@ def _plan_gpu(comp: _Compiler, gpu: GpuWinners, families: list[Family],
         job.serves.append(bucket)
         manifest["dispatch"].append(_bucket_row(
             gpu, **bucket, kernel=job.kid, need=list(tile_needs("fwd", variant, w.problem)),
-            tuned_triton_version=gpu.triton_version, source=row.source(), **note))
+            tuned_triton_version=gpu.triton_version, source=row.source(),
+            kernel_hash=w.kernel_hash, **note))
     for family in families:
         for nq, nk, variant, problem in default_grid("fwd", family, gpu.device):
             assert isinstance(variant, Variant)
@@ -342,7 +343,7 @@ def write_aot(selection: Selection, out: Path, name: str, force: bool = False,
     manifest: dict[str, Any] = {
         "format": "flashgen-aot", "version": MANIFEST_VERSION,
         "flashgen_version": flashgen.__version__, "triton_version": Versions.current().triton,
-        "template_hash": template_hash("fwd"), "abi": ABI, "dispatch_rule": DISPATCH_RULE,
+        "abi": ABI, "dispatch_rule": DISPATCH_RULE,
         "gpus": {g.device.name: {"capability": "{}.{}".format(*g.device.capability),
                                  "device_key": g.device_key,
                                  "tuned_triton_version": g.triton_version} for g in gpus},

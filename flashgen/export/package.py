@@ -43,7 +43,7 @@ from flashgen.kernels.bwd_space import bwd_pointer_twin
 from flashgen.kernels.bwd_variant import BwdVariant
 from flashgen.kernels.hardware import DeviceInfo
 from flashgen.kernels.problem import Problem
-from flashgen.kernels.render import render, source_hash, template_hash
+from flashgen.kernels.render import render, source_hash
 from flashgen.kernels.variant import Variant
 
 RUNTIME = Path(__file__).with_name("runtime_copy.py")
@@ -123,6 +123,7 @@ def _tuned(kernels: _Kernels, mode: str, row: Sourced, device: DeviceInfo) -> di
         "seq_q_bucket": k.seq_q_bucket, "seq_k_bucket": k.seq_k_bucket,
         **_entry(kernels, mode, row.winner.variant, row.winner.problem, device),
         "tflops": row.winner.tflops, "source": row.source(),
+        "kernel_hash": row.winner.kernel_hash,
     }
 
 
@@ -157,7 +158,6 @@ def build_table(selection: Selection) -> tuple[dict[str, Any], dict[str, str]]:
     table = {
         "format": TABLE_FORMAT,
         "flashgen_version": flashgen.__version__,
-        "template_hash": {m: template_hash(m) for m in ("fwd", "bwd")},
         "preprocess_block_m": PREPROCESS_BLOCK_M,
         "lengths": list(LENGTHS),
         "gpus": {g.device.name: _gpu_table(kernels, g, families) for g in selection.gpus},

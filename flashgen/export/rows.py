@@ -2,9 +2,9 @@
 
 Both export formats (`flashgen.export.package` for Python, `flashgen.export.aot` for
 cubins) start here, so they agree on which rows are served.
-The rules follow `flashgen.runtime.dispatch`: only rows of the
-installed templates (a row tuned on other template text names a kernel this flashgen cannot
-render), earlier databases win a bucket, then the row of the running torch, then the newest.
+The rules follow `flashgen.runtime.dispatch`: only current rows (a row whose kernel
+hash differs from its variant's rendered now timed a kernel this flashgen no longer renders),
+earlier databases win a bucket, then the row of the running torch, then the newest.
 One Triton version per GPU, since the exported runtime checks a single version.
 """
 
@@ -28,8 +28,8 @@ from flashgen.kernels.fwd_space import (
 )
 from flashgen.kernels.hardware import CPU_INTERPRETER, INTERPRETER, DeviceInfo
 from flashgen.kernels.problem import Problem
-from flashgen.kernels.render import template_hash
 from flashgen.kernels.variant import Variant
+from flashgen.store.current import row_is_current
 from flashgen.store.db import TuningDB, WinnerRow
 from flashgen.store.keys import Versions
 
@@ -114,7 +114,7 @@ def _read(paths: Sequence[Path], gpu: str | None, notes: list[str]) -> dict[str,
         for w in rows:
             if gpu is not None and w.key.gpu_name != gpu:
                 continue
-            if w.key.template_hash != template_hash(w.key.mode):
+            if not row_is_current(w):
                 stale += 1
                 continue
             found.setdefault(w.key.gpu_name, []).append(Sourced(w, path))

@@ -2,7 +2,7 @@
 
 The forward's renderer does the work (same Jinja environment, same hash-named source files,
 same caches); this module only says which template each backward kernel comes from and what
-each one may read. `flashgen.kernels.render.template_hash("bwd")` covers these templates.
+each one may read, and what a backward row's kernel hash covers (`bwd_kernel_hash`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,13 @@ from typing import Any, Literal
 
 from flashgen.kernels.bwd_variant import BwdVariant
 from flashgen.kernels.problem import Problem
-from flashgen.kernels.render import _load_module, _make_environment, _render, source_hash
+from flashgen.kernels.render import (
+    _load_module,
+    _make_environment,
+    _render,
+    rendered_hash,
+    source_hash,
+)
 
 BwdKernel = Literal["preprocess", "dkdv", "dq"]
 BWD_KERNELS: tuple[str, ...] = ("preprocess", "dkdv", "dq")
@@ -73,7 +79,7 @@ def render_bwd(kernel: BwdKernel, variant: BwdVariant, problem: Problem) -> str:
 def render_bwd_with(templates: Mapping[str, str], kernel: BwdKernel, variant: BwdVariant,
                     problem: Problem) -> str:
     """What `render_bwd` gives with other template texts (say an earlier revision's): lets a
-    tool check that a template change leaves a stored variant's kernels byte-identical."""
+    tool or test see which kernels (so which rows' kernel hashes) a template change alters."""
     env = _make_environment(templates.get)
     return env.get_template(bwd_template_name(kernel, variant)).render(
         **bwd_render_context(kernel, variant, problem))
@@ -82,6 +88,16 @@ def render_bwd_with(templates: Mapping[str, str], kernel: BwdKernel, variant: Bw
 def bwd_roles(variant: BwdVariant) -> tuple[BwdKernel, ...]:
     """The kernels `variant` launches: the atomic dq mode has no dQ kernel."""
     return ("preprocess", "dkdv") + (("dq",) if variant.dq_mode == "separate" else ())
+
+
+def bwd_kernel_hash(variant: BwdVariant, problem: Problem) -> str:
+    """The code part of a backward row's key: the hash of every kernel `variant` launches
+    (`bwd_roles`), each normalised (`flashgen.kernels.render.normalised`). As in the forward,
+    the Triton twin that runs on inputs TMA cannot address is not part of it."""
+    return rendered_hash(
+        (role, bwd_template_name(role, variant),
+         tuple(sorted(bwd_render_context(role, variant, problem).items())))
+        for role in bwd_roles(variant))
 
 
 @functools.lru_cache(maxsize=1024)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from flashgen.kernels.bwd_render import bwd_kernel_hash
 from flashgen.kernels.bwd_space import (
     bwd_portfolio,
     bwd_search_space,
@@ -27,6 +28,7 @@ from flashgen.kernels.fwd_space import (
 )
 from flashgen.kernels.hardware import DeviceInfo
 from flashgen.kernels.problem import Problem
+from flashgen.kernels.render import kernel_hash
 from flashgen.kernels.variant import Variant
 
 #: A point of either space.
@@ -45,6 +47,8 @@ class ModeSpace(Generic[V]):
     default: Callable[[Problem, DeviceInfo], V]
     #: Points known to do well on this device kind, measured before the sampler's.
     portfolio: Callable[[Problem, DeviceInfo], list[V]]
+    #: The code part of a stored row's key: the hash of the kernels a variant launches.
+    kernel_hash: Callable[[V, Problem], str]
     #: Why dispatch should pass over a valid stored winner for this problem (None: serve it).
     veto: Callable[[V, Problem, DeviceInfo], str | None] = lambda v, p, dev: None
 
@@ -54,9 +58,9 @@ class ModeSpace(Generic[V]):
 
 SPACES: dict[str, ModeSpace] = {
     "fwd": ModeSpace("fwd", Variant, search_space, why_invalid, default_variant, portfolio,
-                     head_units_leave_programs_idle),
+                     kernel_hash, head_units_leave_programs_idle),
     "bwd": ModeSpace("bwd", BwdVariant, bwd_search_space, why_invalid_bwd, default_bwd_variant,
-                     bwd_portfolio),
+                     bwd_portfolio, bwd_kernel_hash),
 }
 
 

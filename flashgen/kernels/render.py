@@ -11,15 +11,16 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
+import io
 import os
 import tempfile
-from collections.abc import Callable, Mapping
+import tokenize
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import jinja2
-from jinja2 import meta
 
 from flashgen.kernels.problem import Problem
 from flashgen.kernels.resources import data_dir
@@ -40,46 +41,63 @@ def _templates() -> dict[str, str]:
     return _template_files()
 
 
-#: Tuning modes whose kernels come from `attn_<mode>_*.py.jinja` templates.
-TEMPLATE_FAMILIES: tuple[str, ...] = ("fwd", "bwd")
+def normalised(source: str) -> str:
+    """`source` without comments, docstrings (any statement that is a bare string literal),
+    trailing blanks and blank lines: what a kernel hash covers, so an edit of a template's
+    prose keeps the rows of every kernel it renders. Found by Python's tokenizer, so a `#`
+    or a quote inside a string is left alone; from text it cannot tokenize, only blank lines
+    and trailing blanks are cut. The same on Python 3.10 to 3.13."""
+    lines = io.StringIO(source).readlines()  # the tokenizer's lines: split at "\n" only
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    except (tokenize.TokenError, SyntaxError):
+        tokens = []
+    starts = [0]
+    for line in lines:
+        starts.append(starts[-1] + len(line))
+    offset = lambda pos: starts[pos[0] - 1] + pos[1]
+    cuts: list[tuple[int, int]] = []
+    statement: list[tokenize.TokenInfo] = []
+    for tok in tokens:
+        if tok.type == tokenize.COMMENT:
+            cuts.append((offset(tok.start), offset(tok.end)))
+        elif tok.type in (tokenize.NEWLINE, tokenize.ENDMARKER):
+            if statement and all(t.type == tokenize.STRING for t in statement):
+                cuts.append((offset(statement[0].start), offset(statement[-1].end)))
+            statement = []
+        elif tok.type not in (tokenize.NL, tokenize.INDENT, tokenize.DEDENT):
+            statement.append(tok)
+    kept, at = [], 0
+    for begin, end in sorted(cuts):
+        kept.append(source[at:begin])
+        at = end
+    kept.append(source[at:])
+    return "".join(f"{line.rstrip()}\n" for line in "".join(kept).split("\n") if line.strip())
 
 
-def family_templates(templates: Mapping[str, str], mode: str) -> list[str]:
-    """The templates `mode`'s kernels are made of: its `attn_<mode>_*` kernels and every
-    fragment they include, directly or through another fragment. A fragment included by both
-    families belongs to both, so editing it invalidates both families' results."""
-    if mode not in TEMPLATE_FAMILIES:
-        raise ValueError(f"unknown template family {mode!r}; use one of {TEMPLATE_FAMILIES}")
-    env = jinja2.Environment()
-    todo = [name for name in templates if name.startswith(f"attn_{mode}_")]
-    family: set[str] = set()
-    while todo:
-        name = todo.pop()
-        if name in family or name not in templates:
-            continue
-        family.add(name)
-        # Only literal include names can be followed; the templates use nothing else.
-        todo += [n for n in meta.find_referenced_templates(env.parse(templates[name])) if n]
-    return sorted(family)
+def _part_digest(role: str, source: str) -> str:
+    return hashlib.sha256(f"{role}\0{normalised(source)}".encode()).hexdigest()
 
 
-def family_hash(templates: Mapping[str, str], mode: str) -> str:
-    """Hash of the names and texts of `mode`'s templates (see `family_templates`)."""
-    digest = hashlib.sha256()
-    for name in family_templates(templates, mode):
-        digest.update(name.encode())
-        digest.update(b"\0")
-        digest.update(templates[name].encode())
-        digest.update(b"\0")
-    return digest.hexdigest()[:16]
+def sources_hash(sources: Iterable[tuple[str, str]]) -> str:
+    """The kernel hash of (role, source) pairs: the kernels a variant launches, by role."""
+    parts = "".join(_part_digest(role, source) for role, source in sources)
+    return hashlib.sha256(parts.encode()).hexdigest()[:16]
 
 
-@functools.cache
-def template_hash(mode: str = "fwd") -> str:
-    """Hash of the text of `mode`'s templates ("fwd" or "bwd"): a stored tuning result is only
-    valid for this exact text. Per family, so editing a backward template keeps the forward
-    winners, and the other way round."""
-    return family_hash(_templates(), mode)
+Context = tuple[tuple[str, Any], ...]
+
+
+@functools.lru_cache(maxsize=8192)
+def _rendered_digest(role: str, name: str, context: Context) -> str:
+    return _part_digest(role, _render(name, context))
+
+
+def rendered_hash(parts: Iterable[tuple[str, str, Context]]) -> str:
+    """`sources_hash` of the kernels that (role, template name, sorted render context) parts
+    render to; each kernel is rendered and normalised once per process."""
+    digests = "".join(_rendered_digest(*part) for part in parts)
+    return hashlib.sha256(digests.encode()).hexdigest()[:16]
 
 
 def _make_environment(lookup: Callable[[str], str | None]) -> jinja2.Environment:
@@ -99,7 +117,7 @@ def _environment() -> jinja2.Environment:
 
 def render_with(templates: Mapping[str, str], variant: Variant, problem: Problem) -> str:
     """What `render` gives with other template texts (say an earlier revision's): lets a
-    tool check that a template change leaves a stored variant's kernel byte-identical."""
+    tool or test see which kernel (so which rows' kernel hashes) a template change alters."""
     env = _make_environment(templates.get)
     return env.get_template(template_name(variant)).render(**render_context(variant, problem))
 
@@ -125,7 +143,7 @@ def render_context(variant: Variant, problem: Problem) -> dict[str, Any]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _render(name: str, context: tuple[tuple[str, Any], ...]) -> str:
+def _render(name: str, context: Context) -> str:
     return _environment().get_template(name).render(**dict(context))
 
 
@@ -133,6 +151,18 @@ def render(variant: Variant, problem: Problem) -> str:
     """The Triton source of `variant` for `problem` (cached on what the template reads)."""
     context = tuple(sorted(render_context(variant, problem).items()))
     return _render(template_name(variant), context)
+
+
+def kernel_hash(variant: Variant, problem: Problem) -> str:
+    """The code part of a forward row's key: the hash of `variant`'s kernel for `problem`,
+    normalised. It depends on the problem only through what the template reads (dtype, head
+    dim, mask), so one hash serves every length and batch of a key.
+
+    The pointer twin (`Variant.pointer_twin`) is left out: it runs only on inputs TMA cannot
+    address, while the row's check and timing are of the variant's own kernel; an edit of the
+    fa2 template must not retire fa3 rows whose kernel did not change."""
+    context = tuple(sorted(render_context(variant, problem).items()))
+    return rendered_hash([("fwd", template_name(variant), context)])
 
 
 def source_hash(source: str) -> str:

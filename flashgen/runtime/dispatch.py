@@ -36,6 +36,7 @@ from flashgen.kernels.variant import Variant
 from flashgen.runtime.backward import run_backward
 from flashgen.runtime.checks import check_inputs, check_runnable
 from flashgen.runtime.forward import Launcher, default_scale, prepare_forward
+from flashgen.store.current import row_is_current
 from flashgen.store.db import TuningDB, WinnerRow, default_db_path
 from flashgen.store.keys import MODES, seq_bucket
 
@@ -140,7 +141,6 @@ class Dispatcher:
     def _load(self, device: DeviceInfo) -> dict[str, dict[_Family, list[_Entry]]]:
         """Both modes' winners for `device`, from every database at once (one open each)."""
         tables: dict[str, dict[_Family, list[_Entry]]] = {mode: {} for mode in MODES}
-        seen: set[tuple] = set()
         for path in self.paths:
             if not path.is_file():
                 continue
@@ -148,11 +148,10 @@ class Dispatcher:
                 rows = [row for mode in MODES for row in db.load_winners(device.key, mode=mode)]
             for row in rows:
                 k = row.key
-                bucket = (k.dtype, k.causal, k.head_dim, k.gqa, k.seq_q_bucket, k.seq_k_bucket)
-                if (k.mode, bucket) in seen:  # a higher-precedence database has this bucket
-                    continue
-                seen.add((k.mode, bucket))
-                tables[k.mode].setdefault(bucket[:4], []).append(_Entry(row, path))
+                # Every database's row of a bucket, in precedence order (`_pick`'s sort keeps
+                # it): a row whose kernel has changed gives way to the next one.
+                family = (k.dtype, k.causal, k.head_dim, k.gqa)
+                tables[k.mode].setdefault(family, []).append(_Entry(row, path))
         return tables
 
     def _warn_untuned(self, device: DeviceInfo, mode: str, tuned_fwd: bool,
@@ -205,7 +204,9 @@ class Dispatcher:
         for entry in sorted(entries, key=distance):
             key = entry.winner.key
             reason = (space.why_invalid(entry.winner.variant, problem, dev)
-                      or space.veto(entry.winner.variant, problem, dev))
+                      or space.veto(entry.winner.variant, problem, dev)
+                      or (None if row_is_current(entry.winner) else "its kernel has changed "
+                          "since it was tuned (re-tune)"))
             if reason:
                 skipped.append(f"bucket Nq{key.seq_q_bucket}/Nk{key.seq_k_bucket}: {reason}")
                 continue

@@ -11,8 +11,12 @@ sqlite-utils. Contract of `TuningDB`:
   recorded in `_sqlite_migrations`); opening a file applies the pending ones. `PRAGMA
   user_version` mirrors the count for tools that only speak SQL.
 * Reads never raise on a miss: an unknown key gives None or an empty list.
-* Winners are only served for the caller's Triton version and template hash; rows of other
-  versions stay in the file as history but never come back from `load_winners`.
+* Winners are only served for the caller's Triton version; rows of other versions stay in the
+  file as history but never come back from `load_winners`. Each trial and winner stores the
+  hash of the kernel it ran (`kernel_hash`); only current rows (`current.row_is_current`)
+  are resumed from or win, and dispatch checks a winner when it first uses it.
+* Each `flashgen tune` records itself in `runs`: GPU, versions, command line, start and end,
+  its status and how many trials and winners it wrote (the file's provenance).
 * Opening for writing refuses, before touching the file, another program's SQLite file and
   one a newer flashgen wrote (`guard.check_writable`); flashgen's files carry its
   `PRAGMA application_id`.
@@ -23,11 +27,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import sqlite3
+import sys
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
@@ -35,15 +41,19 @@ from typing import Any, Literal
 import sqlite_utils
 from sqlite_utils.migrations import Migrations
 
-from flashgen.kernels.hardware import CPU_INTERPRETER
+from flashgen.kernels.hardware import CPU_INTERPRETER, DeviceInfo
 from flashgen.kernels.modes import AnyVariant, space_of
 from flashgen.kernels.problem import Problem
+from flashgen.kernels.render import _templates
+from flashgen.store.current import LEGACY, RETIRED, family_hash, kernel_hash_now, row_is_current
 from flashgen.store.guard import busy_timeout_s, check_writable, mark, open_without_shm
-from flashgen.store.keys import KEY_COLUMNS, TuningKey, Versions
+from flashgen.store.keys import KEY_COLUMNS, TuningKey, Versions, package_version
 from flashgen.tune.timing import Timing
 
 Status = Literal["ok", "failed", "pruned"]
 STATUSES: tuple[str, ...] = ("ok", "failed", "pruned")
+#: How a run ended: still "running" if its process died without a word.
+RunStatus = Literal["running", "ok", "interrupted", "failed"]
 
 #: Knobs that get a column of their own for SQL queries; every knob is also in variant_json,
 #: so knobs added later are stored before a migration gives them a column.
@@ -133,8 +143,72 @@ def m005_backward(db: sqlite_utils.Database) -> None:
     db.execute("UPDATE baselines SET mode = 'fwd'")
 
 
+#: The key's columns from m006 on, in the order its id joins them (`TuningKey.id`).
+_M006_KEY = tuple(c for c in _KEY_SCHEMA if c not in ("key_id", "template_hash"))
+
+
 @migrations()
-def m006_claims(db: sqlite_utils.Database) -> None:
+def m006_kernel_hash(db: sqlite_utils.Database) -> None:
+    """The code part of a key becomes the hash of the kernel a row ran (`kernel_hash`, a
+    column of each row) instead of its template family's text (`template_hash`, a part of
+    the key). A row keyed to today's family text gets its variant's hash rendered now (the
+    same text renders the same kernel); any other gets RETIRED + its old hash, which never
+    matches; a pruned row ran nothing and gets NULL. Key ids lose the template hash, so
+    winners of one bucket under several texts meet: the current one stays, else the newest
+    (trials keep every row)."""
+    now = {mode: family_hash(_templates(), mode) for mode in ("fwd", "bwd")}
+
+    def rekey(row: dict[str, Any]) -> tuple[str, str | None]:
+        key_id = "|".join(str(row[c]) for c in _M006_KEY)
+        if row["template_hash"] != now.get(row["mode"]):
+            return key_id, RETIRED + str(row["template_hash"])
+        if row.get("status") == "pruned":
+            return key_id, None
+        try:
+            variant = space_of(row["mode"]).from_json(row["variant_json"])
+        except (TypeError, ValueError):
+            return key_id, RETIRED + str(row["template_hash"])
+        problem = Problem.from_dict(json.loads(row["problem_json"]))
+        return key_id, kernel_hash_now(row["mode"], variant, problem)
+
+    db.execute("DROP INDEX IF EXISTS idx_winners_device_key_triton_version_template_hash_mode")
+    for table in ("trials", "winners"):
+        db[table].add_column("kernel_hash", str)
+    read = ", ".join((*_M006_KEY, "template_hash", "variant_json", "problem_json"))
+    db.conn.executemany("UPDATE trials SET key_id = ?, kernel_hash = ? WHERE id = ?", [
+        (*rekey(row), row["id"]) for row in db.query(f"SELECT id, status, {read} FROM trials")])
+    kept: dict[str, tuple[tuple[bool, str], str, str | None]] = {}
+    for row in list(db.query(f"SELECT key_id, updated_at, {read} FROM winners")):
+        key_id, kernel = rekey(row)
+        rank = (kernel is not None and not kernel.startswith(RETIRED), row["updated_at"])
+        held = kept.get(key_id)
+        if held is not None and held[0] >= rank:
+            db.execute("DELETE FROM winners WHERE key_id = ?", [row["key_id"]])
+            continue
+        if held is not None:
+            db.execute("DELETE FROM winners WHERE key_id = ?", [held[1]])
+        kept[key_id] = (rank, row["key_id"], kernel)
+    db.conn.executemany("UPDATE winners SET key_id = ?, kernel_hash = ? WHERE key_id = ?",
+                        [(key_id, kernel, old) for key_id, (_, old, kernel) in kept.items()])
+    for table in ("trials", "winners"):
+        db[table].transform(drop={"template_hash"})
+    db["winners"].create_index(["device_key", "triton_version", "mode"])
+
+
+@migrations()
+def m007_runs(db: sqlite_utils.Database) -> None:
+    """The file's provenance: one row per `flashgen tune` run (see `TuningDB.start_run`)."""
+    db["runs"].create(
+        {"id": str, "status": str, "started_at": str, "ended_at": str, "gpu_name": str,
+         "device_key": str, "triton_version": str, "torch_version": str,
+         "flashgen_version": str, "command": str, "trials": int, "winners": int},
+        pk="id", not_null={"status", "started_at"},
+    )
+    db["trials"].create_index(["run_id"])
+
+
+@migrations()
+def m008_claims(db: sqlite_utils.Database) -> None:
     """Variants a tuner is measuring right now, one row each, so that tuners of one key
     running at once never measure a variant twice (`store.claims`). A row lives only while
     its measurement runs; one a killed tuner left behind goes stale and is taken over."""
@@ -146,7 +220,7 @@ def m006_claims(db: sqlite_utils.Database) -> None:
 
 
 #: The number of migrations above; a test checks that a fresh file reaches it.
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 8
 
 
 def _migration_names() -> list[str]:
@@ -186,6 +260,7 @@ class TrialRow:
     error: float | None
     bound: float | None
     created_at: str
+    kernel_hash: str | None = None  # of the kernel it ran; None for a pruned row
 
     @property
     def variant_json(self) -> str:
@@ -206,6 +281,7 @@ class WinnerRow:
     sdpa_backend: str | None
     sdpa_ms: float | None
     updated_at: str
+    kernel_hash: str | None = None  # of the kernel its trial ran (see `current`)
 
     @property
     def speedup(self) -> float | None:
@@ -218,7 +294,29 @@ class WinnerRow:
                 "trial_id": self.trial_id, "median_ms": self.median_ms,
                 "tflops": self.tflops, "sdpa_backend": self.sdpa_backend,
                 "sdpa_ms": self.sdpa_ms, "speedup": self.speedup,
-                "updated_at": self.updated_at}
+                "updated_at": self.updated_at, "kernel_hash": self.kernel_hash}
+
+
+@dataclass(frozen=True)
+class RunRow:
+    """One run that wrote to the file: where, with what, by which command, and what it left."""
+
+    id: str
+    status: str  # a RunStatus
+    started_at: str
+    ended_at: str | None
+    gpu_name: str | None
+    device_key: str | None
+    triton_version: str | None
+    torch_version: str | None
+    flashgen_version: str | None
+    command: str | None
+    trials: int | None
+    winners: int | None
+
+    @classmethod
+    def from_columns(cls, row: dict[str, Any]) -> RunRow:
+        return cls(**{f.name: row[f.name] for f in fields(cls)})
 
 
 class TuningDB:
@@ -324,9 +422,10 @@ class TuningDB:
         self, key: TuningKey, problem: Problem, variant: AnyVariant, status: Status, *,
         reason: str = "", timing: Timing | None = None, tflops: float | None = None,
         error: float | None = None, bound: float | None = None, seed: int | None = None,
-        run_id: str | None = None,
+        run_id: str | None = None, kernel_hash: str | None = None,
     ) -> int:
-        """Store one trial and return its id."""
+        """Store one trial and return its id. `kernel_hash`: of the kernel that ran (default:
+        `variant`'s rendered now; a pruned trial ran none and stores NULL)."""
         if status not in STATUSES:
             raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
         wanted = space_of(key.mode).variant_type
@@ -334,6 +433,8 @@ class TuningDB:
             raise TypeError(f"a {key.mode} trial needs a {wanted.__name__}, "
                             f"got {type(variant).__name__}")
         knobs = variant.to_dict()
+        if kernel_hash is None and status != "pruned":
+            kernel_hash = kernel_hash_now(key.mode, variant, problem)
         row: dict[str, Any] = {
             "key_id": key.id, **key.to_columns(),
             **{c: getattr(problem, c) for c in PROBLEM_COLUMNS},
@@ -346,7 +447,7 @@ class TuningDB:
             "p80_ms": timing.p80_ms if timing else None,
             "reps": timing.reps if timing else None,
             "tflops": tflops, "error": error, "bound": bound, "seed": seed, "run_id": run_id,
-            "created_at": _now(),
+            "created_at": _now(), "kernel_hash": kernel_hash,
         }
         with self._write():
             return int(self.db["trials"].insert(row).last_pk)
@@ -370,15 +471,52 @@ class TuningDB:
         is recomputed for free. So are a GPU's ok rows whose repeats were unsteady (spread
         past `timing.UNSTEADY_SPREAD`): their median is not to be trusted, so a resumed run measures
         the variant again unless a steady row of it exists (the old row stays, as history;
-        the winner is the best ok row either way)."""
+        the winner is the best ok row either way). And rows whose kernel is no longer the one
+        their variant renders to (`current.row_is_current`): a template edit retired them."""
         on_gpu = not key.device_key.startswith(CPU_INTERPRETER)
         latest: dict[str, TrialRow] = {}
         for row in self.trials(key, problem):
             unsteady = (on_gpu and row.status == "ok" and row.timing is not None
                         and row.timing.unsteady)
-            if row.status != "pruned" and not unsteady:
+            if row.status != "pruned" and not unsteady and row_is_current(row):
                 latest[row.variant_json] = row
         return latest
+
+    # ---- runs --------------------------------------------------------------------------
+
+    def start_run(self, run_id: str, device: DeviceInfo, command: str | None = None) -> None:
+        """Record that run `run_id` (the `run_id` of its trials) starts tuning on `device`;
+        `command` defaults to this process's command line."""
+        versions = Versions.current()
+        row = {
+            "id": run_id, "status": "running", "started_at": _now(), "gpu_name": device.name,
+            "device_key": device.key, "triton_version": versions.triton,
+            "torch_version": versions.torch, "flashgen_version": package_version("flashgen"),
+            "command": command if command is not None else shlex.join(
+                ["flashgen", *sys.argv[1:]]),
+        }
+        with self._write():
+            self.db["runs"].insert(row)
+
+    def finish_run(self, run_id: str, status: RunStatus) -> RunRow:
+        """Record how run `run_id` ended, and count the trials it wrote and the winners whose
+        trial is one of them."""
+        with self._write():
+            trials = self.db.execute("SELECT count(*) FROM trials WHERE run_id = ?",
+                                     [run_id]).fetchone()[0]
+            winners = self.db.execute(
+                "SELECT count(*) FROM winners WHERE trial_id IN "
+                "(SELECT id FROM trials WHERE run_id = ?)", [run_id]).fetchone()[0]
+            self.db["runs"].update(run_id, {"status": status, "ended_at": _now(),
+                                            "trials": trials, "winners": winners})
+        return RunRow.from_columns(self.db["runs"].get(run_id))
+
+    def runs(self) -> list[RunRow]:
+        """Every recorded run, oldest first (none in a file older than the runs table)."""
+        if not self.db["runs"].exists():
+            return []
+        return [RunRow.from_columns(r) for r in self.db["runs"].rows_where(
+            order_by="started_at, id")]
 
     # ---- baselines ---------------------------------------------------------------------
 
@@ -411,19 +549,20 @@ class TuningDB:
     # ---- winners -----------------------------------------------------------------------
 
     def update_winner(self, key: TuningKey) -> WinnerRow | None:
-        """Make the highest-TFLOP/s correct trial of `key` its winner (None: no ok trial).
+        """Make the highest-TFLOP/s correct trial of `key` whose kernel is current its winner
+        (None: no such trial; a stale winner row then stays, never served).
 
         TFLOP/s rather than milliseconds, because one key covers several exact problems
         (a bucket of lengths, any batch and head count) and only throughput compares them.
         Read and write happen in one transaction, so concurrent tuners of one key agree.
         """
         with self._write():
-            best = list(self.db["trials"].rows_where(
+            ranked = list(self.db["trials"].rows_where(  # read out: a write follows
                 "key_id = ? and status = 'ok' and tflops is not null", [key.id],
-                order_by="tflops desc, id", limit=1))
-            if not best:
+                order_by="tflops desc, id"))
+            trial = next((t for t in ranked if row_is_current(_trial_row(t))), None)
+            if trial is None:
                 return None
-            trial = best[0]
             problem = Problem.from_dict(json.loads(trial["problem_json"]))
             sdpa = self.baseline(key.device_key, key.torch_version, problem, key.mode)
             row = {
@@ -433,6 +572,7 @@ class TuningDB:
                 "trial_id": trial["id"], "median_ms": trial["median_ms"],
                 "tflops": trial["tflops"], "sdpa_backend": sdpa[0] if sdpa else None,
                 "sdpa_ms": sdpa[1] if sdpa else None, "updated_at": _now(),
+                "kernel_hash": trial["kernel_hash"],
             }
             self.db["winners"].upsert(row, pk="key_id")
         return _winner_row(row)
@@ -443,26 +583,28 @@ class TuningDB:
         return _winner_row(rows[0]) if rows else None
 
     def load_winners(
-        self, device_key: str, triton_version: str | None = None,
-        template_hash: str | None = None, *, mode: str = "fwd",
+        self, device_key: str, triton_version: str | None = None, *, mode: str = "fwd",
         torch_version: str | None = None,
     ) -> list[WinnerRow]:
-        """Winners usable on `device_key` (a `DeviceInfo.key`) with this Triton and template.
+        """`mode`'s winners usable on `device_key` (a `DeviceInfo.key`) with this Triton.
 
-        Versions default to the running ones (the template hash of `mode`'s kernels: a
-        backward template edit keeps the forward winners). `torch_version=None` accepts any
-        torch (the kernels are Triton's; torch only launches them); where the same bucket was
-        tuned under several torch versions, the row of the running torch wins, then the newest
-        row.
+        `triton_version` defaults to the running one. `torch_version=None` accepts any torch
+        (the kernels are Triton's; torch only launches them); where the same bucket was tuned
+        under several torch versions, the row of the running torch wins, then the newest row.
+        Rows the re-keying migration retired are left out; whether another row's kernel is
+        still current is for its user to check (`current.row_is_current`) when it first uses
+        it, since that renders the kernel.
         """
-        current = Versions.current(mode)
+        current = Versions.current()
         if not self.db["winners"].exists():
             return []
+        has_hash = "kernel_hash" in self.db["winners"].columns_dict  # else an older file
         rows = self.db["winners"].rows_where(
-            "device_key = ? and triton_version = ? and template_hash = ? and mode = ?"
-            + (" and torch_version = ?" if torch_version else ""),
-            [device_key, triton_version or current.triton,
-             template_hash or current.template_hash, mode]
+            "device_key = ? and triton_version = ? and mode = ?"
+            + (" and torch_version = ?" if torch_version else "")
+            + (" and (kernel_hash is null or kernel_hash not like 'retired:%')"
+               if has_hash else ""),
+            [device_key, triton_version or current.triton, mode]
             + ([torch_version] if torch_version else []),
         )
         chosen: dict[tuple[Any, ...], WinnerRow] = {}
@@ -499,16 +641,24 @@ def _trial_row(row: dict[str, Any]) -> TrialRow:
         problem=Problem.from_dict(json.loads(row["problem_json"])),
         variant=json.loads(row["variant_json"]), status=row["status"],
         reason=row["reason"] or "", timing=timing, tflops=row["tflops"], error=row["error"],
-        bound=row["bound"], created_at=row["created_at"],
+        bound=row["bound"], created_at=row["created_at"], kernel_hash=_kernel_hash(row),
     )
+
+
+def _kernel_hash(row: dict[str, Any]) -> str | None:
+    """A row's stored kernel hash; for a row of a file not yet re-keyed (read-only), LEGACY
+    and its template hash, so `current` decides as the migration would."""
+    if "kernel_hash" in row:
+        return row["kernel_hash"]
+    return LEGACY + row["template_hash"] if row.get("template_hash") else None
 
 
 def _winner_row(row: dict[str, Any], strict: bool = True) -> WinnerRow | None:
     try:
         variant = space_of(row["mode"]).from_json(row["variant_json"])
     except (TypeError, ValueError) as exc:
-        # A row written by a newer flashgen with knobs this one lacks; its template hash
-        # differs too, so it is never served, but `show` must not crash on it.
+        # A row written by a newer flashgen with knobs this one lacks; its kernel is not
+        # one this flashgen renders, so it is never served, but `show` must not crash on it.
         if strict:
             raise
         warnings.warn(f"skipping winner {row['key_id']}: {exc}", stacklevel=3)
@@ -518,4 +668,5 @@ def _winner_row(row: dict[str, Any], strict: bool = True) -> WinnerRow | None:
         problem=Problem.from_dict(json.loads(row["problem_json"])),
         trial_id=row["trial_id"], median_ms=row["median_ms"], tflops=row["tflops"],
         sdpa_backend=row["sdpa_backend"], sdpa_ms=row["sdpa_ms"], updated_at=row["updated_at"],
+        kernel_hash=_kernel_hash(row),
     )

@@ -1,7 +1,9 @@
 """The tuning key: everything a stored tuning result depends on.
 
-A timing is only worth reusing on the same GPU model, with the same compiler (Triton), the same
-framework (torch) and the same kernel text (the template hash), for a problem of the same kind.
+A timing is only worth reusing on the same GPU model, with the same compiler (Triton) and the
+same framework (torch), for a problem of the same kind, and only while the kernel it timed is
+the one flashgen renders: that part is not in the key but in each row (its `kernel_hash`, see
+`flashgen.store.current`), so a template edit retires exactly the rows whose kernel it changed.
 "The same kind" is bucketed: dtype, causal, head dim and GQA ratio exactly, sequence lengths
 by the next power of two, so a handful of tuned lengths covers every length a model sees.
 Batch and head count are left out on purpose: they only change how many programs a launch has,
@@ -17,7 +19,6 @@ from typing import Any
 
 from flashgen.kernels.hardware import DeviceInfo
 from flashgen.kernels.problem import Problem
-from flashgen.kernels.render import template_hash
 
 #: The passes tuned separately: the forward kernel, and the backward kernels (a `BwdVariant`).
 MODES: tuple[str, ...] = ("fwd", "bwd")
@@ -31,7 +32,7 @@ def seq_bucket(n: int) -> int:
 
 
 @functools.cache
-def _package_version(name: str) -> str:
+def package_version(name: str) -> str:
     # Read from the installed metadata so the key is known without importing triton: the CLI
     # must not import it before it has chosen between the GPU and the interpreter.
     try:
@@ -46,14 +47,11 @@ class Versions:
 
     triton: str
     torch: str
-    template_hash: str
 
     @classmethod
-    def current(cls, mode: str = "fwd") -> Versions:
-        """The running versions, with the template hash of `mode`'s kernels only."""
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}; use one of {MODES}")
-        return cls(_package_version("triton"), _package_version("torch"), template_hash(mode))
+    def current(cls) -> Versions:
+        """The running versions."""
+        return cls(package_version("triton"), package_version("torch"))
 
 
 @dataclass(frozen=True)
@@ -67,7 +65,6 @@ class TuningKey:
     sm_count: int
     triton_version: str
     torch_version: str
-    template_hash: str
     dtype: str
     causal: bool
     head_dim: int
@@ -82,7 +79,7 @@ class TuningKey:
     ) -> TuningKey:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; use one of {MODES}")
-        versions = versions or Versions.current(mode)
+        versions = versions or Versions.current()
         major, minor = device.capability
         return cls(
             mode=mode,
@@ -92,7 +89,6 @@ class TuningKey:
             sm_count=device.sm_count,
             triton_version=versions.triton,
             torch_version=versions.torch,
-            template_hash=versions.template_hash,
             dtype=problem.dtype,
             causal=problem.causal,
             head_dim=problem.head_dim,

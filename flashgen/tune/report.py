@@ -1,4 +1,5 @@
-"""Rich tables for the CLI: a tuning run's progress and results, and the databases' winners.
+"""Rich tables for the CLI: a tuning run's progress and results, the databases' winners and
+their runs.
 
 Each fits 80 columns by default, a row a line: problems go by their short labels
 (`presets.problem_label`, e.g. "bf16 c D128 g4 2k B8 H32"), and the columns a reader needs
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 from rich import box
@@ -24,7 +26,8 @@ from rich.table import Table
 from flashgen.kernels.bwd_variant import BwdVariant
 from flashgen.kernels.modes import AnyVariant
 from flashgen.kernels.presets import kind_label, problem_label
-from flashgen.store.db import WinnerRow
+from flashgen.store.current import row_is_current
+from flashgen.store.db import RunRow, WinnerRow
 from flashgen.store.keys import TuningKey, Versions
 from flashgen.tune.tuner import TuneResult
 
@@ -110,11 +113,10 @@ def results_tables(results: Sequence[TuneResult], wide: bool = False) -> list[Ta
 
 
 def is_current(winner: WinnerRow, versions: Versions | None = None) -> bool:
-    """Whether dispatch would serve this row: same Triton and template text. `versions`
-    default to the running ones of the row's mode (each mode hashes its own templates)."""
-    versions = versions or Versions.current(winner.key.mode)
-    return (winner.key.triton_version, winner.key.template_hash) == (versions.triton,
-                                                                      versions.template_hash)
+    """Whether dispatch would serve this row: same Triton, and its kernel is the one its
+    variant renders to now. `versions` default to the running ones."""
+    versions = versions or Versions.current()
+    return winner.key.triton_version == versions.triton and row_is_current(winner)
 
 
 def key_label(key: TuningKey) -> str:
@@ -168,7 +170,8 @@ def listed(sources: Sequence[tuple[str, Path, list[WinnerRow]]],
 def winners_tables(rows: Iterable[Listed], wide: bool = False) -> list[Table]:
     """A table per database, GPU and mode (the title says which), a row per key: its kind,
     winner, TFLOP/s, speed-up over SDPA, and a note where dispatch would not serve the row
-    ("stale": other Triton or templates; "shadowed": an earlier database has the bucket).
+    ("stale": other Triton, or its variant renders another kernel now; "shadowed": an
+    earlier database has the bucket).
     With `wide`: the problem it was tuned on, the SDPA backend, versions and the date."""
     groups: dict[tuple[str, str, str], list[Listed]] = {}
     for row in rows:
@@ -187,7 +190,7 @@ def winners_tables(rows: Iterable[Listed], wide: bool = False) -> list[Table]:
         table.add_column("TFLOP/s", justify="right", no_wrap=True)
         table.add_column("vs SDPA", justify="right", no_wrap=True)
         if wide:
-            for column in ("SDPA", "tuned on", "triton", "templates", "updated"):
+            for column in ("SDPA", "tuned on", "triton", "kernel", "updated"):
                 table.add_column(column, no_wrap=True)
         notes = [_note(r) for r in group]
         if any(notes):
@@ -200,7 +203,8 @@ def winners_tables(rows: Iterable[Listed], wide: bool = False) -> list[Table]:
                 p = w.problem
                 cells += [w.sdpa_backend or "-",
                           f"B{p.batch} Hq{p.heads_q} Hkv{p.heads_kv} Nq{p.seq_q} Nk{p.seq_k}",
-                          w.key.triton_version, w.key.template_hash, w.updated_at[:10]]
+                          w.key.triton_version, (w.kernel_hash or "-")[:16],
+                          w.updated_at[:10]]
             table.add_row(*cells, *([note] if any(notes) else []))
         tables.append(table)
     return tables
@@ -208,3 +212,33 @@ def winners_tables(rows: Iterable[Listed], wide: bool = False) -> list[Table]:
 
 def _note(row: Listed) -> str:
     return "stale" if not row.current else "shadowed" if row.shadowed else ""
+
+
+def _took(run: RunRow) -> str:
+    if not run.ended_at:
+        return ""
+    seconds = (datetime.fromisoformat(run.ended_at)
+               - datetime.fromisoformat(run.started_at)).total_seconds()
+    minutes = round(seconds / 60)
+    return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m"
+
+
+def runs_table(runs: Iterable[RunRow]) -> Table:
+    """The database's provenance, one row per run: when and how it ended, the GPU and
+    software, what it wrote, and the command. Few narrow columns, so it fits 80 columns."""
+    table = Table(title="flashgen runs", box=box.SIMPLE_HEAD, pad_edge=False, show_lines=True)
+    table.add_column("started (UTC)", no_wrap=True)
+    table.add_column("GPU, versions", max_width=16)
+    table.add_column("wrote", justify="right", no_wrap=True)
+    table.add_column("command", ratio=1, overflow="fold")
+    for run in runs:
+        stack = [(run.gpu_name or "-").removeprefix("NVIDIA ")] + [
+            f"{name} {value}" for name, value in (
+                ("triton", run.triton_version), ("torch", run.torch_version),
+                ("flashgen", run.flashgen_version)) if value]
+        table.add_row(
+            f"{run.started_at[:16].replace('T', ' ')}\n{run.status} {_took(run)}".rstrip(),
+            "\n".join(stack), f"{_num(run.trials, 'd')} trials\n{_num(run.winners, 'd')} won",
+            run.command or "-",
+        )
+    return table

@@ -89,6 +89,19 @@ class Outcome:
     reason: str = ""
 
 
+@dataclass(frozen=True)
+class TuneOptions:
+    """How one problem is searched: which pass, the budget, the sampler's seed, and whether
+    stored timings are taken again. One object, so callers and tests name what they change."""
+
+    mode: str = "fwd"
+    trials: int | None = None  # new measurements; pruned and resumed points are free
+    timeout: float | None = None  # seconds for this problem
+    seed: int = 0
+    batch: int = 1  # trials asked and compiled together, then measured one by one
+    remeasure: bool = False  # time the stored variants again first, fastest first
+
+
 @dataclass
 class TuneResult:
     """The state of one problem's tuning; updated in place while it runs (for progress)."""
@@ -195,8 +208,8 @@ def _seeds(problem: Problem, device: DeviceInfo, db: TuningDB, versions: Version
     same mode, dtype, head dim and mask on this device and versions, nearest sequence buckets
     and GQA ratio first."""
     key = TuningKey.for_problem(problem, device, space.mode, versions)
-    similar = [w for w in db.load_winners(device.key, versions.triton, versions.template_hash,
-                                          mode=space.mode, torch_version=versions.torch)
+    similar = [w for w in db.load_winners(device.key, versions.triton, mode=space.mode,
+                                          torch_version=versions.torch)
                if (w.key.dtype, w.key.head_dim, w.key.causal)
                == (key.dtype, key.head_dim, key.causal)]
 
@@ -216,22 +229,17 @@ def tune_problem(
     bench: Bench,
     db: TuningDB,
     device: DeviceInfo,
+    options: TuneOptions,
     *,
-    mode: str = "fwd",
-    trials: int | None = None,
-    timeout: float | None = None,
-    seed: int = 0,
-    batch: int = 1,
     versions: Versions | None = None,
     run_id: str | None = None,
     on_progress: Callable[[TuneResult], None] | None = None,
     clock: Callable[[], float] = time.monotonic,
-    remeasure: bool = False,
 ) -> TuneResult:
-    """Search `mode`'s variants of `problem` on `device`; every trial goes to `db`.
+    """Search `options.mode`'s variants of `problem` on `device`; every trial goes to `db`.
 
     `bench` measures that mode's variants: `KernelBench` for "fwd", `BwdKernelBench` for
-    "bwd". `versions` default to the running ones, with `mode`'s template hash.
+    "bwd". `versions` default to the running ones.
 
     Budget: `trials` new measurements (pruned and resumed points are free) and/or `timeout`
     seconds; the search also ends when every valid variant has been measured. `batch`
@@ -242,12 +250,14 @@ def tune_problem(
     taken by a flawed timer: the old rows stay as history, and the winner is still the best
     row, which a flaw that only ever added time (as the host-gap one did) cannot spoil.
     """
+    mode, trials, timeout = options.mode, options.trials, options.timeout
+    seed, batch, remeasure = options.seed, options.batch, options.remeasure
     if trials is None and timeout is None:
         raise ValueError("give a budget: trials, timeout, or both")
     if trials is not None and trials < 0:
         raise ValueError(f"trials must be >= 0, got {trials}")
     space = space_of(mode)
-    versions = versions or Versions.current(mode)
+    versions = versions or Versions.current()
     run_id = run_id or uuid.uuid4().hex[:12]
     key = TuningKey.for_problem(problem, device, mode, versions)
     result = TuneResult(problem, key, trials)
