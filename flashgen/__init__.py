@@ -2,7 +2,9 @@
 
 The public names are imported on first use (PEP 562), not with the package: `flashgen
 --help` and `--version` run `flashgen.cli`, which lives in this package, and importing torch
-and triton for them took seconds.
+and triton for them took seconds. Code that imports `flashgen.runtime` modules directly
+imports `flashgen.serve` too (or any public name first): that is what plugs flashgen's
+dispatcher into the runtime.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ __version__ = "0.1.0"
 #: Each public name and the module that defines it.
 _PUBLIC: dict[str, str] = {
     "BwdVariant": "flashgen.kernels.bwd_variant",
-    "Choice": "flashgen.runtime.dispatch",
+    "Choice": "flashgen.runtime.table",
     "DeviceInfo": "flashgen.kernels.hardware",
-    "Dispatcher": "flashgen.runtime.dispatch",
+    "Dispatcher": "flashgen.serve",
     "Problem": "flashgen.kernels.problem",
     "Variant": "flashgen.kernels.variant",
     "attention": "flashgen.runtime.api",
@@ -57,15 +59,19 @@ if TYPE_CHECKING:
     from flashgen.kernels.render import kernel_hash, render
     from flashgen.kernels.variant import Variant
     from flashgen.runtime.api import attention, explain
-    from flashgen.runtime.dispatch import Choice, Dispatcher
     from flashgen.runtime.sdpa import scaled_dot_product_attention
+    from flashgen.runtime.table import Choice
+    from flashgen.serve import Dispatcher
 
 
 def __getattr__(name: str) -> Any:
-    """Import the module behind public name `name` on its first use, and keep the name."""
+    """Import the module behind public name `name` on its first use, and keep the name.
+    `flashgen.serve` comes first whatever the name: importing it makes flashgen's dispatcher
+    the one behind `attention` and its torch.library op."""
     module = _PUBLIC.get(name)
     if module is None:
         raise AttributeError(f"module 'flashgen' has no attribute {name!r}")
+    importlib.import_module("flashgen.serve")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

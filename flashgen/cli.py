@@ -244,7 +244,8 @@ def _make_bench(mode: str, problem: Problem, target: torch.device, seed: int,
         from flashgen.tune.fwd_bench import KernelBench
 
         return KernelBench(problem, target, seed=seed, compile_workers=compile_workers)
-    from flashgen.runtime.dispatch import Dispatcher, shipped_db_path
+    from flashgen.serve import Dispatcher
+    from flashgen.store.table import shipped_db_path
     from flashgen.tune.bwd_bench import BwdKernelBench
 
     return BwdKernelBench(problem, target, seed=seed, compile_workers=compile_workers,
@@ -358,8 +359,8 @@ def show(
     databases dispatch reads: the user database, then the one shipped with flashgen; each
     table (JSON: each row's "db" and "source") says which, and a note marks the rows
     dispatch would not serve."""
-    from flashgen.runtime.dispatch import shipped_db_path
     from flashgen.store.db import TuningDB, default_db_path
+    from flashgen.store.table import shipped_db_path
     from flashgen.tune.report import listed, winners_tables
 
     if db is not None and not db.exists():
@@ -498,7 +499,8 @@ def bench(
     from flashgen.bench.run import Outputs, resolve_device, run_bench
     from flashgen.bench.suite import parse_modes
     from flashgen.kernels import presets
-    from flashgen.runtime.dispatch import Dispatcher, shipped_db_path
+    from flashgen.serve import Dispatcher
+    from flashgen.store.table import shipped_db_path
 
     dispatcher = Dispatcher([db, shipped_db_path()]) if db else None
     try:
@@ -539,8 +541,8 @@ def export(
     if fmt not in ("python", "aot"):
         raise _fail(f"--format must be python or aot, got {fmt!r}")
     from flashgen.export.rows import select_winners
-    from flashgen.runtime.dispatch import shipped_db_path
     from flashgen.store.db import default_db_path
+    from flashgen.store.table import shipped_db_path
 
     paths = [db] if db else [default_db_path(), shipped_db_path()]
     if db and not db.is_file():

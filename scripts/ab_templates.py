@@ -34,7 +34,8 @@ from flashgen.kernels.presets import TOKENS_PER_BATCH
 from flashgen.kernels.problem import Problem
 from flashgen.kernels.render import _load_module, _templates, render, render_with, source_hash
 from flashgen.kernels.variant import Variant
-from flashgen.runtime.forward import Launcher, default_scale, prepare_forward
+from flashgen.runtime.forward import Launcher, default_scale
+from flashgen.serve import prepare_forward
 from flashgen.tune.check import compare, make_inputs
 from flashgen.tune.timing import time_cuda
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 import flashgen
-import flashgen.runtime.backward as backward
+import flashgen.serve as backward
 from flashgen.kernels.bwd_variant import BwdVariant
 
 T0 = time.perf_counter()

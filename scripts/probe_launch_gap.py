@@ -27,7 +27,7 @@ from flashgen.bench.competitors import COMPETITORS
 from flashgen.kernels.hardware import device_info
 from flashgen.kernels.problem import Problem
 from flashgen.kernels.variant import Variant
-from flashgen.runtime.forward import run_forward
+from flashgen.serve import run_forward
 from flashgen.tune.check import make_inputs
 from flashgen.tune.timing import Timing, _flush_buffer, queue_seconds, time_cuda
 

@@ -24,7 +24,8 @@ from probe_launch_gap import host_us
 import flashgen
 from flashgen.bench.competitors import COMPETITORS
 from flashgen.kernels.problem import Problem
-from flashgen.runtime.forward import default_scale, prepare_forward
+from flashgen.runtime.forward import default_scale
+from flashgen.serve import prepare_forward
 from flashgen.tune.check import make_inputs
 
 

@@ -56,6 +56,22 @@ def test_compiled_training_step() -> None:
 
 
 @pytest.mark.interpreter
+def test_compiled_step_with_explicit_variants() -> None:
+    # The variants travel through the op as text, worked out once while tracing.
+    q, k, v = make_inputs(1, 2, 1, 24, 24, 16, torch.float32, seed=6)
+    fwd, bwd = flashgen.Variant("fa2", 16, 16, 2, 1), flashgen.BwdVariant(16, 16, 2, 1, "atomic")
+
+    def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+        return flashgen.attention(q * 1.0, k, v, causal=causal, variant=fwd, bwd_variant=bwd)
+
+    torch._dynamo.reset()
+    *grads, do = _grads(q, k, v, True, fn=torch.compile(step, fullgraph=True,
+                                                        backend="aot_eager"))
+    result = compare_grads(tuple(grads), q, k, v, do, True)
+    assert result.ok, result.reason
+
+
+@pytest.mark.interpreter
 def test_saves_only_linear_memory() -> None:
     n = 64
     q, k, v = make_inputs(1, 2, 2, n, n, 16, torch.float32, seed=4)

@@ -29,7 +29,8 @@ from flashgen.kernels.bwd_space import (
 from flashgen.kernels.bwd_variant import BwdVariant
 from flashgen.kernels.hardware import INTERPRETER, DeviceInfo
 from flashgen.kernels.problem import DTYPE_NAMES
-from flashgen.runtime.backward import fa3_tile_rows, run_backward
+from flashgen.runtime.backward import fa3_tile_rows
+from flashgen.serve import run_backward
 from flashgen.tune.check import CheckResult, make_inputs
 from flashgen.tune.grads import compare_grads, reference_grads
 

@@ -262,7 +262,7 @@ def test_show_without_db_lists_the_shipped_winners_and_says_where_each_is_from(
     """A new user has no database: `show` failed with "no tuning database". It lists what
     dispatch reads, the user database and the shipped one, each row with its database; a
     shipped row whose bucket the user database holds too is marked shadowed."""
-    from flashgen.runtime.dispatch import shipped_db_path
+    from flashgen.store.table import shipped_db_path
 
     with TuningDB.open_readonly(shipped_db_path()) as shipped:
         stored = shipped.all_winners()

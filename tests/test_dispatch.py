@@ -103,6 +103,30 @@ def test_user_database_takes_precedence(tmp_path: Path) -> None:
     assert only_shipped.explain(q, k, v, causal=True).source.startswith(str(shipped))
 
 
+def test_a_row_whose_kernel_changed_gives_way_and_is_checked_once(tmp_path: Path) -> None:
+    # `kernel_is_current` is asked once per row, when it is first considered; a stale row
+    # gives way to the next one of its bucket (here the shipped database's).
+    user, shipped = tmp_path / "user.db", tmp_path / "shipped.db"
+    other = flashgen.Variant("fa2", 16, 16, 2, 1)
+    _store(shipped, P64, other)
+    _store(user, P64, WINNER)
+    asked: list[str] = []
+
+    class Checking(flashgen.Dispatcher):
+        def kernel_is_current(self, mode: str, entry: object) -> str | None:
+            asked.append(entry["source"])  # type: ignore[index]
+            stale = entry["variant"] == WINNER.to_dict()  # type: ignore[index]
+            return "its kernel has changed since it was tuned" if stale else None
+
+    d = Checking([user, shipped])
+    for n in (64, 50, 33):
+        q, k, v = make_inputs(1, 2, 1, n, n, 32, torch.float32)
+        choice = d.explain(q, k, v, causal=True)
+        assert (choice.variant, choice.how) == (other, "exact")
+        assert choice.source.startswith(str(shipped))
+    assert [a.split(" ")[0] for a in asked] == [str(user), str(shipped)]
+
+
 def test_no_entries_logs_one_suggestion(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     d = flashgen.Dispatcher(tmp_path / "none.db")
     q, k, v = make_inputs(1, 1, 1, 16, 16, 16, torch.float32)
@@ -127,12 +151,12 @@ def test_a_kernel_that_fails_to_compile_gives_way_to_the_portable_default(
         caplog: pytest.LogCaptureFixture) -> None:
     """A chosen kernel (a winner, or an untuned GPU's default) that does not compile must not
     fail the call: the portable default runs, with one warning. Explicit variants raise."""
-    import flashgen.runtime.forward as forward
+    import flashgen.serve as serve
 
     db = tmp_path / "t.db"
     _store(db, P64, WINNER)
-    real = forward.load_kernel
-    monkeypatch.setattr(forward, "load_kernel",
+    real = serve.load_kernel
+    monkeypatch.setattr(serve, "load_kernel",
                         lambda v, p: _Unbuildable() if v == WINNER else real(v, p))
     d = flashgen.Dispatcher(db)
     with caplog.at_level(logging.WARNING, logger="flashgen"):
@@ -145,6 +169,7 @@ def test_a_kernel_that_fails_to_compile_gives_way_to_the_portable_default(
     portable = flashgen.default_variant(P64, INTERPRETER, fa3=False)
     assert str(WINNER) in warnings[0] and f"portable default {portable}" in warnings[0]
     assert "PassManager::run failed" in warnings[0]
+    assert d.explain(q, k, v, causal=True).how == "fallback"  # explain says what runs
     with pytest.raises(RuntimeError, match="PassManager"):
         d.forward(q, k, v, causal=True, variant=WINNER)
 

@@ -67,13 +67,13 @@ def test_autograd_runs_the_stored_winner(tmp_path: Path, monkeypatch: pytest.Mon
     _store(db, P64, WINNER)
     monkeypatch.setattr(dispatch, "_default", flashgen.Dispatcher(db))
     ran: list[BwdVariant] = []
-    real = dispatch.run_backward
+    real = dispatch.prepare_backward
 
-    def recording(*args: object) -> tuple[torch.Tensor, ...]:
-        ran.append(args[6])  # type: ignore[arg-type]
-        return real(*args)  # type: ignore[arg-type]
+    def recording(entry: dict, *args: object) -> object:
+        ran.append(BwdVariant.from_dict(entry["variant"]))
+        return real(entry, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(dispatch, "run_backward", recording)
+    monkeypatch.setattr(dispatch, "prepare_backward", recording)
     q, k, v = make_inputs(1, 2, 1, 40, 64, 32, torch.float32, seed=5)
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
     out = flashgen.attention(*leaves, causal=True)
@@ -129,7 +129,7 @@ def test_a_backward_kernel_that_fails_to_compile_gives_way_to_the_portable_defau
         caplog: pytest.LogCaptureFixture) -> None:
     """As for the forward: a chosen backward kernel that does not build runs the portable
     default with one warning; an explicit bwd_variant raises."""
-    import flashgen.runtime.backward as backward
+    import flashgen.serve as serve
 
     class Unbuildable:
         def __getitem__(self, grid: object) -> object:
@@ -137,8 +137,8 @@ def test_a_backward_kernel_that_fails_to_compile_gives_way_to_the_portable_defau
 
     db = tmp_path / "t.db"
     _store(db, P64, WINNER)
-    real = backward.load_bwd_kernel
-    monkeypatch.setattr(backward, "load_bwd_kernel", lambda kernel, v, p: (
+    real = serve.load_bwd_kernel
+    monkeypatch.setattr(serve, "load_bwd_kernel", lambda kernel, v, p: (
         Unbuildable() if v == WINNER and kernel == "dkdv" else real(kernel, v, p)))
     d = flashgen.Dispatcher(db)
     q, k, v = make_inputs(1, 2, 1, 64, 64, 32, torch.float32, seed=3)
@@ -151,6 +151,6 @@ def test_a_backward_kernel_that_fails_to_compile_gives_way_to_the_portable_defau
     torch.testing.assert_close(again, grads)
     warnings = [r.message for r in caplog.records if "failed" in r.message]
     assert len(warnings) == 1 and str(WINNER) in warnings[0]
-    assert d.choose_bwd(P64, INTERPRETER).how == "fallback"
+    assert d.explain(q, k, v, causal=True).backward.how == "fallback"
     with pytest.raises(RuntimeError, match="PassManager"):
         d.backward(do, q, k, v, out, lse, causal=True, variant=WINNER)

@@ -3,6 +3,7 @@ manifest and header are produced without a GPU; on a GPU both run and match the 
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
 import json
@@ -23,15 +24,14 @@ from typer.testing import CliRunner
 
 import flashgen
 from flashgen.cli import app
+from flashgen.export.package import runtime_files
 from flashgen.export.rows import GENERIC, LENGTHS, select_winners, tile_needs
 from flashgen.kernels.bwd_render import render_bwd
 from flashgen.kernels.bwd_space import bwd_pointer_twin, default_bwd_variant, why_invalid_bwd
 from flashgen.kernels.bwd_variant import BwdVariant
-from flashgen.kernels.fwd_space import head_units_leave_programs_idle, why_invalid
+from flashgen.kernels.fwd_space import why_invalid
 from flashgen.kernels.hardware import INTERPRETER, DeviceInfo
 from flashgen.kernels.problem import DTYPES
-from flashgen.runtime.backward import fa3_tile_rows
-from flashgen.runtime.forward import fa3_grid
 from flashgen.store.db import TuningDB
 from flashgen.store.keys import TuningKey
 from flashgen.tune.check import compare, make_inputs
@@ -134,7 +134,7 @@ for i, (name, (pkg, shape, dtype, causal, grads)) in enumerate(cases.items()):
         do = torch.randn(out.shape, generator=torch.Generator().manual_seed(9)).to(dtype)
         out.backward(do)
         run.update(out=out.detach(), lse=lse, do=do, grads=[t.grad for t in leaves],
-                   bwd_how=pkg.explain(q, k, v, causal=causal, backward=True).how)
+                   bwd_how=choice.backward.how)
     else:
         run["out"], run["lse"] = pkg.attention(q, k, v, causal=causal, return_lse=True)
     res["runs"][name] = run
@@ -146,6 +146,12 @@ for name, call in {
         call()
     except (TypeError, ValueError) as exc:
         res["errors"][name] = f"{type(exc).__name__}: {exc}"
+q, k, v = inputs(1, 2, 1, 50, 60, 32, torch.float32, seed=7)
+compiled = torch.compile(lambda q, k, v: fgk.attention(q, k, v, causal=True) * 2.0,
+                         fullgraph=True, backend="aot_eager")
+res["compiled"] = {"q": q, "k": k, "v": v, "out": compiled(q, k, v) / 2.0}
+res["ops"] = [ns for ns in ("fgk", "fgk_stale", "fgk_other")
+              if hasattr(getattr(torch.ops, ns), "attention_fwd")]
 later.__exit__(None, None, None)
 res["later_warnings"] = [str(w.message) for w in res["later_warnings"]
                          if "generic default" in str(w.message)]
@@ -193,37 +199,10 @@ def _exported_runtime(exported: dict[str, Any]) -> ModuleType:
 
 
 @pytest.mark.interpreter
-def test_exported_fa3_grid_matches_the_package(exported: dict[str, Any]) -> None:
-    # The exported runtime cannot import flashgen, so it carries its own fa3 grid rule; the
-    # two must launch the same programs with the same trailing arguments.
-    runtime = _exported_runtime(exported)
-    cpu = torch.device("cpu")
-    for v in (flashgen.Variant("fa3", 128, 128, 4, 3),
-              flashgen.Variant("fa3", 64, 64, 4, 3, persistent=1)):
-        for nq, heads in ((1000, 48), (33, 1), (4096, 512)):
-            assert runtime._fa3_grid(v.to_dict(), nq, heads, cpu) == fa3_grid(v, nq, heads, cpu)
-
-
-@pytest.mark.interpreter
-def test_exported_head_units_rule_matches_the_package(exported: dict[str, Any]) -> None:
-    # Dispatch passes over a whole-heads winner (head_units) where a small batch would leave
-    # programs idle; the runtime carries its own copy of that check.
-    runtime = _exported_runtime(exported)
-    v = flashgen.Variant("fa3", 128, 128, 4, 3, persistent=1, head_units=True)
-    for sms in (132, 114):
-        dev = DeviceInfo("H-test", (9, 0), sms, 232448)
-        for b, h, n in ((32, 32, 512), (1, 8, 512), (16, 32, 1024), (1, 32, 16384),
-                        (4, 33, 512), (2, 66, 1000), (3, 7, 384)):
-            p = flashgen.Problem(b, h, h, n, n, 64, "fp16", True)
-            assert runtime._heads_fit(v.to_dict(), n, b * h, sms) == (
-                head_units_leave_programs_idle(v, p, dev) is None), (sms, b, h, n)
-
-
-@pytest.mark.interpreter
 def test_package_layout(exported: dict[str, Any]) -> None:
     pkg = exported["out"] / "fgk"
-    assert {p.name for p in pkg.iterdir()} == {"__init__.py", "table.json", "kernels",
-                                               "README.md"}
+    assert {p.name for p in pkg.iterdir() if p.name != "__pycache__"} == {
+        "__init__.py", "table.json", "kernels", "runtime", "README.md"}
     sources = list((pkg / "kernels").glob("*.py"))
     assert any(p.name.startswith("fwd_") for p in sources)
     assert {p.name.split("_")[1] for p in sources if p.name.startswith("bwd_")} == {
@@ -250,16 +229,20 @@ def test_runs_without_the_tuning_stack(exported: dict[str, Any]) -> None:
     assert (runs["hit"]["how"], runs["hit"]["variant"]) == ("exact", V_FP32.to_dict())
     assert (runs["fp16_hit"]["how"], runs["fp16_hit"]["variant"]) == ("exact", V_FP16.to_dict())
     assert runs["nearest"]["how"] == "nearest"
-    assert runs["miss"]["how"] == "default"  # fa1's 32-row tile is too long for 9 queries
+    assert runs["miss"]["how"] == "fallback"  # fa1's 32-row tile is too long for 9 queries
     assert runs["fp16_unaligned"]["how"] == "exact"  # run by the TMA winner's pointer twin
     for name, r in runs.items():
         result = compare(r["out"], r["q"], r["k"], r["v"], r["causal"], lse=r["lse"])
         assert result.ok, (name, result.reason)
+    # torch.compile traces the package's own op; each package registers its own namespace.
+    r = res["compiled"]
+    assert compare(r["out"], r["q"], r["k"], r["v"], True).ok
+    assert res["ops"] == ["fgk", "fgk_stale", "fgk_other"]
 
 
 @pytest.mark.interpreter
 def test_gradients_with_tuned_and_default_backward(exported: dict[str, Any]) -> None:
-    for name, how in (("hit", "default"), ("fp16_hit", "exact")):
+    for name, how in (("hit", "fallback"), ("fp16_hit", "exact")):
         r = exported["res"]["runs"][name]
         assert r["bwd_how"] == how
         result = compare_grads(tuple(r["grads"]), r["q"], r["k"], r["v"], r["do"], r["causal"])
@@ -275,7 +258,7 @@ def test_mismatch_warns_once_and_uses_generic_defaults(exported: dict[str, Any])
     assert "NVIDIA H200" in other and "cpu-interpreter" in other
     assert res["later_warnings"] == []  # once, at import: calls do not repeat it
     for name in ("stale", "other"):
-        assert res["runs"][name]["how"] == "default"
+        assert res["runs"][name]["how"] == "fallback"
         assert "generic default" in res["runs"][name]["reason"]
 
 
@@ -417,6 +400,9 @@ def test_cli_refusals(tmp_path: Path) -> None:
     _export("--db", str(db), "--out", str(tmp_path), "--name", "pkg", "--force")
     bad = runner.invoke(app, ["export", "--db", str(db), "--out", str(tmp_path), "--name", "a-b"])
     assert bad.exit_code == 2 and "identifier" in bad.output
+    ours = runner.invoke(app, ["export", "--db", str(db), "--out", str(tmp_path), "--name",
+                               "flashgen"])
+    assert ours.exit_code == 2 and "shadow" in ours.output
     aot = runner.invoke(app, ["export", "--db", str(db), "--out", str(tmp_path), "--format", "aot"])
     assert aot.exit_code == 2 and "only the CPU interpreter" in aot.output
 
@@ -585,7 +571,7 @@ def test_gpu_python_export_hit_miss_and_training(tmp_path: Path,
     problem = flashgen.Problem(2, 8, 2, 1024, 1024, 64, "fp16", True)
     _store(tmp_path / "t.db", problem, tuned, dev)
     fgk_gpu = _export_and_import(tmp_path, f"fgk_gpu_{GPU_EXPORTED.index(tuned)}")
-    for n, how in ((1000, "exact"), (3000, "nearest"), (40, "default")):
+    for n, how in ((1000, "exact"), (3000, "nearest"), (40, "fallback")):
         q, k, v = make_inputs(2, 8, 2, n, n, 64, torch.float16, "cuda", seed=n)
         choice = fgk_gpu.explain(q, k, v, causal=True)
         assert choice.how == how, choice
@@ -631,30 +617,69 @@ GLUON_BWD_WINNERS = [BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_m=128),
 
 
 @pytest.mark.parametrize("winner", GLUON_BWD_WINNERS, ids=str)
-def test_exported_gluon_backward_uses_flashgens_tiles(tmp_path: Path,
-                                                      monkeypatch: pytest.MonkeyPatch,
-                                                      winner: BwdVariant) -> None:
-    """The exported runtime repeats flashgen's Gluon backward launch (it runs without
-    flashgen), so its TMA tiles must stay `fa3_tile_rows`'s, dq_block_m included. Checked
-    without a GPU: the descriptors and launches are recorded, no kernel runs."""
+def test_exported_gluon_backward_uses_the_winners_tiles(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch,
+                                                        winner: BwdVariant) -> None:
+    """An exported Gluon backward winner reaches its kernels with the TMA tiles its knobs
+    give (dq_block_m included): 64 rows per owned tensor, the kernel's streamed tile
+    (`BwdVariant.streamed`) per streamed one. Checked without a GPU: the package's table is
+    served with its device name faked, and descriptors and launches are recorded."""
     _store(tmp_path / "t.db", P_FA3, winner, H200, mode="bwd")
     package = _export_and_import(tmp_path, f"fgk_rows_{GLUON_BWD_WINNERS.index(winner)}")
+    runtime = sys.modules[f"{package.__name__}.runtime.package"]
     launches: dict[str, tuple[Any, ...]] = {}
 
     class Recorder:
-        def __init__(self, module: str, function: str) -> None:
-            self.function = function
+        def __init__(self, role: str) -> None:
+            self.role = role
 
         def __getitem__(self, grid: tuple[int, ...]) -> Any:
-            return lambda *args, **kw: launches.__setitem__(self.function, args)
+            return lambda *args, **kw: launches.__setitem__(self.role, args)
 
-    monkeypatch.setattr(package, "_device_name", lambda device: "NVIDIA H200")
-    monkeypatch.setattr(package, "_gluon_descriptor", lambda t, rows: ("tma", rows))
-    monkeypatch.setattr(package, "_kernel", Recorder)
+    monkeypatch.setattr(runtime, "device_name", lambda device: "NVIDIA H200")
+    monkeypatch.setattr(sys.modules[f"{package.__name__}.runtime.backward"], "gluon_descriptor",
+                        lambda t, rows: ("tma", rows))
+    monkeypatch.setattr(runtime.PackageDispatcher, "kernel",
+                        lambda self, entry, role, shape: Recorder(role))
     q, k, v = make_inputs(1, 2, 2, 256, 256, 64, torch.bfloat16, seed=4)
     lse = torch.zeros(1, 2, 256)
-    package._backward(torch.randn_like(q), q, k, v, torch.empty_like(q), lse, False, 0.125)
+    dispatcher = runtime.PackageDispatcher()
+    assert dispatcher.explain(q, k, v).backward.how == "exact"
+    dispatcher.backward(torch.randn_like(q), q, k, v, torch.empty_like(q), lse, False, 0.125)
     for kernel in ("dkdv", "dq"):
-        rows = tuple(a[1] for a in launches[f"attn_bwd_{kernel}"]
-                     if isinstance(a, tuple) and a[:1] == ("tma",))
-        assert rows == (fa3_tile_rows(kernel, winner) if winner.gluon(kernel) else ()), kernel
+        rows = tuple(a[1] for a in launches[kernel] if isinstance(a, tuple) and a[:1] == ("tma",))
+        s = winner.streamed(kernel)
+        want = (s, 64, 64, s, 64, 64) if kernel == "dkdv" else (64, s, s, 64, 64)
+        assert rows == (want if winner.gluon(kernel) else ()), kernel
+
+
+# ---- one runtime ----------------------------------------------------------------------------
+
+
+@pytest.mark.interpreter
+def test_the_package_runs_flashgens_runtime_verbatim(exported: dict[str, Any]) -> None:
+    """The package's Python files are its kernel sources, flashgen's runtime byte for byte,
+    and one short generated __init__.py."""
+    pkg = exported["out"] / "fgk"
+    ours = {p.name: p.read_bytes() for p in runtime_files()}
+    theirs = {p.name: p.read_bytes() for p in (pkg / "runtime").glob("*.py")}
+    assert theirs == ours
+    python = {p.relative_to(pkg) for p in pkg.rglob("*.py") if "__pycache__" not in p.parts}
+    kernels = {p for p in python if p.parts[0] == "kernels"}
+    assert kernels and python - kernels == {Path("runtime", n) for n in ours} | {
+        Path("__init__.py")}
+    assert len((pkg / "__init__.py").read_text().splitlines()) <= 40
+
+
+def test_the_runtime_imports_only_torch_triton_and_the_standard_library() -> None:
+    allowed = {"torch", "triton", *sys.stdlib_module_names}
+    for path in runtime_files():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                assert name.partition(".")[0] in allowed, f"{path.name} imports {name}"

@@ -15,17 +15,13 @@ import pytest
 import torch
 
 import flashgen
-from flashgen.kernels.fwd_space import (
-    FA3_TILES,
-    default_variant,
-    head_units_leave_programs_idle,
-    portfolio,
-)
+from flashgen.kernels.fwd_space import FA3_TILES, default_variant, portfolio
 from flashgen.kernels.gluon_compile import report_in_subprocess
 from flashgen.kernels.hardware import INTERPRETER, DeviceInfo, device_info
-from flashgen.kernels.render import _load_module, render, source_hash
+from flashgen.kernels.render import _load_module, normalised, render, source_hash
 from flashgen.kernels.render import template_name as render_template_name
 from flashgen.runtime.forward import fa3_grid
+from flashgen.runtime.table import head_units_leave_programs_idle
 from flashgen.tune.check import compare, make_inputs
 
 HOPPER = DeviceInfo("H-test", (9, 0), 132, 232448)
@@ -84,8 +80,9 @@ def test_persistent_causal_kernels_alone_take_the_row_bound_mask() -> None:
     for m, consumers in ((128, 2), (192, 3)):
         v = flashgen.Variant("fa3", m, 128, 4, 2, persistent=1)
         assert (v.fa3_rows, v.fa3_consumers) == (64, consumers)
-        causal = render(v, _problem(64, causal=True))
-        full = render(v, _problem(64))
+        # The code alone: the template's header comment names both masks.
+        causal = normalised(render(v, _problem(64, causal=True)))
+        full = normalised(render(v, _problem(64)))
         assert "= _mask_bound(s" in causal and "= _mask_scores(s" not in causal
         assert "_mask_bound" not in full and "= _mask_scores(s" in full
         for source in (causal, full):
@@ -163,9 +160,9 @@ def test_head_units_is_a_causal_knob_of_persistent_fa3() -> None:
     # another winner. It stays valid there (explicit variants and checks run it).
     small = replace(bench, batch=1, heads_q=8, heads_kv=8)
     assert flashgen.why_invalid(heads, small, HOPPER) is None
-    assert "fewer of the 32 programs busy" in head_units_leave_programs_idle(heads, small,
-                                                                            HOPPER)
-    assert head_units_leave_programs_idle(heads, bench, HOPPER) is None
+    assert "fewer of the 32 programs busy" in head_units_leave_programs_idle(
+        heads, small, HOPPER.sm_count)
+    assert head_units_leave_programs_idle(heads, bench, HOPPER.sm_count) is None
     # In the D64 portfolio, for the causal mask only; the kernels without the knob render
     # as before it existed (their tuned rows stay current: same kernel hash).
     assert heads in portfolio(bench, HOPPER)
@@ -370,7 +367,8 @@ def test_fa3_persistent_whole_heads_on_gpu(
                                head_units=True)
     q, k, v = make_inputs(*shape, d, dtype, "cuda", seed=d + shape[3])
     problem = flashgen.Problem.from_tensors(q, k, v, causal=True)
-    assert head_units_leave_programs_idle(variant, problem, device_info(q.device)) is None
+    assert head_units_leave_programs_idle(variant, problem,
+                                          device_info(q.device).sm_count) is None
     programs = fa3_grid(variant, shape[3], shape[0] * shape[1], q.device)[0][0]
     order = _tile_order(variant, problem, programs)
     assert all(len({bh for bh, _ in tiles}) == 1 for tiles in order)  # a head a program

@@ -280,7 +280,7 @@ def test_tma_needs_aligned_rows() -> None:
     tma = flashgen.Variant("fa2", 16, 16, 2, 1, use_tma=True)
     with pytest.raises(ValueError, match="uses TMA"):
         flashgen.attention(shifted, k, v, variant=tma)
-    from flashgen.runtime.forward import prepare_forward
+    from flashgen.serve import prepare_forward
 
     problem = flashgen.Problem.from_tensors(q, k, v)
     out, _ = prepare_forward(tma, problem, strict=False)(shifted, k, v, 40**-0.5)

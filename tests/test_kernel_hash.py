@@ -20,10 +20,11 @@ from flashgen.kernels.modes import AnyVariant
 from flashgen.kernels.problem import Problem
 from flashgen.kernels.resources import data_dir
 from flashgen.kernels.variant import Variant
-from flashgen.runtime.dispatch import Dispatcher, shipped_db_path
+from flashgen.serve import Dispatcher
 from flashgen.store import current
 from flashgen.store.db import TuningDB
 from flashgen.store.keys import TuningKey
+from flashgen.store.table import shipped_db_path
 from flashgen.tune.timing import Timing
 
 HOPPER = DeviceInfo("H-test", (9, 0), 132, 232448)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from flashgen.kernels.hardware import device_info
 from flashgen.kernels.problem import Problem
 from flashgen.runtime.api import attention
-from flashgen.runtime.dispatch import Dispatcher, default_dispatcher
+from flashgen.serve import Dispatcher, default_dispatcher
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 

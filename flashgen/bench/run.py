@@ -35,7 +35,7 @@ from flashgen.bench.report import (
 from flashgen.bench.suite import Mode, Row, default_timer, run_suite
 from flashgen.kernels.hardware import CPU_INTERPRETER
 from flashgen.kernels.problem import Problem
-from flashgen.runtime.dispatch import Dispatcher
+from flashgen.serve import Dispatcher
 
 
 def resolve_device(device: str, gpu: int) -> torch.device:

@@ -2,10 +2,11 @@
 
 The package needs only torch and triton. It holds every kernel it may run as a rendered Triton
 source under `kernels/` (named by source hash, so shared kernels are written once), a static
-dispatch table `table.json`, and a fixed runtime (`flashgen/_export_runtime.py`, copied as its
-`__init__.py`) with the `attention` call. Layout:
+dispatch table `table.json`, and flashgen's own runtime (`flashgen/runtime/`, copied byte for
+byte), which serves the table through `runtime/package.py`. Layout:
 
-    PACKAGE/__init__.py      the runtime: attention(), explain(), tuned_gpus()
+    PACKAGE/__init__.py      generated, a few lines: attention(), explain(), tuned_gpus()
+    PACKAGE/runtime/*.py     flashgen's runtime, verbatim
     PACKAGE/table.json       per GPU: tuned forward/backward entries and default grids;
                              plus generic defaults for GPUs or Tritons that were not tuned
     PACKAGE/kernels/*.py     fwd_<hash>.py, bwd_{preprocess,dkdv,dq}_<hash>.py (a use_tma
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import flashgen
+import flashgen.runtime
 from flashgen.export.rows import (
     GENERIC,
     LENGTHS,
@@ -39,15 +41,34 @@ from flashgen.export.rows import (
     tile_needs,
 )
 from flashgen.kernels.bwd_render import PREPROCESS_BLOCK_M, bwd_roles, render_bwd
-from flashgen.kernels.bwd_space import bwd_pointer_twin
 from flashgen.kernels.bwd_variant import BwdVariant
 from flashgen.kernels.hardware import DeviceInfo
 from flashgen.kernels.problem import Problem
 from flashgen.kernels.render import render, source_hash
 from flashgen.kernels.variant import Variant
+from flashgen.store.table import entry, winner_entry
 
-RUNTIME = Path(__file__).with_name("runtime_copy.py")
+#: flashgen's runtime, which the package carries verbatim.
+RUNTIME = Path(flashgen.runtime.__file__).parent
 TABLE_FORMAT = 1
+#: The package's one generated Python file (the runtime's `package.py` does the work).
+INIT = '''"""{name}: flash-attention kernels exported by flashgen {version}.
+
+Needs only torch and triton. Tuned for: {gpus}.
+`runtime/` is flashgen's own runtime, copied verbatim; `kernels/` holds the rendered Triton
+sources, and `table.json` says which of them serves which problem (see README.md).
+"""
+
+from .runtime import package as _package
+from .runtime.api import attention, explain
+from .runtime.sdpa import scaled_dot_product_attention
+from .runtime.table import Choice
+
+tuned_gpus = _package.tuned_gpus
+_package.install()
+
+__all__ = ["Choice", "attention", "explain", "scaled_dot_product_attention", "tuned_gpus"]
+'''
 
 
 @dataclass(frozen=True)
@@ -92,39 +113,24 @@ class _Kernels:
         return kernels
 
 
-def _twin(variant: AnyVariant, problem: Problem, device: DeviceInfo) -> AnyVariant | None:
-    """What runs on inputs TMA cannot address (16-byte aligned rows), computing the same, as
-    flashgen's dispatch does: a use_tma or fa3 forward's pointer twin, an fa3 backward's
-    Triton twin. None for variants that need no TMA."""
-    if isinstance(variant, Variant):
-        return variant.pointer_twin() if variant.needs_tma else None
-    return bwd_pointer_twin(variant, problem, device) if variant.fa3 != "none" else None
+def _shipped(found: dict[str, Any], kernels: _Kernels, mode: str, variant: AnyVariant,
+             problem: Problem) -> dict[str, Any]:
+    """`found` (a table entry of `variant`) with what the package's runtime reads in place of
+    flashgen's renderer and rules: its kernel modules, and the lengths its tiles need."""
+    twin = type(variant).from_dict(found["twin"]) if "twin" in found else None
+    found["kernels"] = kernels.of(mode, variant, problem, twin)
+    found["need"] = list(tile_needs(mode, variant, problem))
+    return found
 
 
 def _entry(kernels: _Kernels, mode: str, variant: AnyVariant, problem: Problem,
            device: DeviceInfo) -> dict[str, Any]:
-    twin = _twin(variant, problem, device)
-    entry = {
-        "kernels": kernels.of(mode, variant, problem, twin),
-        "variant": variant.to_dict(),
-        "need": list(tile_needs(mode, variant, problem)),
-    }
-    if twin is not None:
-        # The twin's own tiles and warps: an fa3 forward's twin is a plain fa2 grid (and at
-        # most 128 rows), an fa3 backward's may take 8 warps.
-        entry["twin"] = twin.to_dict()
-    return entry
+    return _shipped(entry(variant, problem, device), kernels, mode, variant, problem)
 
 
 def _tuned(kernels: _Kernels, mode: str, row: Sourced, device: DeviceInfo) -> dict[str, Any]:
-    k = row.winner.key
-    return {
-        "dtype": k.dtype, "causal": k.causal, "head_dim": k.head_dim, "gqa": k.gqa,
-        "seq_q_bucket": k.seq_q_bucket, "seq_k_bucket": k.seq_k_bucket,
-        **_entry(kernels, mode, row.winner.variant, row.winner.problem, device),
-        "tflops": row.winner.tflops, "source": row.source(),
-        "kernel_hash": row.winner.kernel_hash,
-    }
+    w = row.winner
+    return _shipped(winner_entry(w, row.source(), device), kernels, mode, w.variant, w.problem)
 
 
 def _defaults(kernels: _Kernels, families: list[Family], device: DeviceInfo) -> dict[str, Any]:
@@ -166,6 +172,11 @@ def build_table(selection: Selection) -> tuple[dict[str, Any], dict[str, str]]:
     return table, kernels.sources
 
 
+def runtime_files() -> list[Path]:
+    """The runtime's source files, which an exported package carries byte for byte."""
+    return sorted(RUNTIME.glob("*.py"))
+
+
 def _readme(name: str, table: dict[str, Any], notes: list[str]) -> str:
     lines = [
         f"# {name}", "",
@@ -190,6 +201,8 @@ def write_package(selection: Selection, out: Path, name: str, force: bool = Fals
     """Write package `name` under `out` (replacing an existing one only with `force`)."""
     if not name.isidentifier():
         raise ValueError(f"package name {name!r} is not a Python identifier")
+    if name == "flashgen":
+        raise ValueError("package name 'flashgen' would shadow flashgen itself; pick another")
     if not selection.gpus:
         raise ValueError("no winners to export (see the notes)")
     target = out / name
@@ -201,12 +214,18 @@ def write_package(selection: Selection, out: Path, name: str, force: bool = Fals
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out))
     tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary directory
     try:
+        # kernels/ is a namespace package: its only Python files are the kernel sources.
         (tmp / "kernels").mkdir()
-        (tmp / "kernels" / "__init__.py").write_text('"""Rendered Triton kernels."""\n')
         for module, source in sources.items():
             (tmp / "kernels" / f"{module}.py").write_text(source, encoding="utf-8")
         (tmp / "table.json").write_text(json.dumps(table, indent=1) + "\n", encoding="utf-8")
-        shutil.copyfile(RUNTIME, tmp / "__init__.py")
+        (tmp / "runtime").mkdir()
+        for path in runtime_files():
+            shutil.copyfile(path, tmp / "runtime" / path.name)
+        gpus = ", ".join(table["gpus"]) or "no GPU"
+        (tmp / "__init__.py").write_text(
+            INIT.format(name=name, version=table["flashgen_version"], gpus=gpus),
+            encoding="utf-8")
         (tmp / "README.md").write_text(_readme(name, table, selection.notes), encoding="utf-8")
         if target.exists():
             shutil.rmtree(target)

@@ -196,28 +196,6 @@ def head_units_need_causal_persistent_fa3(v: Variant, p: Problem,
     return None
 
 
-def head_units_leave_programs_idle(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
-    """Why dispatch passes over a valid winner for `p`: a head_units kernel given too few
-    heads to keep its programs as busy as tile pairs would (a small batch served a winner
-    tuned at a large one: 8 heads of 4 Q tiles keep 8 programs busy, pairs 16).
-
-    Not a validity rule: the kernel computes the same answer at any batch, and explicit
-    variants, correctness checks on small problems and the tuner still run it. A program
-    per SM (at most one per tile); a head costs its busiest program num_m (num_m + 1) / 2
-    K/V tiles, a pair num_m + 1.
-    """
-    if not (v.head_units and p.causal):
-        return None
-    num_m, heads = -(-p.seq_q // v.block_m), p.batch * p.heads_q
-    programs = min(num_m * heads, dev.sm_count)
-    pairs = -(-num_m // 2)
-    if (-(-heads // programs) * num_m * (num_m + 1) // 2
-            > -(-heads * pairs // programs) * (num_m + 1)):
-        return (f"head_units: {heads} heads of {num_m} Q tiles would keep fewer of the "
-                f"{programs} programs busy than tile pairs")
-    return None
-
-
 def persistent_out_of_range(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
     if v.persistent not in PERSISTENT:
         return f"persistent must be among {PERSISTENT} (programs per SM; 0 is off)"

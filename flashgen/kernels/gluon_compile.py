@@ -50,11 +50,11 @@ def compile_gluon(fn: Any, args: list[Any], constexprs: dict[str, Any], num_warp
 
 def example_args(head_dim: int, dtype: torch.dtype, rows: int, block_n: int) -> list[Any]:
     """fa3's arguments over small CPU tensors: q, k, v, o descriptors, then LSE and scalars."""
-    from flashgen.runtime.forward import _gluon_descriptor
+    from flashgen.runtime.forward import gluon_descriptor
 
     t = torch.empty(2, 4, 256, head_dim, dtype=dtype)
-    return [_gluon_descriptor(t, rows), _gluon_descriptor(t, block_n),
-            _gluon_descriptor(t, block_n), _gluon_descriptor(t, rows),
+    return [gluon_descriptor(t, rows), gluon_descriptor(t, block_n),
+            gluon_descriptor(t, block_n), gluon_descriptor(t, rows),
             torch.empty(4, dtype=torch.float32), 1024, 256, 0.125, 250, 250, 4, 1]
 
 
@@ -76,12 +76,12 @@ def compile_fa3_bwd(kernel: str, variant: BwdVariant, problem: Problem,
     """Triton's compiled Gluon backward kernel `kernel` ("dkdv" or "dq") of `variant`."""
     from flashgen.kernels.bwd_render import load_bwd_kernel
     from flashgen.runtime.backward import fa3_tile_rows
-    from flashgen.runtime.forward import _gluon_descriptor
+    from flashgen.runtime.forward import gluon_descriptor
 
     if not variant.gluon(kernel):
         raise ValueError(f"the {kernel} kernel of {variant} is not a Gluon one")
     t = torch.empty(2, 4, 256, problem.head_dim, dtype=problem.torch_dtype)
-    descriptors = [_gluon_descriptor(t, r) for r in fa3_tile_rows(kernel, variant)]
+    descriptors = [gluon_descriptor(t, r) for r in fa3_tile_rows(kernel, variant)]
     rows = torch.empty(4, dtype=torch.float32)
     args = [*descriptors, rows, rows, 1024, 256, 1024, 256, 0.125, 250, 250, 4, 1]
     return compile_gluon(load_bwd_kernel(kernel, variant, problem), args, {}, 4, capability)

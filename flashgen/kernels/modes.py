@@ -21,7 +21,6 @@ from flashgen.kernels.bwd_space import (
 from flashgen.kernels.bwd_variant import BwdVariant
 from flashgen.kernels.fwd_space import (
     default_variant,
-    head_units_leave_programs_idle,
     portfolio,
     search_space,
     why_invalid,
@@ -49,8 +48,6 @@ class ModeSpace(Generic[V]):
     portfolio: Callable[[Problem, DeviceInfo], list[V]]
     #: The code part of a stored row's key: the hash of the kernels a variant launches.
     kernel_hash: Callable[[V, Problem], str]
-    #: Why dispatch should pass over a valid stored winner for this problem (None: serve it).
-    veto: Callable[[V, Problem, DeviceInfo], str | None] = lambda v, p, dev: None
 
     def from_json(self, text: str) -> V:
         return self.variant_type.from_json(text)
@@ -58,7 +55,7 @@ class ModeSpace(Generic[V]):
 
 SPACES: dict[str, ModeSpace] = {
     "fwd": ModeSpace("fwd", Variant, search_space, why_invalid, default_variant, portfolio,
-                     kernel_hash, head_units_leave_programs_idle),
+                     kernel_hash),
     "bwd": ModeSpace("bwd", BwdVariant, bwd_search_space, why_invalid_bwd, default_bwd_variant,
                      bwd_portfolio, bwd_kernel_hash),
 }

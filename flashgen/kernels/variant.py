@@ -44,7 +44,7 @@ class Variant(Knobs):
         N512 (m128 n128 s3, H100) it ran 0.996x cuDNN where pairs ran 0.90x (the best pair
         point 0.98x); at D128 it ran 0.75x against 0.99x (2026-11-25, NOTES.md). Dispatch
         serves it only with heads enough to keep the programs as busy as pairs would
-        (`space.head_units_leave_programs_idle`).
+        (`runtime.table.head_units_leave_programs_idle`).
     """
 
     loop_order: LoopOrder = "fa2"

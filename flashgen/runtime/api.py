@@ -1,13 +1,15 @@
-"""The public calls: `flashgen.attention` and `flashgen.explain`."""
+"""The public calls: `attention` and `explain` (flashgen's, and every exported package's)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from flashgen.kernels.bwd_variant import BwdVariant
-from flashgen.kernels.variant import Variant
-from flashgen.runtime import ops
-from flashgen.runtime.dispatch import Choice, Dispatcher, default_dispatcher
+from . import ops
+from .checks import check_options
+from .dispatch import Dispatcher, default_dispatcher
+from .table import Choice
 
 
 def _needs_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -23,6 +25,18 @@ def _needs_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         return False
 
 
+def _encoded(mode: str, variant: Any) -> str:
+    """An explicit variant as the op's text, worked out at trace time (a constant of the
+    graph): the tracer cannot follow the default dispatcher's making or the JSON."""
+    return default_dispatcher().encode(mode, variant)
+
+
+# What `torch.compiler.assume_constant_result(_encoded)` does, without importing
+# torch._dynamo (and with it triton) whenever the package is imported: the CLI must choose
+# the Triton interpreter before triton is first imported.
+_encoded._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -31,36 +45,35 @@ def attention(
     causal: bool = False,
     scale: float | None = None,
     return_lse: bool = False,
-    variant: Variant | None = None,
-    bwd_variant: BwdVariant | None = None,
+    variant: Any = None,
+    bwd_variant: Any = None,
     dispatcher: Dispatcher | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention softmax(q k^T * scale) v with q (B, Hq, Nq, D) and k, v (B, Hkv, Nk, D).
 
     k and v may have fewer heads than q (GQA/MQA; Hq % Hkv == 0). Causal masking is aligned
     bottom-right when Nq != Nk. Any strides are accepted, e.g. a (B, N, H, D) tensor transposed
-    to (B, H, N, D). Without `variant=` the tuned winner for this GPU and shape runs (see
-    `explain`); with it exactly that variant runs (an invalid one is an error, never a silent
-    fallback). `dispatcher` picks the databases (default: user, then shipped); under
-    torch.compile the shared default dispatcher decides.
+    to (B, H, N, D). The default scale is 1/sqrt(D). Without `variant=` the tuned winner for
+    this GPU and shape runs (see `explain`); with it (flashgen only: a `flashgen.Variant`)
+    exactly that variant runs, and an invalid one is an error, never a silent fallback.
+    `dispatcher` picks the tables (flashgen: the databases; default: user, then shipped);
+    under torch.compile the shared default dispatcher decides.
     Differentiable: the backward recomputes attention block by block from the saved
     log-sum-exp (`bwd_variant=` picks its kernels, else the tuned or default ones); no
     gradient flows through the returned log-sum-exp.
     Returns the output (like q), and with `return_lse` also the log-sum-exp (B, Hq, Nq) fp32.
     """
+    if type(causal) is not bool or not (scale is None or type(scale) is float):
+        check_options(causal, scale)  # the well-typed call skips the function call
     if _needs_op(q, k, v):
-        if variant is not None and not isinstance(variant, Variant):
-            raise TypeError(f"variant must be a flashgen.Variant, got {type(variant).__name__}")
-        if bwd_variant is not None and not isinstance(bwd_variant, BwdVariant):
-            raise TypeError(
-                f"bwd_variant must be a flashgen.BwdVariant, got {type(bwd_variant).__name__}"
-            )
         if not torch.compiler.is_compiling():
-            out, lse = ops.EagerAttention.apply(q, k, v, causal, scale, variant, bwd_variant,
-                                                dispatcher or default_dispatcher())
+            d = dispatcher or default_dispatcher()
+            d.check_variant("fwd", variant)
+            d.check_variant("bwd", bwd_variant)
+            out, lse = ops.EagerAttention.apply(q, k, v, causal, scale, variant, bwd_variant, d)
             return (out, lse) if return_lse else out
-        text = variant.to_json() if variant is not None else ""
-        bwd_text = bwd_variant.to_json() if bwd_variant is not None else ""
+        text = "" if variant is None else _encoded("fwd", variant)
+        bwd_text = "" if bwd_variant is None else _encoded("bwd", bwd_variant)
         out, lse = ops.attention_fwd(q, k, v, causal, scale, text, bwd_text)
     else:
         out, lse = (dispatcher or default_dispatcher()).forward(q, k, v, causal, scale, variant)
@@ -73,12 +86,13 @@ def explain(
     v: torch.Tensor,
     *,
     causal: bool = False,
-    variant: Variant | None = None,
-    bwd_variant: BwdVariant | None = None,
+    variant: Any = None,
+    bwd_variant: Any = None,
     dispatcher: Dispatcher | None = None,
 ) -> Choice:
     """Which variant `attention` would run for these inputs, why (exact hit, nearest bucket,
     fallback, explicit) and from which database row; its `backward` answers the same for the
     backward pass. `print()` it for a short answer."""
+    check_options(causal, None)
     return (dispatcher or default_dispatcher()).explain(q, k, v, causal=causal, variant=variant,
                                                         bwd_variant=bwd_variant)

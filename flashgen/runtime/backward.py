@@ -1,122 +1,141 @@
-"""Launching the backward pass of one BwdVariant: allocation, grids, and the kernel calls."""
+"""Launching a backward entry: allocation, grids, and the three kernels' calls.
+
+Kernels come by role from the caller: "preprocess", "dkdv" and "dq" (no "dq" in the atomic
+dQ mode), and "dkdv_plain" and "dq_plain" for the all-Triton twin of a variant with Gluon
+(fa3) kernels, which runs where TMA cannot address the inputs.
+"""
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from flashgen.kernels.bwd_render import PREPROCESS_BLOCK_M, BwdKernel, load_bwd_kernel
-from flashgen.kernels.bwd_space import bwd_pointer_twin
-from flashgen.kernels.bwd_variant import BwdVariant
-from flashgen.kernels.problem import Problem
-from flashgen.runtime.forward import _gluon_descriptor, tma_ready
+from .forward import KernelOf, cdiv, gluon_descriptor, tma_ready
+from .table import Entry, Shape, knobs
+
+#: (dO, q, k, v, out, lse, scale) -> (dq, dk, dv)
+BwdLauncher = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
-def run_backward(
-    do: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    variant: BwdVariant,
-    problem: Problem,
-    scale: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients (dq, dk, dv) of attention given the upstream gradient `do` (shaped like q).
-
-    `out` and `lse` are the forward's output and natural-log log-sum-exp (B, Hq, Nq) fp32, as
-    `flashgen.attention(..., return_lse=True)` returns them; rows with LSE -inf (they saw no
-    key) get zero gradient. Inputs are read in place through their strides, never copied, and
-    the gradients keep their input's dtype, shape and memory layout. With GQA, dk and dv sum
-    the contributions of every query head that shares the key/value head.
-
-    A variant with Gluon (fa3) kernels needs 16-byte aligned rows (`tma_ready`); on inputs
-    that are not, its `pointer_twin` runs, which computes the same gradients.
-
-    Inputs are not validated here (as for `run_forward`): the autograd layer checks them.
-    """
-    scale = 1.0 / math.sqrt(problem.head_dim) if scale is None else float(scale)
-    b, hq, nq, _ = q.shape
-    hkv, nk = k.shape[1], k.shape[2]
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
-    if variant.fa3 != "none" and (lse.stride(-1) != 1 or not tma_ready(q, k, v, do, dq, dk, dv)):
-        variant = bwd_pointer_twin(variant, problem, q.device)
-    launch = {"num_warps": variant.num_warps, "num_stages": variant.num_stages}
-
-    delta = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
-    preprocess = load_bwd_kernel("preprocess", variant, problem)
-    preprocess[(_cdiv(nq, PREPROCESS_BLOCK_M), b * hq)](
-        out, do, delta, *out.stride(), *do.stride(), *delta.stride(), nq, hq
-    )
-    if variant.gluon("dkdv"):
-        _launch_fa3("dkdv", variant, problem, (_cdiv(nk, variant.block_n), b * hkv),
-                    (q, k, v, do, dk, dv), lse, delta, scale, hkv)
-    else:
-        _triton_dkdv(q, k, v, do, lse, delta, dq, dk, dv, variant, problem, scale, launch)
-    if variant.gluon("dq"):
-        _launch_fa3("dq", variant, problem, (_cdiv(nq, variant.block_n), b * hq),
-                    (q, k, v, do, dq), lse, delta, scale, hq)
-    elif variant.dq_mode == "separate":
-        dq_kernel = load_bwd_kernel("dq", variant, problem)
-        # The dQ kernel owns block_n query rows per program (the pair swaps; see BwdVariant).
-        dq_kernel[(_cdiv(nq, variant.block_n), b * hq)](
-            q, k, v, do, lse, delta, dq,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride(),
-            *delta.stride(), *dq.stride(), scale, nq, nk, hq, problem.group, **launch,
-        )  # fmt: skip
-    return dq, dk, dv
+def is_gluon(variant: Any, kernel: str) -> bool:
+    """Whether backward kernel `kernel` ("preprocess", "dkdv", "dq") of `variant` is a Gluon
+    one (its `fa3` knob: "none", "dq" or "both")."""
+    return (kernel == "dq" and variant.fa3 in ("dq", "both")) or (
+        kernel == "dkdv" and variant.fa3 == "both")
 
 
-def fa3_tile_rows(kernel: str, variant: BwdVariant) -> tuple[int, ...]:
+def fa3_tile_rows(kernel: str, variant: Any) -> tuple[int, ...]:
     """Rows of the TMA tile of each tensor a Gluon backward kernel takes, in argument order:
     an owned tensor moves 64 rows per consumer warpgroup, a streamed one the kernel's
-    streamed tile (`BwdVariant.streamed`)."""
-    rows = variant.streamed(kernel)
+    streamed tile (block_m; the Gluon dQ kernel's own dq_block_m where set)."""
+    own = kernel == "dq" and is_gluon(variant, "dq") and variant.dq_block_m
+    rows = variant.dq_block_m if own else variant.block_m
     if kernel == "dkdv":  # q, k, v, do, dk, dv: K and V owned
         return (rows, 64, 64, rows, 64, 64)
     return (64, rows, rows, 64, 64)  # q, k, v, do, dq: Q and dO owned
 
 
-def _launch_fa3(kernel: BwdKernel, variant: BwdVariant, problem: Problem,
-                grid: tuple[int, int], tensors: tuple[torch.Tensor, ...], lse: torch.Tensor,
-                delta: torch.Tensor, scale: float, heads: int) -> None:
+class _Kernels:
+    """One variant's backward kernels and knobs, loaded once."""
+
+    def __init__(self, variant: Any, kernel_of: KernelOf, suffix: str) -> None:
+        self.variant = variant
+        self.gluon = {role: is_gluon(variant, role) for role in ("dkdv", "dq")}
+        self.dkdv = kernel_of("dkdv" + suffix)
+        # The atomic dQ mode has no dQ kernel (the Gluon ones run only in the separate mode).
+        self.dq = kernel_of("dq" + suffix) if variant.dq_mode == "separate" else None
+        self.launch = {"num_warps": variant.num_warps, "num_stages": variant.num_stages}
+
+
+def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
+                     preprocess_block_m: int) -> BwdLauncher:
+    """Load `entry`'s backward kernels once and return a function giving the gradients
+    (dq, dk, dv) of attention for the upstream gradient `dO` (shaped like q).
+
+    `out` and `lse` are the forward's output and natural-log log-sum-exp (B, Hq, Nq) fp32;
+    rows with LSE -inf (they saw no key) get zero gradient. Inputs are read in place through
+    their strides, never copied, and the gradients keep their input's dtype, shape and memory
+    layout. With GQA, dk and dv sum the contributions of every query head that shares the
+    key/value head. Gluon kernels need 16-byte aligned rows (`tma_ready`); on inputs that are
+    not, the entry's twin runs, which computes the same gradients.
+    """
+    preprocess = kernel_of("preprocess")
+    main = _Kernels(knobs(entry["variant"]), kernel_of, "")
+    plain: list[_Kernels] = []  # the twin's, loaded on first need
+    group = shape.group
+
+    def run(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            out: torch.Tensor, lse: torch.Tensor,
+            scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, hq, nq, _ = q.shape
+        hkv, nk = k.shape[1], k.shape[2]
+        dq = torch.empty_like(q)
+        dk = torch.empty_like(k)
+        dv = torch.empty_like(v)
+        ks = main
+        if main.variant.fa3 != "none" and (lse.stride(-1) != 1
+                                           or not tma_ready(q, k, v, do, dq, dk, dv)):
+            if not plain:
+                plain.append(_Kernels(knobs(entry["twin"]), kernel_of, "_plain"))
+            ks = plain[0]
+        var = ks.variant
+        delta = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
+        preprocess[(cdiv(nq, preprocess_block_m), b * hq)](
+            out, do, delta, *out.stride(), *do.stride(), *delta.stride(), nq, hq
+        )
+        if ks.gluon["dkdv"]:
+            _launch_gluon("dkdv", ks.dkdv, var, (cdiv(nk, var.block_n), b * hkv),
+                          (q, k, v, do, dk, dv), lse, delta, scale, hkv, group)
+        else:
+            _triton_dkdv(ks, q, k, v, do, lse, delta, dq, dk, dv, scale, group)
+        if ks.gluon["dq"]:
+            _launch_gluon("dq", ks.dq, var, (cdiv(nq, var.block_n), b * hq),
+                          (q, k, v, do, dq), lse, delta, scale, hq, group)
+        elif ks.dq is not None:
+            # The dQ kernel owns block_n query rows per program (the pair swaps; see
+            # flashgen's BwdVariant).
+            ks.dq[(cdiv(nq, var.block_n), b * hq)](
+                q, k, v, do, lse, delta, dq,
+                *q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride(),
+                *delta.stride(), *dq.stride(), scale, nq, nk, hq, group, **ks.launch,
+            )  # fmt: skip
+        return dq, dk, dv
+
+    return run
+
+
+def _launch_gluon(kernel: str, fn: Any, variant: Any, grid: tuple[int, int],
+                  tensors: tuple[torch.Tensor, ...], lse: torch.Tensor, delta: torch.Tensor,
+                  scale: float, heads: int, group: int) -> None:
     """One Gluon backward kernel on `tensors` (q, k, v, do, then its outputs); `heads`: the
     heads its grid spans, H_KV or H_Q."""
     rows = fa3_tile_rows(kernel, variant)
-    load_bwd_kernel(kernel, variant, problem)[grid](
-        *(_gluon_descriptor(t, r) for t, r in zip(tensors, rows, strict=True)),
+    fn[grid](
+        *(gluon_descriptor(t, r) for t, r in zip(tensors, rows, strict=True)),
         lse, delta, *lse.stride()[:2], *delta.stride()[:2], scale, tensors[0].shape[2],
-        tensors[1].shape[2], heads, problem.group, num_warps=4,
+        tensors[1].shape[2], heads, group, num_warps=4,
     )  # fmt: skip
 
 
-def _triton_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
-                 lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
-                 dv: torch.Tensor, variant: BwdVariant, problem: Problem, scale: float,
-                 launch: dict[str, int]) -> None:
+def _triton_dkdv(ks: _Kernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 do: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor,
+                 dk: torch.Tensor, dv: torch.Tensor, scale: float, group: int) -> None:
     """The Triton dK/dV kernel; in the atomic dq mode it also fills `dq`."""
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
-    atomic = variant.dq_mode == "atomic"
+    atomic = ks.variant.dq_mode == "atomic"
     # The atomic mode sums dQ shares from every K block, so it needs a zeroed fp32 buffer.
     dq_target = torch.zeros((b, hq, nq, d), device=q.device, dtype=torch.float32) if atomic else dq
     rows = (*lse.stride(), *delta.stride())
-    dkdv = load_bwd_kernel("dkdv", variant, problem)
-    dkdv[(_cdiv(nk, variant.block_n), b * hkv)](
+    ks.dkdv[(cdiv(nk, ks.variant.block_n), b * hkv)](
         q, k, v, do, lse, delta, dk, dv, dq_target,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *rows,
         *dk.stride(), *dv.stride(), *dq_target.stride(),
-        scale, nq, nk, hkv, problem.group,
-        **launch,
+        scale, nq, nk, hkv, group,
+        **ks.launch,
     )  # fmt: skip
 
     if atomic:
         dq.copy_(dq_target)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)

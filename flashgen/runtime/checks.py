@@ -1,4 +1,4 @@
-"""Input checks for the public entry points: bad input gets a clear error, never a Triton crash."""
+"""Input checks for the public calls: bad input gets a named error, never a Triton crash."""
 
 from __future__ import annotations
 
@@ -6,7 +6,14 @@ import os
 
 import torch
 
-from flashgen.kernels.problem import DTYPE_NAMES, MAX_HEAD_DIM
+#: The dtypes the kernels take, by the short names tables and tuning keys use.
+DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float32: "fp32",
+}
+#: The longest head dim the kernels tile (their register and shared-memory budgets).
+MAX_HEAD_DIM = 256
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -27,7 +34,7 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
     if q.device.type not in ("cuda", "cpu"):
-        raise ValueError(f"unsupported device {q.device}")
+        raise ValueError(f"unsupported device {q.device}; use a CUDA GPU")
     bq, hq, nq, d = q.shape
     bk, hk, nk, dk = k.shape
     bv, hv, nv, dv = v.shape
@@ -47,8 +54,17 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}")
 
 
+def check_options(causal: object, scale: object) -> None:
+    """`causal` must be a bool and `scale` a number or None: anything else would reach the
+    kernel as a wrong mask or a wrong constant."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"scale must be a number or None, got {type(scale).__name__}")
+
+
 def check_runnable(device: torch.device) -> None:
-    """CPU tensors can only run under the Triton interpreter; say so instead of crashing."""
+    """CPU tensors can only run under the Triton interpreter: say so instead of crashing."""
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             "CPU tensors run only under the Triton interpreter: set "

@@ -1,260 +1,291 @@
-"""Tuned dispatch: which variant runs for a call, decided once per shape and then cached.
+"""Dispatch: which table entry runs a call, decided once per shape and then cached.
 
-Winners are read from the tuning databases once per process and device into a dict; the call
-path does no SQL. Sources, highest precedence first: a user database ($FLASHGEN_DB or the
-default user path) and the database shipped in the package's `tuning_db/`. For a problem:
-1. exact: a winner for its (dtype, causal, head dim, GQA ratio, Nq bucket, Nk bucket);
-2. nearest: the closest tuned length bucket of the same (dtype, causal, head dim, GQA ratio)
-   whose variant is valid for this problem (resources, block vs length);
-3. fallback: `default_variant`; if this GPU has no entries at all, one log line says how to
-   tune it.
-The backward pass is served the same way from the backward winners (mode "bwd", a
-`BwdVariant` each; `choose_bwd`), read once per device from the same databases; its fallback
-is `default_bwd_variant`.
+A `Dispatcher` reads each device's table once (`table`) and, per call shape, picks the entry
+(`Table.lookup`: exact bucket, nearest valid bucket; else the default), prepares its launch and
+caches it: after the first call of a shape, a call is one dict lookup, the allocations and the
+launch. The forward and the backward pass are served alike.
+
+What differs between flashgen and an exported package is data and these methods:
+- `load_table`: where a device's table comes from (exports: table.json; flashgen: the tuning
+  databases, through `flashgen.store.table`);
+- `kernel`: how an entry's kernel is obtained (exports: a module of the package's `kernels/`;
+  flashgen: the variant rendered for the call and loaded);
+- `entry`: the entry that runs a given variant, or the default where the table holds none
+  (exports: precomputed defaults, no explicit variants; flashgen: its default variants);
+- `reject`: why an entry cannot serve a call beyond the rules the table carries (flashgen: its
+  named validity rules; exports carry each entry's tile needs precomputed);
+- `kernel_is_current`: whether a tuned row still names the kernel it was tuned with, asked
+  once per row per process when the row is first considered;
+- `portable`: what runs where a chosen kernel fails to build on its first launch (exports:
+  their generic defaults; flashgen: its defaults without Gluon kernels).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
-import math
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Literal
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
-from flashgen.kernels.bwd_space import default_bwd_variant, why_invalid_bwd
-from flashgen.kernels.bwd_variant import BwdVariant
-from flashgen.kernels.fwd_space import default_variant, why_invalid
-from flashgen.kernels.hardware import DeviceInfo, device_info
-from flashgen.kernels.modes import AnyVariant, space_of
-from flashgen.kernels.presets import tune_command
-from flashgen.kernels.problem import Problem
-from flashgen.kernels.resources import data_dir
-from flashgen.kernels.variant import Variant
-from flashgen.runtime.backward import run_backward
-from flashgen.runtime.checks import check_inputs, check_runnable
-from flashgen.runtime.forward import Launcher, default_scale, prepare_forward
-from flashgen.store.current import row_is_current
-from flashgen.store.db import TuningDB, WinnerRow, default_db_path
-from flashgen.store.keys import MODES, seq_bucket
+from .backward import BwdLauncher, prepare_backward
+from .checks import check_inputs, check_options, check_runnable
+from .forward import Launcher, default_scale, prepare_forward
+from .table import Choice, Entry, Shape, Table
 
-log = logging.getLogger("flashgen")
-
-SHIPPED_DB_NAME = "flashgen.db"
-How = Literal["explicit", "exact", "nearest", "fallback"]
-
-
-@dataclass(frozen=True)
-class BwdChoice:
-    """The backward variant a call runs and how it was found (see `Choice`)."""
-
-    variant: BwdVariant
-    how: How
-    reason: str
-    source: str | None = None
-
-    def __str__(self) -> str:
-        where = f"\n  from: {self.source}" if self.source else ""
-        return f"{self.variant} ({self.how}): {self.reason}{where}"
-
-
-@dataclass(frozen=True)
-class Choice:
-    """The variant a call runs, how it was found, and the database row behind it.
-    `explain` also fills in `backward`: what the call's backward pass would run."""
-
-    variant: Variant
-    how: How
-    reason: str
-    source: str | None = None  # "<database path> winners[<key id>] trial <id>"
-    backward: BwdChoice | None = None
-
-    def __str__(self) -> str:
-        where = f"\n  from: {self.source}" if self.source else ""
-        text = f"{self.variant} ({self.how}): {self.reason}{where}"
-        return f"{text}\nbackward: {self.backward}" if self.backward else text
+#: The package this runtime serves ("flashgen", or an exported package's name), which names
+#: its logger and its torch.library namespace.
+PACKAGE = (__package__ or __name__).rpartition(".")[0]
+log = logging.getLogger(PACKAGE)
 
 
 @dataclass(frozen=True)
 class _Plan:
     """What a shape's calls reuse: the prepared launch, the choice, and the default scale."""
 
-    launch: Launcher
+    launch: Any  # Launcher or BwdLauncher
     choice: Choice
     scale: float
 
 
-@dataclass(frozen=True)
-class _Entry:
-    winner: WinnerRow
-    path: Path
-
-    def source(self) -> str:
-        return f"{self.path} winners[{self.winner.key.id}] trial {self.winner.trial_id}"
-
-
-_Family = tuple[str, bool, int, int]  # dtype, causal, head dim, GQA ratio
-#: What `_pick` finds: the variant, how, why, and the row it came from.
-_Pick = tuple[AnyVariant, How, str, str | None]
-
-
-def shipped_db_path() -> Path:
-    return Path(str(data_dir("tuning_db") / SHIPPED_DB_NAME))
-
-
 class Dispatcher:
-    """Serves the best cached variant for each call.
+    """Serves the chosen entry of each call's device table (see the module docstring)."""
 
-    `db` names the databases to read, highest precedence first (default: the user database,
-    then the shipped one). Instances are cheap until first used on a device; the module-level
-    `flashgen.attention` uses one shared default instance.
-    """
+    #: By mode, the class an explicit `variant=` / `bwd_variant=` must be (flashgen's variant
+    #: dataclasses, which also present table entries in `Choice`s). Empty: a package that runs
+    #: its tuned kernels only.
+    variant_types: ClassVar[Mapping[str, type]] = {}
 
-    def __init__(self, db: str | Path | Sequence[str | Path] | None = None) -> None:
-        if db is None:
-            self.paths = [default_db_path(), shipped_db_path()]
-        elif isinstance(db, (str, Path)):
-            self.paths = [Path(db)]
-        else:
-            self.paths = [Path(p) for p in db]
-        self._tables: dict[str, dict[str, dict[_Family, list[_Entry]]]] = {}  # device, mode
+    def __init__(self) -> None:
+        self._tables: dict[torch.device, Table] = {}
         self._plans: dict[tuple, _Plan] = {}
-        self._bwd_choices: dict[tuple[Problem, str], BwdChoice] = {}
-        self._warned: set[str] = set()
-        self._failed: set[tuple] = set()  # kernels whose failure was warned of
+        self._bwd_plans: dict[tuple, _Plan] = {}
+        self._current: dict[int, str | None] = {}  # id(entry) -> kernel_is_current's answer
+        self._decoded: dict[tuple[str, str], Any] = {}
+        self._failed: set[tuple] = set()  # kernels whose failure to build was warned of
 
-    # ---- choosing ------------------------------------------------------------------------
+    # ---- what a package provides -----------------------------------------------------------
 
-    def _table(self, device: DeviceInfo, mode: str,
-               problem: Problem) -> dict[_Family, list[_Entry]]:
-        tables = self._tables.get(device.key)
-        if tables is None:
-            tables = self._tables[device.key] = self._load(device)
-        table = tables[mode]
-        if not table and device.key not in self._warned:
-            self._warned.add(device.key)
-            self._warn_untuned(device, mode, tuned_fwd=bool(tables["fwd"]), problem=problem)
+    def load_table(self, device: torch.device) -> Table:
+        """The table of `device` (read once per device)."""
+        raise NotImplementedError
+
+    def kernel(self, entry: Entry, role: str, shape: Shape) -> Any:
+        """The JIT function that plays `role` ("fwd", "preprocess", "dkdv", "dq"; with
+        "_plain": the twin's) for `entry` on calls of `shape`'s kind."""
+        raise NotImplementedError
+
+    def entry(self, mode: str, variant: Any, shape: Shape, table: Table) -> Entry:
+        """The entry that runs `variant` (None: the default for `shape`), where the table
+        holds no default for it."""
+        raise ValueError(f"{table.name} holds no default {mode} variants")
+
+    def reject(self, mode: str, entry: Entry, shape: Shape, table: Table) -> str | None:
+        """Why `entry` cannot serve `shape` (None: it can), beyond the table's own rules."""
+        return None
+
+    def kernel_is_current(self, mode: str, entry: Entry) -> str | None:
+        """Why a tuned entry no longer names the kernel it was tuned with (None: it does).
+        Asked once per entry, when it is first considered for a call."""
+        return None
+
+    def portable(self, mode: str, shape: Shape, table: Table) -> Entry | None:
+        """The entry that runs where the chosen one fails on its first launch (None: the
+        failure stands): the table's default, chosen to build on any GPU."""
+        try:
+            return table.default(mode, shape)
+        except ValueError:
+            return None
+
+    # ---- variants in and out ---------------------------------------------------------------
+
+    def present(self, mode: str, data: Mapping[str, Any]) -> Any:
+        """An entry's variant as `Choice` shows it: a `variant_types` instance, else a dict."""
+        cls = self.variant_types.get(mode)
+        return cls(**data) if cls is not None else dict(data)
+
+    def check_variant(self, mode: str, variant: Any) -> None:
+        """TypeError unless `variant` is None or an explicit variant of `mode` this
+        dispatcher runs."""
+        if variant is None:
+            return
+        name = "variant" if mode == "fwd" else "bwd_variant"
+        cls = self.variant_types.get(mode)
+        if cls is None:
+            raise TypeError(f"{name}= is not supported here: {PACKAGE} runs its tuned "
+                            "kernels only")
+        if not isinstance(variant, cls):
+            owner = cls.__module__.partition(".")[0]
+            raise TypeError(f"{name} must be a {owner}.{cls.__name__}, got "
+                            f"{type(variant).__name__}")
+
+    def encode(self, mode: str, variant: Any) -> str:
+        """`variant` as the text the torch.library op carries ("" for None)."""
+        self.check_variant(mode, variant)
+        if variant is None:
+            return ""
+        return json.dumps(dataclasses.asdict(variant), sort_keys=True)
+
+    def decode(self, mode: str, text: str) -> Any:
+        """The explicit variant `encode` gave `text` for (None for ""); cached."""
+        if not text:
+            return None
+        variant = self._decoded.get((mode, text))
+        if variant is None:
+            variant = self._decoded[(mode, text)] = self.present(mode, json.loads(text))
+        return variant
+
+    # ---- choosing --------------------------------------------------------------------------
+
+    def table(self, device: torch.device) -> Table:
+        table = self._tables.get(device)
+        if table is None:
+            table = self._tables[device] = self.load_table(device)
         return table
 
-    def _load(self, device: DeviceInfo) -> dict[str, dict[_Family, list[_Entry]]]:
-        """Both modes' winners for `device`, from every database at once (one open each)."""
-        tables: dict[str, dict[_Family, list[_Entry]]] = {mode: {} for mode in MODES}
-        for path in self.paths:
-            if not path.is_file():
-                continue
-            with TuningDB.open_readonly(path) as db:
-                rows = [row for mode in MODES for row in db.load_winners(device.key, mode=mode)]
-            for row in rows:
-                k = row.key
-                # Every database's row of a bucket, in precedence order (`_pick`'s sort keeps
-                # it): a row whose kernel has changed gives way to the next one.
-                family = (k.dtype, k.causal, k.head_dim, k.gqa)
-                tables[k.mode].setdefault(family, []).append(_Entry(row, path))
-        return tables
+    def lookup(self, table: Table, mode: str, shape: Shape) -> tuple[Choice, Entry]:
+        """The entry `shape` runs in `mode` when no variant is given, and how it was found."""
+        if not table.tuned[mode] and not table.noticed:
+            table.noticed = True  # one notice per table: the first mode found untuned
+            notice = table.data.get("untuned", {}).get(mode)
+            if notice:
+                log.warning(notice)
+        entry, how, reason = table.lookup(
+            mode, shape, lambda e: self.reject(mode, e, shape, table) or self._stale(mode, e))
+        if entry is None:
+            entry = table.default(mode, shape) or self.entry(mode, None, shape, table)
+        return Choice(self.present(mode, entry["variant"]), how, reason,
+                      entry.get("source")), entry
 
-    def _warn_untuned(self, device: DeviceInfo, mode: str, tuned_fwd: bool,
-                      problem: Problem) -> None:
-        """One log line per device on how to tune it (the whole GPU, or only the backward
-        where the forward has winners), with the command that fits the device: the CPU
-        interpreter is tuned with `--device cpu`, and a preset is for GPUs only."""
-        where = ", ".join(str(p) for p in self.paths)
-        only_bwd = mode == "bwd" and tuned_fwd
-        command = tune_command(device, problem, "bwd" if only_bwd else "both")
-        more = "" if device.is_interpreter else " (or --preset fa-bench for a whole grid)"
-        log.warning(
-            "flashgen: no tuned %skernels for %s in %s; using default %svariants. Run `%s`%s "
-            "to tune %s.",
-            "backward " if only_bwd else "", device.name, where,
-            "backward " if only_bwd else "", command, more,
-            "them" if only_bwd else "this device",
-        )  # fmt: skip
+    def _stale(self, mode: str, entry: Entry) -> str | None:
+        key = id(entry)  # entries live as long as their table, which this dispatcher keeps
+        if key not in self._current:
+            self._current[key] = self.kernel_is_current(mode, entry)
+        return self._current[key]
 
-    def choose(self, problem: Problem, device: DeviceInfo | str | None = None) -> Choice:
-        """Pick the variant for `problem` on `device`: exact hit, nearest bucket, or default."""
-        variant, how, reason, source = self._pick(problem, device_info(device), "fwd")
-        assert isinstance(variant, Variant)
-        return Choice(variant, how, reason, source)
+    def _explicit(self, mode: str, variant: Any, shape: Shape, table: Table) -> Entry:
+        """The entry of an explicit variant; an invalid one is an error, never a fallback."""
+        self.check_variant(mode, variant)
+        entry = self.entry(mode, variant, shape, table)
+        reason = self.reject(mode, entry, shape, table)
+        if reason:
+            what = "variant" if mode == "fwd" else "backward variant"
+            raise ValueError(f"{what} {variant} is invalid for {shape}: {reason}")
+        return entry
 
-    def choose_bwd(self, problem: Problem, device: DeviceInfo | str | None = None) -> BwdChoice:
-        """Pick the backward variant for `problem` on `device`, exactly as `choose` does for
-        the forward: exact hit, nearest valid bucket, or `default_bwd_variant`."""
-        dev = device_info(device)
-        cached = self._bwd_choices.get((problem, dev.key))
-        if cached is None:
-            variant, how, reason, source = self._pick(problem, dev, "bwd")
-            assert isinstance(variant, BwdVariant)
-            cached = self._bwd_choices[(problem, dev.key)] = BwdChoice(variant, how, reason,
-                                                                        source)
-        return cached
-
-    def _pick(self, problem: Problem, dev: DeviceInfo, mode: str) -> _Pick:
-        space = space_of(mode)
-        family = (problem.dtype, problem.causal, problem.head_dim, problem.group)
-        entries = self._table(dev, mode, problem).get(family, [])
-        want_q, want_k = seq_bucket(problem.seq_q), seq_bucket(problem.seq_k)
-
-        def distance(e: _Entry) -> tuple[float, int]:
-            k = e.winner.key
-            d = abs(math.log2(k.seq_q_bucket / want_q)) + abs(math.log2(k.seq_k_bucket / want_k))
-            return d, -k.seq_q_bucket  # ties: the longer bucket (better tuned for big work)
-
-        skipped: list[str] = []
-        for entry in sorted(entries, key=distance):
-            key = entry.winner.key
-            reason = (space.why_invalid(entry.winner.variant, problem, dev)
-                      or space.veto(entry.winner.variant, problem, dev)
-                      or (None if row_is_current(entry.winner) else "its kernel has changed "
-                          "since it was tuned (re-tune)"))
-            if reason:
-                skipped.append(f"bucket Nq{key.seq_q_bucket}/Nk{key.seq_k_bucket}: {reason}")
-                continue
-            if (key.seq_q_bucket, key.seq_k_bucket) == (want_q, want_k):
-                return (
-                    entry.winner.variant,
-                    "exact",
-                    f"tuned winner for this bucket ({key.seq_q_bucket}, {key.seq_k_bucket})",
-                    entry.source(),
-                )
-            return (
-                entry.winner.variant,
-                "nearest",
-                f"no winner for bucket ({want_q}, {want_k}); nearest tuned bucket "
-                f"({key.seq_q_bucket}, {key.seq_k_bucket}) is valid here",
-                entry.source(),
-            )
-        why = (
-            "tuned buckets of this kind are invalid here: " + "; ".join(skipped)
-            if skipped
-            else f"nothing tuned ({mode}) for {problem.dtype} causal={problem.causal} "
-            f"D={problem.head_dim} GQA={problem.group} on {dev.name}"
-        )
-        return space.default(problem, dev), "fallback", why, None
-
-    # ---- running -------------------------------------------------------------------------
-
-    def _plan(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        causal: bool,
-        variant: Variant | None,
-    ) -> _Plan:
+    def _choose(self, mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                causal: bool, variant: Any) -> tuple[Choice, Entry, Shape]:
         check_inputs(q, k, v)
-        problem = Problem.from_tensors(q, k, v, causal)
-        dev = device_info(q.device)
+        check_options(causal, None)
+        shape = Shape.of(q, k, causal)
+        table = self.table(q.device)
         if variant is None:
-            choice = self.choose(problem, dev)
+            choice, entry = self.lookup(table, mode, shape)
         else:
-            reason = why_invalid(variant, problem, dev)
-            if reason:
-                raise ValueError(f"variant {variant} is invalid for {problem}: {reason}")
-            choice = Choice(variant, "explicit", "variant= was given")
+            entry = self._explicit(mode, variant, shape, table)
+            choice = Choice(variant, "explicit", f"{'bwd_' if mode == 'bwd' else ''}variant= "
+                            "was given")
         check_runnable(q.device)
-        launch = prepare_forward(choice.variant, problem, strict=choice.how == "explicit")
-        return _Plan(launch, choice, default_scale(problem.head_dim))
+        return choice, entry, shape
+
+    def _kernels(self, entry: Entry, shape: Shape) -> Callable[[str], Any]:
+        return lambda role: self.kernel(entry, role, shape)
+
+    # ---- running ---------------------------------------------------------------------------
+
+    def _plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+              variant: Any) -> _Plan:
+        try:
+            key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device,
+                   v.device, causal, variant)  # fmt: skip
+            plan = self._plans.get(key)
+        except (AttributeError, TypeError):  # not tensors, or an unhashable variant
+            key, plan = None, None
+        if plan is None:
+            choice, entry, shape = self._choose("fwd", q, k, v, causal, variant)
+
+            def make(found: Entry) -> Launcher:
+                return prepare_forward(found, shape, self._kernels(found, shape),
+                                       strict=variant is not None)
+
+            plan = _Plan(make(entry), choice, default_scale(shape.head_dim))
+            if variant is None:
+                plan = self._guard("fwd", plan, entry, shape, self.table(q.device), make,
+                                   self._plans, key)
+            if key is not None:
+                self._plans[key] = plan
+        return plan
+
+    def _bwd_plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                  variant: Any) -> _Plan:
+        try:
+            key = (q.shape, k.shape, v.shape, q.dtype, q.device, causal, variant)
+            plan = self._bwd_plans.get(key)
+        except (AttributeError, TypeError):
+            key, plan = None, None
+        if plan is None:
+            choice, entry, shape = self._choose("bwd", q, k, v, causal, variant)
+            table = self.table(q.device)
+
+            def make(found: Entry) -> BwdLauncher:
+                return prepare_backward(found, shape, self._kernels(found, shape),
+                                        table.preprocess_block_m)
+
+            plan = _Plan(make(entry), choice, default_scale(shape.head_dim))
+            if variant is None:
+                plan = self._guard("bwd", plan, entry, shape, table, make, self._bwd_plans,
+                                   key)
+            if key is not None:
+                self._bwd_plans[key] = plan
+        return plan
+
+    def _guard(self, mode: str, plan: _Plan, entry: Entry, shape: Shape, table: Table,
+               make: Callable[[Entry], Any], plans: dict[tuple, _Plan],
+               key: tuple | None) -> _Plan:
+        """`plan` whose first launch, where Triton compiles the kernel, gives way if the
+        chosen kernel fails there: a GPU nobody tuned may not build its default, and a call
+        must not fail over a choice its caller never made. The `portable` entry runs instead,
+        with one warning per kernel; where it is the failing one, the error stands (so does
+        an explicit variant's: it is never guarded). After the first launch `plans` holds the
+        plan that worked, so later calls pay nothing for the guard."""
+
+        def first(*args: Any) -> Any:
+            try:
+                result = plan.launch(*args)
+            except Exception as exc:
+                fallback = self.portable(mode, shape, table)
+                if (fallback is None or fallback["variant"] == entry["variant"]
+                        or isinstance(exc, torch.cuda.OutOfMemoryError)):
+                    raise
+                why = self._gave_way(mode, entry, fallback, shape, table, exc)
+                chosen = _Plan(make(fallback), Choice(self.present(mode, fallback["variant"]),
+                                                      "fallback", why), plan.scale)
+                if key is not None:
+                    plans[key] = chosen
+                return chosen.launch(*args)
+            if key is not None:
+                plans[key] = plan
+            return result
+
+        return dataclasses.replace(plan, launch=first)
+
+    def _gave_way(self, mode: str, entry: Entry, fallback: Entry, shape: Shape, table: Table,
+                  exc: Exception) -> str:
+        """Why `fallback` runs instead of `entry`; logged once per kernel (other lengths and
+        batches of the kind build the same one)."""
+        error = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        failed = self.present(mode, entry["variant"])
+        why = f"{failed} failed on {table.name} ({type(exc).__name__}: {error})"
+        kernel = (table.name, mode, json.dumps(entry["variant"], sort_keys=True), shape.dtype,
+                  shape.causal, shape.head_dim)
+        if kernel not in self._failed:
+            self._failed.add(kernel)
+            log.warning("%s: %s for %s; running the portable default %s instead", PACKAGE,
+                        why, shape, self.present(mode, fallback["variant"]))
+        return why
 
     def forward(
         self,
@@ -263,51 +294,18 @@ class Dispatcher:
         v: torch.Tensor,
         causal: bool = False,
         scale: float | None = None,
-        variant: Variant | None = None,
+        variant: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(output, log-sum-exp) of the chosen variant. The fast path: after the first call of
         a shape, a call is one dict lookup, two allocations and the kernel launch."""
         try:
-            key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device,
-                   v.device, causal, variant)  # fmt: skip
-            plan = self._plans.get(key)
-        except (AttributeError, TypeError):  # not tensors, or not a Variant: _plan says which
-            key, plan = None, None
+            plan = self._plans.get((q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
+                                    q.device, k.device, v.device, causal, variant))
+        except (AttributeError, TypeError):
+            plan = None
         if plan is None:
-            _check_variant_type(variant)
             plan = self._plan(q, k, v, causal, variant)
-            try:  # the first launch compiles the kernel
-                result = plan.launch(q, k, v, plan.scale if scale is None else scale)
-            except Exception as exc:
-                problem = Problem.from_tensors(q, k, v, causal)
-                portable = default_variant(problem, device_info(q.device), fa3=False)
-                why = self._give_way(plan.choice, portable, problem, q.device, exc)
-                plan = _Plan(prepare_forward(portable, problem, strict=False),
-                             Choice(portable, "fallback", why), plan.scale)
-                result = plan.launch(q, k, v, plan.scale if scale is None else scale)
-            if key is not None:
-                self._plans[key] = plan
-            return result
         return plan.launch(q, k, v, plan.scale if scale is None else scale)
-
-    def _give_way(self, failed: Choice | BwdChoice, portable: AnyVariant, problem: Problem,
-                  device: torch.device, exc: Exception) -> str:
-        """Why `portable` replaces a chosen kernel that failed on its first launch (where
-        Triton compiles it): a GPU nobody tuned may not build its default, and an attention
-        call must not fail over a choice the caller never made. One warning per kernel;
-        explicitly requested variants, out-of-memory and a failing portable default raise."""
-        if (failed.how == "explicit" or failed.variant == portable
-                or isinstance(exc, torch.cuda.OutOfMemoryError)):
-            raise exc
-        dev = device_info(device)
-        error = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        why = f"{failed.variant} failed on {dev.name} ({type(exc).__name__}: {error})"
-        kernel = (dev.key, str(failed.variant), problem.dtype, problem.causal, problem.head_dim)
-        if kernel not in self._failed:  # other lengths and batches build the same source
-            self._failed.add(kernel)
-            log.warning("flashgen: %s for %s; running the portable default %s instead",
-                        why, problem, portable)
-        return why
 
     def backward(
         self,
@@ -319,24 +317,11 @@ class Dispatcher:
         lse: torch.Tensor,
         causal: bool = False,
         scale: float | None = None,
-        variant: BwdVariant | None = None,
+        variant: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(dq, dk, dv) for the forward's saved tensors, with the chosen backward variant."""
-        problem = Problem.from_tensors(q, k, v, causal)
-        dev = device_info(q.device)
-        if variant is not None:
-            reason = why_invalid_bwd(variant, problem, dev)
-            if reason:
-                raise ValueError(f"backward variant {variant} is invalid for {problem}: {reason}")
-            return run_backward(grad_out, q, k, v, out, lse, variant, problem, scale)
-        choice = self.choose_bwd(problem, dev)
-        try:
-            return run_backward(grad_out, q, k, v, out, lse, choice.variant, problem, scale)
-        except Exception as exc:
-            portable = default_bwd_variant(problem, dev, fa3=False)
-            why = self._give_way(choice, portable, problem, q.device, exc)
-            self._bwd_choices[(problem, dev.key)] = BwdChoice(portable, "fallback", why)
-            return run_backward(grad_out, q, k, v, out, lse, portable, problem, scale)
+        plan = self._bwd_plan(q, k, v, causal, variant)
+        return plan.launch(grad_out, q, k, v, out, lse, plan.scale if scale is None else scale)
 
     def explain(
         self,
@@ -345,36 +330,34 @@ class Dispatcher:
         v: torch.Tensor,
         *,
         causal: bool = False,
-        variant: Variant | None = None,
-        bwd_variant: BwdVariant | None = None,
+        variant: Any = None,
+        bwd_variant: Any = None,
     ) -> Choice:
-        """Which variant `attention(q, k, v, causal=...)` would run, why, and from which row;
-        its `backward` says the same of the backward pass (`bwd_variant`: an explicit one)."""
-        _check_variant_type(variant)
+        """Which variant `attention(q, k, v, causal=...)` runs, why, and from which row; its
+        `backward` says the same of the backward pass (`bwd_variant`: an explicit one)."""
         choice = self._plan(q, k, v, causal, variant).choice
-        problem = Problem.from_tensors(q, k, v, causal)
-        if bwd_variant is None:
-            backward = self.choose_bwd(problem, q.device)
-        else:
-            reason = why_invalid_bwd(bwd_variant, problem, q.device)
-            if reason:
-                raise ValueError(f"backward variant {bwd_variant} is invalid for {problem}: "
-                                 f"{reason}")
-            backward = BwdChoice(bwd_variant, "explicit", "bwd_variant= was given")
-        return replace(choice, backward=backward)
+        return dataclasses.replace(choice,
+                                   backward=self._bwd_plan(q, k, v, causal, bwd_variant).choice)
 
 
-def _check_variant_type(variant: object) -> None:
-    if variant is not None and not isinstance(variant, Variant):
-        raise TypeError(f"variant must be a flashgen.Variant, got {type(variant).__name__}")
+# ---- the package's default dispatcher -------------------------------------------------------
 
-
+_factory: Callable[[], Dispatcher] | None = None
 _default: Dispatcher | None = None
 
 
+def serve(factory: Callable[[], Dispatcher]) -> None:
+    """Make `factory()` the dispatcher behind this package's `attention` (and its
+    torch.library op), built on first use."""
+    global _factory, _default
+    _factory, _default = factory, None
+
+
 def default_dispatcher() -> Dispatcher:
-    """The shared dispatcher behind `flashgen.attention` (databases read on first use)."""
+    """The shared dispatcher behind `attention` (tables read on first use)."""
     global _default
     if _default is None:
-        _default = Dispatcher()
+        if _factory is None:
+            raise RuntimeError(f"{PACKAGE}'s runtime has no dispatcher: import {PACKAGE}")
+        _default = _factory()
     return _default

@@ -1,4 +1,9 @@
-"""Launching one forward variant: output allocation, grid, and the kernel call."""
+"""Launching a forward entry: output allocation, grid, and the kernel call.
+
+The launch code reads a variant's knobs as attributes (`table.knobs` of an entry's dict, or a
+flashgen `Variant`), and gets kernels by role from the caller: "fwd", and "fwd_plain" for
+the pointer twin of a TMA variant (what runs on inputs TMA cannot address).
+"""
 
 from __future__ import annotations
 
@@ -9,15 +14,36 @@ from typing import Any
 
 import torch
 
-from flashgen.kernels.hardware import device_info
-from flashgen.kernels.problem import Problem
-from flashgen.kernels.render import load_kernel
-from flashgen.kernels.variant import Variant
+from .table import Entry, Shape, knobs
 
 #: (q, k, v, scale) -> (output like q, log-sum-exp (B, Hq, Nq) fp32)
 Launcher = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
 ]
+#: role -> the JIT function that plays it
+KernelOf = Callable[[str], Any]
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The power of two (at least 16) the kernels tile the head dim with."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of `device`; the interpreter counts as one, so persistent
+    programs walk every tile."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def tma_ready(*tensors: torch.Tensor) -> bool:
@@ -32,7 +58,7 @@ def tma_ready(*tensors: torch.Tensor) -> bool:
     return True
 
 
-def _descriptor(t: torch.Tensor, rows: int, cols: int) -> object:
+def descriptor(t: torch.Tensor, rows: int, cols: int) -> object:
     """A TMA descriptor over the (B, H, N, D) view moving [1, 1, rows, cols] tiles."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -49,7 +75,7 @@ def _gluon_tile_layout(rows: int, cols: int, dtype: torch.dtype) -> object:
     return gl.NVMMASharedLayout.get_default_for([1, 1, rows, cols], element)
 
 
-def _gluon_descriptor(t: torch.Tensor, rows: int) -> object:
+def gluon_descriptor(t: torch.Tensor, rows: int) -> object:
     """A Gluon TMA descriptor over the (B, H, N, D) view moving [1, 1, rows, D] tiles."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -58,54 +84,53 @@ def _gluon_descriptor(t: torch.Tensor, rows: int) -> object:
                             _gluon_tile_layout(rows, cols, t.dtype))
 
 
-def fa2_grid(variant: Variant, nq: int, heads: int, device: torch.device) -> tuple[int, int]:
+def fa2_grid(variant: Any, nq: int, heads: int, device: torch.device) -> tuple[int, int]:
     """The fa2 launch grid (Q-tile programs per head, B * H_Q).
 
     A persistent variant caps the first axis near `persistent` programs per SM in all (never
     below one per head); its programs then walk several Q tiles each.
     """
-    tiles = -(-nq // variant.block_m)
+    tiles = cdiv(nq, variant.block_m)
     if not variant.persistent:
         return tiles, heads
-    target = device_info(device).sm_count * variant.persistent
-    return max(1, min(tiles, -(-target // heads))), heads
+    return max(1, min(tiles, cdiv(sm_count(device) * variant.persistent, heads))), heads
 
 
-def fa3_grid(variant: Variant, nq: int, heads: int,
+def fa3_grid(variant: Any, nq: int, heads: int,
              device: torch.device) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The fa3 launch grid and the arguments it adds after fa3's common ones.
 
     One program per (Q tile, head); on a persistent grid one program per SM (at most one per
     tile), whose kernel takes the number of heads (B * H_Q) to enumerate the tiles itself.
     """
-    tiles = -(-nq // variant.block_m)
+    tiles = cdiv(nq, variant.block_m)
     if not variant.persistent:
         return (tiles, heads), ()
-    return (min(tiles * heads, device_info(device).sm_count),), (heads,)
+    return (min(tiles * heads, sm_count(device)),), (heads,)
 
 
-def prepare_forward(variant: Variant, problem: Problem, strict: bool = True,
-                    kernel: Any = None) -> Launcher:
-    """Load `variant`'s kernel once and return a function that launches it on checked inputs.
+def prepare_forward(entry: Entry, shape: Shape, kernel: KernelOf, strict: bool) -> Launcher:
+    """Load `entry`'s kernel once and return a function that launches it on checked inputs.
 
-    Everything that depends only on the variant and problem is settled here, so a launch does
-    nothing but allocate the outputs and call the kernel: this is the dispatch fast path.
+    Everything that depends only on the entry and the shape's kind is settled here, so a
+    launch does nothing but allocate the outputs and call the kernel: the dispatch fast path.
     Strides go to the kernel as they are, so (B, H, N, D) tensors and (B, N, H, D) memory
     viewed as (B, H, N, D) both run without a copy. The output keeps q's memory layout.
 
     A `use_tma` or fa3 variant needs 16-byte aligned rows (`tma_ready`). Given inputs that
-    are not, a strict launcher (an explicitly requested variant) raises; otherwise its
-    pointer twin (`Variant.pointer_twin`) runs, which computes the same function.
-
-    `kernel` replaces the rendered one (a JIT function with the same arguments): how
-    `scripts/ab_templates.py` times another revision's template beside the current one.
+    are not, a strict launcher (an explicitly requested variant) raises; otherwise the
+    entry's pointer twin runs (role "fwd_plain"), which computes the same function.
     """
-    if variant.needs_tma:
-        return _prepare_tma(variant, problem, strict, kernel)
-    kernel = kernel or load_kernel(variant, problem)
+    variant = knobs(entry["variant"])
+    if variant.use_tma or variant.loop_order == "fa3":
+        return _prepare_tma(entry, shape, kernel, strict)
+    return _prepare_pointers(variant, shape, kernel("fwd"))
+
+
+def _prepare_pointers(variant: Any, shape: Shape, kernel: Any) -> Launcher:
     launch = {"num_warps": variant.num_warps, "num_stages": variant.num_stages}
-    group, fa1 = problem.group, variant.loop_order == "fa1"
-    padded = problem.padded_head_dim
+    group, fa1 = shape.group, variant.loop_order == "fa1"
+    padded = padded_head_dim(shape.head_dim)
 
     def run(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
@@ -143,13 +168,13 @@ def prepare_forward(variant: Variant, problem: Problem, strict: bool = True,
     return run
 
 
-def _prepare_tma(variant: Variant, problem: Problem, strict: bool,
-                 kernel: Any) -> Launcher:
-    kernel = kernel or load_kernel(variant, problem)
+def _prepare_tma(entry: Entry, shape: Shape, kernel_of: KernelOf, strict: bool) -> Launcher:
+    variant = knobs(entry["variant"])
+    kernel = kernel_of("fwd")
     launch = {"num_warps": variant.num_warps, "num_stages": variant.num_stages}
-    bm, bn, d = variant.block_m, variant.block_n, problem.padded_head_dim
+    bm, bn, d = variant.block_m, variant.block_n, padded_head_dim(shape.head_dim)
+    group, fa3 = shape.group, variant.loop_order == "fa3"
     plain: list[Launcher] = []  # the pointer twin, prepared on first need
-    fa3 = variant.loop_order == "fa3"
 
     def run(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
@@ -158,47 +183,32 @@ def _prepare_tma(variant: Variant, problem: Problem, strict: bool,
         if not tma_ready(q, k, v, out):
             if strict:
                 raise ValueError(
-                    f"variant {variant} uses TMA, which needs a unit last stride and 16-byte "
-                    "aligned rows and base addresses; these inputs are not"
+                    f"variant {entry['variant']} uses TMA, which needs a unit last stride and "
+                    "16-byte aligned rows and base addresses; these inputs are not"
                 )
             if not plain:
-                plain.append(prepare_forward(variant.pointer_twin(), problem))
+                # The twin's own tiles, warps and grid: an fa3 twin is a plain fa2 kernel.
+                plain.append(_prepare_pointers(knobs(entry["twin"]), shape,
+                                               kernel_of("fwd_plain")))
             return plain[0](q, k, v, scale)
         b, hq, nq, _ = q.shape
         lse = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
         if fa3:
             # Each consumer warpgroup moves its own 16 x num_warps rows of Q and O.
-            rows = variant.fa3_rows
+            rows = 16 * variant.num_warps
             grid, extra = fa3_grid(variant, nq, b * hq, q.device)
             kernel[grid](
-                _gluon_descriptor(q, rows), _gluon_descriptor(k, bn), _gluon_descriptor(v, bn),
-                _gluon_descriptor(out, rows), lse, *lse.stride()[:2],
-                scale, nq, k.shape[2], hq, problem.group, *extra, num_warps=variant.num_warps,
+                gluon_descriptor(q, rows), gluon_descriptor(k, bn), gluon_descriptor(v, bn),
+                gluon_descriptor(out, rows), lse, *lse.stride()[:2],
+                scale, nq, k.shape[2], hq, group, *extra, num_warps=variant.num_warps,
             )  # fmt: skip
             return out, lse
         kernel[fa2_grid(variant, nq, b * hq, q.device)](
-            _descriptor(q, bm, d), _descriptor(k, bn, d), _descriptor(v, bn, d),
-            _descriptor(out, bm, d), lse,
+            descriptor(q, bm, d), descriptor(k, bn, d), descriptor(v, bn, d),
+            descriptor(out, bm, d), lse,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride()[:2],
-            scale, nq, k.shape[2], hq, problem.group, **launch,
+            scale, nq, k.shape[2], hq, group, **launch,
         )  # fmt: skip
         return out, lse
 
     return run
-
-
-def default_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)
-
-
-def run_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    variant: Variant,
-    problem: Problem,
-    scale: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run `variant` on checked inputs; returns (output like q, log-sum-exp (B, Hq, Nq) fp32)."""
-    scale = default_scale(problem.head_dim) if scale is None else float(scale)
-    return prepare_forward(variant, problem)(q, k, v, scale)

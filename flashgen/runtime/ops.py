@@ -1,35 +1,27 @@
-"""flashgen's operators registered with torch.library, so torch.compile traces through them.
+"""The operators registered with torch.library, so torch.compile traces through them, and the
+autograd Function that eager calls take.
 
-`flashgen::attention_fwd` and `flashgen::attention_bwd` are opaque to the compiler: their
-fake implementations give output shapes, strides and dtypes, and the real ones dispatch at
-run time like eager calls do. Autograd is registered on the forward op, so gradients work in
-eager mode and under torch.compile alike. Only q, k, v, the output and the log-sum-exp are
-saved for the backward: memory is O(N), never O(N^2).
+`<package>::attention_fwd` and `<package>::attention_bwd` (the namespace is the package's
+name, so flashgen and any number of exported packages register side by side in one process)
+are opaque to the compiler: their fake implementations give output shapes, strides and
+dtypes, and the real ones dispatch at run time like eager calls do. Autograd is registered
+on the forward op, so gradients work in eager mode and under torch.compile alike. Only q, k,
+v, the output and the log-sum-exp are saved for the backward: memory is O(N), never O(N^2).
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 
-from flashgen.kernels.bwd_variant import BwdVariant
-from flashgen.kernels.variant import Variant
-from flashgen.runtime.dispatch import default_dispatcher
+from .dispatch import PACKAGE, default_dispatcher
+
+#: One namespace per package: two copies of this runtime must not register the same op.
+NAMESPACE = PACKAGE.replace(".", "_")
 
 
-@functools.lru_cache(maxsize=256)
-def _variant(text: str) -> Variant | None:
-    return Variant.from_json(text) if text else None
-
-
-@functools.lru_cache(maxsize=256)
-def _bwd_variant(text: str) -> BwdVariant | None:
-    return BwdVariant.from_json(text) if text else None
-
-
-@torch.library.custom_op("flashgen::attention_fwd", mutates_args=())
+@torch.library.custom_op(f"{NAMESPACE}::attention_fwd", mutates_args=())
 def attention_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -39,9 +31,10 @@ def attention_fwd(
     variant: str,
     bwd_variant: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output, log-sum-exp). `variant` / `bwd_variant` are JSON, or "" for tuned dispatch;
-    the forward ignores `bwd_variant` and keeps it for its backward."""
-    return default_dispatcher().forward(q, k, v, causal, scale, _variant(variant))
+    """(output, log-sum-exp). `variant` / `bwd_variant` are `Dispatcher.encode`'s text, or ""
+    for tuned dispatch; the forward ignores `bwd_variant` and keeps it for its backward."""
+    dispatcher = default_dispatcher()
+    return dispatcher.forward(q, k, v, causal, scale, dispatcher.decode("fwd", variant))
 
 
 @attention_fwd.register_fake
@@ -58,7 +51,7 @@ def _attention_fwd_fake(
     return torch.empty_like(q), q.new_empty((b, h, n), dtype=torch.float32)
 
 
-@torch.library.custom_op("flashgen::attention_bwd", mutates_args=())
+@torch.library.custom_op(f"{NAMESPACE}::attention_bwd", mutates_args=())
 def attention_bwd(
     grad_out: torch.Tensor,
     q: torch.Tensor,
@@ -71,9 +64,9 @@ def attention_bwd(
     variant: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) recomputed block by block from the saved log-sum-exp."""
-    return default_dispatcher().backward(
-        grad_out, q, k, v, out, lse, causal, scale, _bwd_variant(variant)
-    )
+    dispatcher = default_dispatcher()
+    return dispatcher.backward(grad_out, q, k, v, out, lse, causal, scale,
+                               dispatcher.decode("bwd", variant))
 
 
 @attention_bwd.register_fake
@@ -111,14 +104,13 @@ attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 class EagerAttention(torch.autograd.Function):
     """The same autograd as the registered op, for eager calls, without the op's dispatch
     layers: those cost a few hundred microseconds of host time per training step, which
-    bounds small problems (measured on an H100, 2026-11-22: 1.2 ms of host per fwd+bwd
-    call at B32 N512 against 0.9 ms of GPU work). torch.compile still takes the op."""
+    bounds small problems (on an H100, 1.2 ms of host per fwd+bwd call at B32 N512 against
+    0.9 ms of GPU work). torch.compile still takes the op."""
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-        scale: float | None, variant: Variant | None, bwd_variant: BwdVariant | None,
-        dispatcher: Any,
+        scale: float | None, variant: Any, bwd_variant: Any, dispatcher: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         out, lse = dispatcher.forward(q, k, v, causal, scale, variant)
         ctx.save_for_backward(q, k, v, out, lse)

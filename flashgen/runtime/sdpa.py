@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from flashgen.runtime.api import attention
+from .api import attention
 
 
 def scaled_dot_product_attention(

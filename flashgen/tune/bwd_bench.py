@@ -22,8 +22,7 @@ import torch
 from flashgen.kernels.bwd_variant import BwdVariant
 from flashgen.kernels.modes import AnyVariant
 from flashgen.kernels.problem import Problem
-from flashgen.runtime.backward import run_backward
-from flashgen.runtime.dispatch import Dispatcher, default_dispatcher
+from flashgen.serve import Dispatcher, default_dispatcher, run_backward
 from flashgen.tune.baseline import Baseline, sdpa_backward_baseline
 from flashgen.tune.check import make_inputs
 from flashgen.tune.fwd_bench import KernelBench, Measurement, describe_failure

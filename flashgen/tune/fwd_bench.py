@@ -22,7 +22,7 @@ import torch
 from flashgen.kernels.modes import AnyVariant
 from flashgen.kernels.problem import Problem
 from flashgen.kernels.variant import Variant
-from flashgen.runtime.forward import run_forward
+from flashgen.serve import run_forward
 from flashgen.tune.baseline import Baseline, sdpa_baseline
 from flashgen.tune.check import compare, make_inputs
 from flashgen.tune.timing import Timing, tflops, time_cpu, time_cuda

@@ -1,0 +1,205 @@
+"""The winners table: plain data, and the rule that picks an entry of it for a call.
+
+One device's table is a dict (JSON in an exported package, built from the tuning databases
+in flashgen):
+
+    {"fwd": [entry, ...], "bwd": [entry, ...],     tuned entries, highest precedence first
+     "fwd_defaults": [...], "bwd_defaults": [...],  optional: defaults per clamped bucket
+     "lengths": [16, ..., 256],                     the buckets the defaults are given for
+     "preprocess_block_m": 64,                      rows per backward preprocessing program
+     "untuned": {"fwd": "...", "bwd": "..."}}       optional: logged once if a mode has none
+
+An entry holds the bucket it was tuned for ("dtype", "causal", "head_dim", "gqa",
+"seq_q_bucket", "seq_k_bucket"; defaults have no "gqa"), "variant" (the knobs, a dict),
+"twin" (the knobs of what runs where TMA cannot address the inputs, for variants that use
+it), and optionally "kernels" (role -> module, exports), "need" (the smallest power-of-two
+query and key lengths its tiles fit), "source" (the database row) and what a dispatcher's
+`kernel_is_current` reads (such as the hash of the kernel the row was tuned with).
+
+For a call: the exact (dtype, causal, head dim, GQA ratio, Nq bucket, Nk bucket) entry; else
+the nearest tuned bucket of the same kind that is valid for the call; else the default.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, NamedTuple
+
+import torch
+
+from .checks import DTYPE_NAMES
+
+Entry = Mapping[str, Any]
+#: Why an entry cannot serve a call (None: it can).
+Check = Callable[[Entry], "str | None"]
+MODES: tuple[str, ...] = ("fwd", "bwd")
+
+
+#: flashgen's `Problem` fields, in its order, so that each converts to the other in one call
+#: (`Problem(*shape)`); written as one list, not restated field by field.
+_SHAPE = NamedTuple("_SHAPE", [  # noqa: UP014
+    ("batch", int), ("heads_q", int), ("heads_kv", int), ("seq_q", int), ("seq_k", int),
+    ("head_dim", int), ("dtype", str), ("causal", bool)])
+
+
+class Shape(_SHAPE):
+    """What a call asks for: q is B x Hq x Nq x D, k and v B x Hkv x Nk x D."""
+
+    __slots__ = ()
+
+    @classmethod
+    def of(cls, q: torch.Tensor, k: torch.Tensor, causal: bool) -> Shape:
+        b, hq, nq, d = q.shape
+        return cls(b, hq, k.shape[1], nq, k.shape[2], d, DTYPE_NAMES[q.dtype], bool(causal))
+
+    @property
+    def group(self) -> int:
+        """Query heads per key/value head."""
+        return self.heads_q // self.heads_kv
+
+    def __str__(self) -> str:
+        mask = "causal" if self.causal else "full"
+        return (f"B{self.batch} Hq{self.heads_q} Hkv{self.heads_kv} Nq{self.seq_q} "
+                f"Nk{self.seq_k} D{self.head_dim} {self.dtype} {mask}")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The variant a call runs, how it was found ("explicit", "exact", "nearest" or
+    "fallback"), why, and the database row behind it. `explain` also fills in `backward`:
+    what the call's backward pass runs."""
+
+    variant: Any
+    how: str
+    reason: str
+    source: str | None = None  # "<database> winners[<key id>] trial <id>"
+    backward: Choice | None = None
+
+    def __str__(self) -> str:
+        where = f"\n  from: {self.source}" if self.source else ""
+        text = f"{self.variant} ({self.how}): {self.reason}{where}"
+        return f"{text}\nbackward: {self.backward}" if self.backward else text
+
+
+def bucket(n: int) -> int:
+    """The length bucket of `n`: the next power of two (n itself if it is one)."""
+    return 1 << (n - 1).bit_length()
+
+
+def knobs(data: Mapping[str, Any]) -> SimpleNamespace:
+    """A variant's knobs as attributes, as flashgen's variant classes have them: the launch
+    code reads either."""
+    return SimpleNamespace(**data)
+
+
+def head_units_leave_programs_idle(v: Any, p: Any, sm_count: int) -> str | None:
+    """Why a whole-heads (head_units) winner should not serve call `p` (a `Shape` or a
+    `Problem`): given too few heads, whole heads keep fewer of its programs busy than tile
+    pairs would (8 heads of 4 Q tiles keep 8 programs busy, pairs 16).
+
+    A dispatch rule, not a validity one: the kernel computes the same answer at any batch, so
+    explicit variants, checks and the tuner run it. A program per SM (at most one per tile);
+    a head costs its busiest program num_m (num_m + 1) / 2 K/V tiles, a pair num_m + 1.
+    """
+    if not (getattr(v, "head_units", False) and p.causal):
+        return None
+    num_m, heads = -(-p.seq_q // v.block_m), p.batch * p.heads_q
+    programs = min(num_m * heads, sm_count)
+    pairs = -(-num_m // 2)
+    if (-(-heads // programs) * num_m * (num_m + 1) // 2
+            > -(-heads * pairs // programs) * (num_m + 1)):
+        return (f"head_units: {heads} heads of {num_m} Q tiles would keep fewer of the "
+                f"{programs} programs busy than tile pairs")
+    return None
+
+
+def _family(e: Entry) -> tuple[str, bool, int]:
+    return e["dtype"], e["causal"], e["head_dim"]
+
+
+class Table:
+    """One device's table (see the module docstring), indexed for lookup.
+
+    `device` is whatever the owner's rules judge entries against (flashgen: its DeviceInfo);
+    `name` says which table this is in messages; `sm_count` sizes the whole-heads rule.
+    """
+
+    def __init__(self, data: Mapping[str, Any], name: str, sm_count: int,
+                 device: Any = None) -> None:
+        self.data, self.name, self.sm_count, self.device = data, name, sm_count, device
+        self.lengths: list[int] = list(data.get("lengths", ()))
+        self.preprocess_block_m: int = data["preprocess_block_m"]
+        self.tuned: dict[str, dict[tuple, list[Entry]]] = {m: {} for m in MODES}
+        self.defaults: dict[str, dict[tuple, dict[tuple[int, int], Entry]]] = {}
+        for mode in MODES:
+            for e in data.get(mode, ()):
+                self.tuned[mode].setdefault((*_family(e), e["gqa"]), []).append(e)
+            if f"{mode}_defaults" in data:
+                grid = self.defaults.setdefault(mode, {})
+                for e in data[f"{mode}_defaults"]:
+                    grid.setdefault(_family(e), {})[(e["seq_q_bucket"], e["seq_k_bucket"])] = e
+        self.noticed = False  # whether the untuned notice was given
+
+    def lookup(self, mode: str, shape: Shape, check: Check) -> tuple[Entry | None, str, str]:
+        """(entry, how, reason): the exact or nearest tuned entry that `check` and the tile
+        and whole-heads rules let serve `shape`, or (None, "fallback", why) if none does."""
+        family = (shape.dtype, shape.causal, shape.head_dim, shape.group)
+        want_q, want_k = bucket(shape.seq_q), bucket(shape.seq_k)
+
+        def distance(e: Entry) -> tuple[float, int]:
+            d = (abs(math.log2(e["seq_q_bucket"] / want_q))
+                 + abs(math.log2(e["seq_k_bucket"] / want_k)))
+            return d, -e["seq_q_bucket"]  # ties: the longer bucket (better tuned for big work)
+
+        skipped: list[str] = []
+        for e in sorted(self.tuned[mode].get(family, ()), key=distance):  # stable: precedence
+            got = (e["seq_q_bucket"], e["seq_k_bucket"])
+            reason = (self._too_short(e, shape)
+                      or head_units_leave_programs_idle(knobs(e["variant"]), shape,
+                                                        self.sm_count)
+                      or check(e))
+            if reason:
+                skipped.append(f"bucket Nq{got[0]}/Nk{got[1]}: {reason}")
+            elif got == (want_q, want_k):
+                return e, "exact", f"tuned winner for this bucket {got}"
+            else:
+                return e, "nearest", (f"no winner for bucket {(want_q, want_k)}; nearest tuned "
+                                      f"bucket {got} is valid here")
+        if skipped:
+            return None, "fallback", "tuned buckets of this kind are invalid here: " + "; ".join(
+                skipped)
+        return None, "fallback", (f"nothing tuned ({mode}) for {shape.dtype} causal="
+                                  f"{shape.causal} D={shape.head_dim} GQA={shape.group} on "
+                                  f"{self.name}")
+
+    @staticmethod
+    def _too_short(e: Entry, shape: Shape) -> str | None:
+        """The tile rule where an entry carries it precomputed (`need`): a block may not be
+        longer than the next power of two (>= 16) of the length it tiles."""
+        if "need" not in e:
+            return None
+        need_q, need_k = e["need"]
+        if max(16, bucket(shape.seq_q)) >= need_q and max(16, bucket(shape.seq_k)) >= need_k:
+            return None
+        return f"its tiles need Nq and Nk buckets of at least {need_q} and {need_k}"
+
+    def default(self, mode: str, shape: Shape) -> Entry | None:
+        """The precomputed default entry for `shape` (None where the table has no defaults;
+        a ValueError where it has some, but not for this kind of problem)."""
+        grids = self.defaults.get(mode)
+        if grids is None:
+            return None
+        grid = grids.get((shape.dtype, shape.causal, shape.head_dim))
+        if grid is None:
+            have = ", ".join(sorted(f"{k[0]} causal={k[1]} D={k[2]}" for k in grids))
+            raise ValueError(
+                f"no {mode} kernel for {shape.dtype} causal={shape.causal} head dim "
+                f"{shape.head_dim} in {self.name}; it holds: {have}. Export again from a "
+                "database tuned for this kind of problem."
+            )
+        low, high = self.lengths[0], self.lengths[-1]
+        clamp = lambda n: min(high, max(low, bucket(n)))
+        return grid[(clamp(shape.seq_q), clamp(shape.seq_k))]

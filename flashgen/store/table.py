@@ -1,0 +1,94 @@
+"""Winner rows -> the runtime's table: the plain dicts `flashgen.runtime.table` looks up.
+
+The runtime never reads a database; flashgen's dispatcher (`flashgen.serve`) asks this layer
+for a device's table once, and `flashgen export` writes the same kind of entries to
+table.json. Databases are read highest precedence first (the user's, then the shipped one)
+and every row is kept in that order: where the first row of a bucket cannot serve a call, the
+next one of the same bucket may.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from flashgen.kernels.bwd_render import PREPROCESS_BLOCK_M
+from flashgen.kernels.bwd_space import bwd_pointer_twin
+from flashgen.kernels.hardware import DeviceInfo
+from flashgen.kernels.modes import AnyVariant, space_of
+from flashgen.kernels.problem import Problem
+from flashgen.kernels.resources import data_dir
+from flashgen.kernels.variant import Variant
+from flashgen.store.current import hash_is_current
+from flashgen.store.db import TuningDB, WinnerRow, default_db_path
+from flashgen.store.keys import MODES
+
+SHIPPED_DB_NAME = "flashgen.db"
+
+
+def shipped_db_path() -> Path:
+    """The database shipped in the package's `tuning_db/`."""
+    return Path(str(data_dir("tuning_db") / SHIPPED_DB_NAME))
+
+
+def default_paths() -> list[Path]:
+    """The databases dispatch reads by default, highest precedence first."""
+    return [default_db_path(), shipped_db_path()]
+
+
+def twin(variant: AnyVariant, problem: Problem, device: DeviceInfo | None) -> AnyVariant | None:
+    """What runs where TMA cannot address the inputs (16-byte aligned rows), computing the
+    same: a use_tma or fa3 forward's pointer twin, an fa3 backward's Triton twin. None for
+    variants that need no TMA."""
+    if isinstance(variant, Variant):
+        return variant.pointer_twin() if variant.needs_tma else None
+    return bwd_pointer_twin(variant, problem, device) if variant.fa3 != "none" else None
+
+
+def entry(variant: AnyVariant, problem: Problem, device: DeviceInfo | None) -> dict[str, Any]:
+    """The table entry that runs `variant` on problems of `problem`'s kind: its knobs, and its
+    twin's where it has one (the twin's own tiles and warps: an fa3 forward's twin is a plain
+    fa2 grid of at most 128 rows, an fa3 backward's may take 8 warps)."""
+    found = {"variant": variant.to_dict()}
+    other = twin(variant, problem, device)
+    if other is not None:
+        found["twin"] = other.to_dict()
+    return found
+
+
+def winner_entry(winner: WinnerRow, source: str, device: DeviceInfo) -> dict[str, Any]:
+    """A winner row as a tuned entry: its bucket, the entry of its variant, its row, and
+    what `entry_is_current` reads (the problem it was tuned on, its kernel's hash)."""
+    k = winner.key
+    return {
+        "dtype": k.dtype, "causal": k.causal, "head_dim": k.head_dim, "gqa": k.gqa,
+        "seq_q_bucket": k.seq_q_bucket, "seq_k_bucket": k.seq_k_bucket,
+        **entry(winner.variant, winner.problem, device),
+        "tflops": winner.tflops, "source": source,
+        "problem": winner.problem.to_dict(), "kernel_hash": winner.kernel_hash,
+    }
+
+
+def entry_is_current(mode: str, found: Mapping[str, Any]) -> bool:
+    """Whether tuned entry `found` still names the kernel its row was tuned with (its
+    variant rendered now hashes as it did; `current.hash_is_current`, cached per process)."""
+    variant = space_of(mode).variant_type.from_dict(found["variant"])
+    return hash_is_current(mode, variant, Problem.from_dict(found["problem"]),
+                           found.get("kernel_hash"))
+
+
+def device_table(paths: Sequence[Path], device: DeviceInfo) -> dict[str, Any]:
+    """The runtime's table of `device` from the winners of `paths` (each opened once,
+    read-only; missing files are skipped)."""
+    table: dict[str, Any] = {mode: [] for mode in MODES}
+    table["preprocess_block_m"] = PREPROCESS_BLOCK_M
+    for path in paths:
+        if not path.is_file():
+            continue
+        with TuningDB.open_readonly(path) as db:
+            rows = [row for mode in MODES for row in db.load_winners(device.key, mode=mode)]
+        for row in rows:
+            source = f"{path} winners[{row.key.id}] trial {row.trial_id}"
+            table[row.key.mode].append(winner_entry(row, source, device))
+    return table
