@@ -1,7 +1,8 @@
 """The `flashgen` command: tune kernels into the database, and show what it holds.
 
 Imports of torch-facing modules happen inside the commands: `--device cpu` must set
-TRITON_INTERPRET=1 before anything imports triton, and `--help` should not wait for them.
+TRITON_INTERPRET=1 before anything imports triton, and `--help` and `--version` must not
+wait seconds for torch (a test checks that they do not import it).
 """
 
 from __future__ import annotations
@@ -37,15 +38,23 @@ def _explained(invoke: Callable[[typer.Context], Any], ctx: typer.Context) -> An
     try:
         return invoke(ctx)
     except (sqlite3.Error, OSError) as exc:
-        from flashgen.store.db import BUSY_TIMEOUT_S, default_db_path
-        from flashgen.store.guard import busy_timeout_s, explain
-
-        db = ctx.params.get("db") or default_db_path()
-        message = explain(exc, db, busy_timeout_s(BUSY_TIMEOUT_S))
-        if message is None:
+        failure = _store_failure(exc, ctx.params.get("db"))
+        if failure is None:
             raise
-        typer.echo(f"error: {message}", err=True)
-        raise typer.Exit(1) from None
+        raise failure from None
+
+
+def _store_failure(exc: sqlite3.Error | OSError, db: Path | None) -> typer.Exit | None:
+    """Print the one `error:` line for a known store or file error of database `db` (None:
+    the default user database) and return the exit to raise; None for other errors."""
+    from flashgen.store.db import BUSY_TIMEOUT_S, default_db_path
+    from flashgen.store.guard import busy_timeout_s, explain
+
+    message = explain(exc, db or default_db_path(), busy_timeout_s(BUSY_TIMEOUT_S))
+    if message is None:
+        return None
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(1)
 
 
 class _Group(TyperGroup):
@@ -63,18 +72,55 @@ class _Group(TyperGroup):
 
 app = typer.Typer(
     cls=_Group,
-    help="Generate, autotune and store Triton flash-attention kernels.",
     no_args_is_help=True,
     add_completion=False,
     rich_markup_mode=None,
 )
 
+#: How the tables name problems; in the help of the commands that print them.
+LABELS_HELP = (
+    "Tables fit 80 columns; --wide adds every column. Problems go by short labels: "
+    "'bf16 c D128 g4 2k B8 H32' is bf16, causal (f: full), head dim 128, 4 query heads per "
+    "key/value head (left out when 1), Nq = Nk = 2048 ('512/2k' where they differ; for "
+    "stored winners the length buckets), batch 8, 32 query heads. Backward winners leave "
+    "out 'bwd-' and the usual dQ mode 'separate'."
+)
+
+#: The one --db option of tune, show, bench and export. No envvar= on purpose: the default
+#: is resolved by `default_db_path()` (which reads $FLASHGEN_DB), so a command can tell a
+#: file given on the command line from the default, which dispatch reads with the shipped
+#: database behind it.
 DbOption = Annotated[
     Path | None,
-    typer.Option("--db", envvar="FLASHGEN_DB", dir_okay=False,
-                 help="Tuning database file (default: $FLASHGEN_DB, else "
+    typer.Option("--db", dir_okay=False, metavar="FILE",
+                 help="Tuning database file (default: $FLASHGEN_DB, else the user database "
                       "~/.cache/flashgen/tuning.db)."),
 ]
+WideOption = Annotated[bool, typer.Option(
+    "--wide", help="Print every column of the tables, not only those that fit 80 columns.")]
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from flashgen import __version__
+
+        typer.echo(f"flashgen {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: Annotated[bool, typer.Option(
+        "--version", is_eager=True, callback=_print_version,
+        help="Print flashgen's version and exit.")] = False,
+) -> None:
+    """Generate, autotune and store Triton flash-attention kernels.
+
+    Environment: FLASHGEN_DB names the user tuning database (default
+    ~/.cache/flashgen/tuning.db); FLASHGEN_CACHE_DIR the folder whose kernels/ holds the
+    rendered kernel sources (default ~/.cache/flashgen). Both defaults follow
+    $XDG_CACHE_HOME where it is set.
+    """
 
 #: Trials per problem when neither --trials nor --timeout is given.
 DEFAULT_TRIALS = 50
@@ -86,12 +132,27 @@ def _fail(message: str) -> typer.Exit:
 
 
 def _console() -> Console:
-    """A console for tables; piped output gets a wide one, since no terminal sets a width
-    and rich's default of 80 columns squeezes the tables into unreadable stacks."""
+    """A console for tables: a terminal's width, or $COLUMNS; other piped output gets 200
+    columns, so that `--wide` tables reach a file whole."""
     from rich.console import Console
 
     console = Console()
-    return console if console.is_terminal else Console(width=200)
+    return console if console.is_terminal or "COLUMNS" in os.environ else Console(width=200)
+
+
+def _print_tables(console: Console, tables: list[Any], wide: bool) -> None:
+    """Print tables a blank line apart. With `wide`, a table wider than the console is
+    printed at its own width (the terminal wraps the lines) rather than cut by rich."""
+    from rich.console import Console
+
+    for i, table in enumerate(tables):
+        if i:
+            console.print()
+        need = console.measure(table, options=console.options.update_width(1000)).maximum
+        if wide and need > console.width:
+            Console(file=console.file, width=need).print(table)
+        else:
+            console.print(table)
 
 
 def _use_interpreter() -> None:
@@ -112,7 +173,7 @@ PresetOption = Annotated[list[str] | None, typer.Option(
          "Repeatable.")]
 
 
-@app.command()
+@app.command(epilog=LABELS_HELP)
 def tune(
     shape: ShapeOption = None,
     preset: PresetOption = None,
@@ -147,6 +208,7 @@ def tune(
              "stored first; they count toward --trials) before sampling new ones: for "
              "timings a flawed timer took. Old rows stay as history.")] = False,
     db: DbOption = None,
+    wide: WideOption = False,
 ) -> None:
     """Tune every problem: search variants with Optuna, check each against the reference,
     time the correct ones, and store all trials and the winners in the database."""
@@ -170,7 +232,7 @@ def tune(
     except ValueError as exc:
         raise _fail(str(exc)) from None
     _run_tuning(problems, device, gpu, trials, timeout, seed, compile_workers, db, modes,
-                remeasure)
+                remeasure, wide)
 
 
 def _make_bench(mode: str, problem: Problem, target: torch.device, seed: int,
@@ -193,21 +255,16 @@ def _make_bench(mode: str, problem: Problem, target: torch.device, seed: int,
 def _run_tuning(problems: list[Problem], device_type: str, gpu: int, trials: int | None,
                 timeout: float | None, seed: int, compile_workers: int,
                 db_path: Path | None, modes: tuple[str, ...] = ("fwd",),
-                remeasure: bool = False) -> None:
+                remeasure: bool = False, wide: bool = False) -> None:
     import optuna
     import torch
     from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-    )
+    from rich.progress import Progress
 
     from flashgen.kernels.hardware import device_info
+    from flashgen.kernels.presets import problem_label
     from flashgen.store.db import TuningDB
-    from flashgen.tune.report import results_table
+    from flashgen.tune.report import progress_columns, results_tables, tflops_text
     from flashgen.tune.tuner import TuneOptions, tune_problem
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -228,9 +285,7 @@ def _run_tuning(problems: list[Problem], device_type: str, gpu: int, trials: int
     reported: list[TuneResult] = []  # its result, as its progress last gave it
     interrupted = False
     with TuningDB(db_path) as database, Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("best {task.fields[best]}"), TextColumn("{task.fields[last]}"),
-        TimeElapsedColumn(), console=Console(stderr=True),
+        *progress_columns(wide), console=Console(stderr=True),
     ) as progress:
         progress.console.print(f"tuning {len(problems)} problem(s) on {info.name} "
                                f"(db: {database.path})")
@@ -239,11 +294,12 @@ def _run_tuning(problems: list[Problem], device_type: str, gpu: int, trials: int
         try:
             for problem, mode in ((p, m) for p in problems for m in modes):
                 current, reported[:] = (problem, mode), []
-                task = progress.add_task(f"{mode} {problem}", total=trials, best="-", last="")
+                task = progress.add_task(f"{mode} {problem_label(problem)}", total=trials,
+                                         best="-", last="")
 
                 def show(r: TuneResult, task: int = task) -> None:
                     reported[:] = [r]
-                    best = f"{r.best_tflops:.3g} TFLOP/s" if r.best_tflops else "-"
+                    best = f"{tflops_text(r.best_tflops)} TFLOP/s" if r.best_tflops else "-"
                     progress.update(task, completed=r.measured, best=best, last=r.last[:50])
 
                 bench = _make_bench(mode, problem, target, seed, compile_workers, database.path)
@@ -259,7 +315,7 @@ def _run_tuning(problems: list[Problem], device_type: str, gpu: int, trials: int
                                             progress))
         finally:
             database.finish_run(run_id, status)
-    console.print(results_table(results))
+    _print_tables(console, results_tables(results, wide), wide)
     if interrupted:
         raise typer.Exit(130)  # as a shell reports a process that SIGINT stopped
 
@@ -286,42 +342,77 @@ def _interrupted(problem: Problem, mode: str, info: DeviceInfo, trials: int | No
     return result
 
 
-@app.command()
+@app.command(epilog=LABELS_HELP)
 def show(
     db: DbOption = None,
     as_json: Annotated[bool, typer.Option(
-        "--json", help="Print the winners (or runs) as JSON instead of a table.")] = False,
+        "--json", help="Print the winners (or runs) as JSON instead of tables.")] = False,
     current: Annotated[bool, typer.Option(
         help="Only winners that the installed Triton and templates can use.")] = False,
     runs: Annotated[bool, typer.Option(
         "--runs", help="List the runs that wrote the database (its provenance) instead.")
     ] = False,
+    wide: WideOption = False,
 ) -> None:
-    """List the winners in the tuning database, one per key (device, versions, dtype, mask,
-    head dim, GQA ratio and sequence-length buckets), or with --runs the runs that wrote it."""
+    """List the winners, one per key (device, versions, dtype, mask, head dim, GQA ratio and
+    sequence-length buckets), or with --runs the runs that wrote them. Without --db, the
+    databases dispatch reads: the user database, then the one shipped with flashgen; each
+    table (JSON: each row's "db" and "source") says which, and a note marks the rows
+    dispatch would not serve."""
     from flashgen.store.db import TuningDB, default_db_path
-    from flashgen.tune.report import is_current, runs_table, winners_table
+    from flashgen.store.table import shipped_db_path
+    from flashgen.tune.report import listed, winners_tables
 
-    path = db or default_db_path()
-    if not path.exists():
-        raise _fail(f"no tuning database at {path}")
-    # Read only: `show` must not migrate or re-journal the file it lists (say the database
-    # shipped inside the installed package, which may not be writable at all).
-    with TuningDB.open_readonly(path) as database:
-        if runs:
-            rows = database.runs()
-            if as_json:
-                typer.echo(json.dumps([vars(r) for r in rows], indent=2))
-            else:
-                console = _console()
-                console.print(runs_table(rows), width=min(80, console.width))
-            return
-        winners = [w for w in database.all_winners() if not current or is_current(w)]
+    if db is not None and not db.exists():
+        raise _fail(f"no tuning database at {db}")
+    named = [("db", db)] if db else [("user", default_db_path()), ("shipped", shipped_db_path())]
+    sources = []
+    for source, path in named:
+        if not path.is_file():
+            typer.echo(f"note: no {source} database at {path} yet (`flashgen tune` writes it)",
+                       err=True)
+            continue
+        # Read only: `show` must not migrate or re-journal the file it lists (say the
+        # database shipped inside the installed package, which may not be writable at all).
+        try:
+            with TuningDB.open_readonly(path) as database:
+                sources.append((source, path, database.runs() if runs
+                                else database.all_winners()))
+        except (sqlite3.Error, OSError) as exc:  # the error line names this file
+            failure = _store_failure(exc, path)
+            if failure is None:
+                raise
+            raise failure from None
+    if runs:
+        _show_runs(sources, as_json)
+        return
+    rows = [r for r in listed(sources) if r.current or not current]
     if as_json:
-        typer.echo(json.dumps([{**w.to_dict(), "current": is_current(w)} for w in winners],
-                              indent=2))
-    else:
-        _console().print(winners_table(winners))
+        typer.echo(json.dumps([r.to_dict() for r in rows], indent=2))
+        return
+    console = _console()
+    for source, path, _ in sources:
+        console.print(f"{source}: {path}", highlight=False, markup=False, soft_wrap=True)
+    if not rows:
+        console.print("no winners")
+    _print_tables(console, winners_tables(rows, wide), wide)
+
+
+def _show_runs(sources: list[tuple[str, Path, list[Any]]], as_json: bool) -> None:
+    """`show --runs`: each database's runs, in a table that fits 80 columns however wide
+    the console (its command column folds), or as JSON with each run's database."""
+    from flashgen.tune.report import runs_table
+
+    if as_json:
+        typer.echo(json.dumps([{**vars(r), "db": str(path), "source": source}
+                               for source, path, rows in sources for r in rows], indent=2))
+        return
+    console = _console()
+    for i, (source, path, rows) in enumerate(sources):
+        if i:
+            console.print()
+        console.print(f"{source}: {path}", highlight=False, markup=False, soft_wrap=True)
+        console.print(runs_table(rows), width=min(80, console.width))
 
 
 @app.command("presets")
@@ -384,11 +475,13 @@ def bench(
     rep_ms: Annotated[float, typer.Option(
         min=1, help="Milliseconds of timed calls per measurement on a GPU (10 to 200 calls, "
                     "after a quarter of that of warm-up); the median is reported.")] = 100.0,
+    db: DbOption = None,
 ) -> None:
     """Compare flashgen's dispatched kernels with torch SDPA's backends and compiled
     FlexAttention on the same inputs: each output (and gradient) checked against the
     reference, then timed (median of repeats, CUDA events); prints TFLOP/s tables with
-    flashgen's ratio to the best competitor, writes a CSV and a PNG plot."""
+    flashgen's ratio to the best competitor, writes a CSV and a PNG plot. flashgen's kernels
+    are dispatched from the database (--db), then the one shipped with flashgen."""
     if device not in ("cuda", "cpu"):
         raise _fail(f"--device must be cuda or cpu, got {device!r}")
     if device == "cpu":
@@ -399,12 +492,17 @@ def bench(
         raise _fail("give at least one --shape or --preset")
     if not timing and not memory:
         raise _fail("--no-timing leaves nothing to do without --memory")
+    if db is not None and not db.is_file():
+        raise _fail(f"no tuning database at {db}")
 
     from flashgen.bench.competitors import parse_names, resolve
     from flashgen.bench.run import Outputs, resolve_device, run_bench
     from flashgen.bench.suite import parse_modes
     from flashgen.kernels import presets
+    from flashgen.serve import Dispatcher
+    from flashgen.store.table import shipped_db_path
 
+    dispatcher = Dispatcher([db, shipped_db_path()]) if db else None
     try:
         target = resolve_device(device, gpu)
         dtypes = presets.parse_dtypes(dtype or ("fp16,bf16" if device == "cuda" else "fp16"))
@@ -416,7 +514,8 @@ def bench(
     except ValueError as exc:
         raise _fail(str(exc)) from None
     run_bench(problems, modes, target, names, Outputs.under(out, csv_path, plot, no_plot),
-              timing=timing, memory=memory, seed=seed, rep_ms=rep_ms, console=_console())
+              timing=timing, memory=memory, seed=seed, rep_ms=rep_ms, console=_console(),
+              dispatcher=dispatcher)
 
 
 @app.command()
@@ -472,4 +571,4 @@ def export(
 
 
 if __name__ == "__main__":
-    app()
+    app(prog_name="flashgen")

@@ -19,9 +19,12 @@ from typing import Any, ClassVar
 import torch
 
 from flashgen.kernels.bwd_render import PREPROCESS_BLOCK_M, load_bwd_kernel
+from flashgen.kernels.bwd_space import default_bwd_variant
 from flashgen.kernels.bwd_variant import BwdVariant
+from flashgen.kernels.fwd_space import default_variant
 from flashgen.kernels.hardware import DeviceInfo, device_info
 from flashgen.kernels.modes import space_of
+from flashgen.kernels.presets import tune_command
 from flashgen.kernels.problem import Problem
 from flashgen.kernels.render import load_kernel
 from flashgen.kernels.variant import Variant
@@ -78,21 +81,32 @@ class Dispatcher(dispatch.Dispatcher):
         table = self._by_key.get(dev.key)
         if table is None:
             data = device_table(self.paths, dev)
-            data["untuned"] = self._notices(dev, tuned_fwd=bool(data["fwd"]))
             table = self._by_key[dev.key] = Table(data, dev.name, dev.sm_count, dev)
         return table
 
-    def _notices(self, dev: DeviceInfo, tuned_fwd: bool) -> dict[str, str]:
-        """How to tune `dev`, logged once when a mode has no winners: the whole GPU, or only
-        the backward where the forward has winners."""
+    def lookup(self, table: Table, mode: str, shape: Shape) -> tuple[Choice, Entry]:
+        """The runtime's lookup; where it is about to log how to tune the device, the notice
+        is written first, for this call's shape (the table alone knows no problem)."""
+        if not table.tuned[mode] and not table.noticed:
+            notices = self._notices(table.device, Problem(*shape), bool(table.tuned["fwd"]))
+            table.data = {**table.data, "untuned": notices}
+        return super().lookup(table, mode, shape)
+
+    def _notices(self, dev: DeviceInfo, problem: Problem, tuned_fwd: bool) -> dict[str, str]:
+        """How to tune `dev`, logged once when a mode has no winners (the whole GPU, or only
+        the backward where the forward has winners), with the command that fits the device:
+        the CPU interpreter is tuned with `--device cpu` and the call's own shape (a preset
+        would take it hours), a GPU by its index."""
         where = ", ".join(str(p) for p in self.paths)
-        whole = (f"flashgen: no tuned kernels for {dev.name} in {where}; using default "
-                 "variants. Run `flashgen tune --gpu 0 --preset fa-bench --mode both` (or "
-                 "--shape ...) to tune this GPU.")
-        backward = (f"flashgen: no tuned backward kernels for {dev.name} in {where}; using "
-                    "default backward variants. Run `flashgen tune --mode bwd --gpu 0 --preset "
-                    "fa-bench` (or --shape ...) to tune them.")
-        return {"fwd": whole, "bwd": backward if tuned_fwd else whole}
+        more = "" if dev.is_interpreter else " (or --preset fa-bench for a whole grid)"
+
+        def notice(what: str, mode: str, whom: str) -> str:
+            return (f"flashgen: no tuned {what}kernels for {dev.name} in {where}; using default "
+                    f"{what}variants. Run `{tune_command(dev, problem, mode)}`{more} to tune "
+                    f"{whom}.")
+
+        whole = notice("", "both", "this device")
+        return {"fwd": whole, "bwd": notice("backward ", "bwd", "them") if tuned_fwd else whole}
 
     def kernel(self, entry: Entry, role: str, shape: Shape) -> Any:
         return load_role(entry, role, Problem(*shape))
@@ -107,6 +121,15 @@ class Dispatcher(dispatch.Dispatcher):
         space = space_of(mode)
         return space.why_invalid(space.variant_type.from_dict(entry["variant"]),
                                  Problem(*shape), table.device)
+
+    def portable(self, mode: str, shape: Shape, table: Table) -> Entry | None:
+        """flashgen's default without Gluon (fa3) kernels: portable Triton, for a chosen
+        kernel that fails to build (see the runtime's `portable`)."""
+        problem = Problem(*shape)
+        variant: Variant | BwdVariant = (
+            default_variant(problem, table.device, fa3=False) if mode == "fwd"
+            else default_bwd_variant(problem, table.device, fa3=False))
+        return entry(variant, problem, table.device)
 
     def kernel_is_current(self, mode: str, entry: Entry) -> str | None:
         """A row whose kernel a template edit has changed since it was tuned gives way (to

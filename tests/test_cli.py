@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import sqlite3
@@ -16,11 +17,13 @@ import typer
 from typer.testing import CliRunner
 
 from flashgen.cli import app
+from flashgen.kernels.bwd_variant import BwdVariant
 from flashgen.kernels.fwd_space import default_variant
-from flashgen.kernels.hardware import CPU_INTERPRETER, INTERPRETER
+from flashgen.kernels.hardware import CPU_INTERPRETER, INTERPRETER, DeviceInfo
 from flashgen.kernels.problem import Problem
+from flashgen.kernels.variant import Variant
 from flashgen.store.db import TuningDB
-from flashgen.store.keys import TuningKey
+from flashgen.store.keys import TuningKey, Versions
 from flashgen.tune.timing import Timing
 
 runner = CliRunner()
@@ -118,12 +121,18 @@ def test_tune_then_show_on_the_cpu_interpreter(tmp_path: Path) -> None:
     # No TRITON_INTERPRET in the environment: `--device cpu` must set it itself.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["FLASHGEN_CACHE_DIR"] = str(tmp_path / "cache")
-    env["COLUMNS"] = "200"
+    env["COLUMNS"] = "80"
     tuned = _flashgen("tune", "--device", "cpu", "--shape", "1,2,1,32,32,16", "--trials", "4",
                       "--seed", "1", "--db", str(db_path), env=env)
     assert tuned.returncode == 0, tuned.stderr + tuned.stdout
-    assert "B1 Hq2 Hkv1 Nq32 Nk32 D16 fp16 full" in tuned.stdout
-    assert "(cpu)" in tuned.stdout  # the SDPA column has the CPU baseline
+    assert "fp16 f D16 g2 32 B1 H2" in tuned.stdout  # the problem's short label
+    assert "fwd fp16 f D16 g2 32 B1 H2" in tuned.stderr  # and in the progress line
+    assert all(len(line) <= 80 for line in tuned.stdout.splitlines())
+    assert "…" not in tuned.stdout
+    wide = _flashgen("tune", "--device", "cpu", "--shape", "1,2,1,32,32,16", "--trials", "0",
+                     "--seed", "1", "--db", str(db_path), "--wide", env=env)
+    assert wide.returncode == 0, wide.stderr
+    assert "(cpu)" in wide.stdout  # the wide SDPA column names the CPU baseline
 
     with TuningDB(db_path) as db:
         rows = db.trials()
@@ -134,8 +143,8 @@ def test_tune_then_show_on_the_cpu_interpreter(tmp_path: Path) -> None:
 
     shown = _flashgen("show", "--json", env={**env, "FLASHGEN_DB": str(db_path)})
     assert shown.returncode == 0, shown.stderr
-    winners = json.loads(shown.stdout)
-    assert len(winners) == 1
+    winners = [w for w in json.loads(shown.stdout) if w["source"] == "user"]
+    assert len(winners) == 1 and winners[0]["db"] == str(db_path)
     w = winners[0]
     assert (w["gpu_name"], w["head_dim"], w["gqa"], w["seq_q_bucket"]) == (
         CPU_INTERPRETER, 16, 2, 32)
@@ -162,7 +171,8 @@ def test_tune_both_modes_then_show_lists_fwd_and_bwd(tmp_path: Path) -> None:
     tuned = _flashgen("tune", "--device", "cpu", "--mode", "both", "--shape", "1,2,1,32,32,16",
                       "--trials", "3", "--db", str(db_path), env=env)
     assert tuned.returncode == 0, tuned.stderr + tuned.stdout
-    assert " fwd " in tuned.stdout and " bwd " in tuned.stdout  # the summary's mode column
+    # The summary: a table per mode.
+    assert "flashgen tune: forward" in tuned.stdout and "flashgen tune: backward" in tuned.stdout
 
     with TuningDB(db_path) as db:
         measured = [r for r in db.trials() if r.status != "pruned"]
@@ -179,7 +189,9 @@ def test_tune_both_modes_then_show_lists_fwd_and_bwd(tmp_path: Path) -> None:
     assert winners["fwd"]["kernel_hash"] != winners["bwd"]["kernel_hash"]
 
     table = _flashgen("show", "--db", str(db_path), env=env)
-    assert "bwd fp16 full D16" in table.stdout and "fwd fp16 full D16" in table.stdout
+    assert "cpu-interpreter · sm00 · forward" in table.stdout
+    assert "cpu-interpreter · sm00 · backward" in table.stdout
+    assert table.stdout.count("fp16 f D16 g2 32 ") == 2
 
     # The run recorded itself: provenance, in a table that fits 80 columns however wide.
     runs = _flashgen("show", "--runs", "--db", str(db_path), env=env)
@@ -212,3 +224,203 @@ def test_unknown_mode_is_explained() -> None:
     result = runner.invoke(app, ["tune", "--device", "cpu", "--shape", "1,2,1,8,8,16",
                                  "--mode", "sideways"])
     assert result.exit_code == 2 and "--mode" in result.output
+
+
+# ---- a new user's first commands, and tables at 80 columns ------------------------------
+
+
+def test_version() -> None:
+    import importlib.metadata
+
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == f"flashgen {importlib.metadata.version('flashgen')}"
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["tune", "--help"],
+                                  ["show", "--help"], ["bench", "--help"]])
+def test_help_and_version_do_not_import_torch(args: list[str]) -> None:
+    """`flashgen --help` took 4 s, importing torch before anything else; the imports run
+    inside the commands now. -X importtime lists every module the process imported."""
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "flashgen.cli", *args],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "typer" in imported  # the listing works
+    assert not imported & {"torch", "triton", "optuna", "numpy"}
+
+
+def _winner(db: TuningDB, key: TuningKey, problem: Problem, variant: Any,
+            tflops: float = 1.0) -> None:
+    db.record_trial(key, problem, variant, "ok", timing=Timing(1.0, 0.9, 1.1, 5), tflops=tflops)
+    db.update_winner(key)
+
+
+def test_show_without_db_lists_the_shipped_winners_and_says_where_each_is_from(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new user has no database: `show` failed with "no tuning database". It lists what
+    dispatch reads, the user database and the shipped one, each row with its database; a
+    shipped row whose bucket the user database holds too is marked shadowed."""
+    from flashgen.store.table import shipped_db_path
+
+    with TuningDB.open_readonly(shipped_db_path()) as shipped:
+        stored = shipped.all_winners()
+    assert stored, "the package ships winners"
+    fresh = runner.invoke(app, ["show", "--json"])
+    assert fresh.exit_code == 0, fresh.output
+    rows = json.loads(fresh.stdout)
+    assert len(rows) == len(stored)
+    assert {(r["source"], r["db"]) for r in rows} == {("shipped", str(shipped_db_path()))}
+    assert "no user database" in fresh.stderr
+
+    user = tmp_path / "user.db"
+    monkeypatch.setenv("FLASHGEN_DB", str(user))
+    first = stored[0]
+    with TuningDB(user) as db:
+        _winner(db, first.key, first.problem, first.variant, tflops=2.0 * first.tflops)
+    rows = json.loads(runner.invoke(app, ["show", "--json"]).stdout)
+    assert [r["source"] for r in rows].count("user") == 1
+    assert rows[0]["source"] == "user" and rows[0]["db"] == str(user)
+    # Dispatch serves the user's row of that bucket: the shipped one is shadowed (where the
+    # installed Triton and templates make the rows current at all).
+    shadowed = [r for r in rows if r["shadowed"]]
+    assert [TuningKey.from_columns(r) for r in shadowed] == (
+        [first.key] if rows[0]["current"] else [])
+    table = runner.invoke(app, ["show"], env={"COLUMNS": "80"})
+    assert table.exit_code == 0, table.output
+    assert f"user: {user}" in table.stdout and f"shipped: {shipped_db_path()}" in table.stdout
+    assert "user · " in table.stdout and "shipped · " in table.stdout
+
+
+def test_db_option_is_the_same_on_every_command() -> None:
+    """`bench` read only $FLASHGEN_DB; tune, show, bench and export take one --db."""
+    options = {}
+    for name in ("tune", "show", "bench", "export"):
+        found = [p for p in commands()[name].params if "--db" in p.opts]
+        assert len(found) == 1, f"{name} has no --db"
+        p = found[0]
+        options[name] = (tuple(p.opts), p.help, p.default, p.metavar, p.envvar)
+    assert len(set(options.values())) == 1, options
+    assert "$FLASHGEN_DB" in options["bench"][1]
+
+
+@pytest.mark.interpreter
+def test_bench_dispatches_from_its_db(tmp_path: Path) -> None:
+    """`bench --db FILE` serves flashgen's kernels from FILE (then the shipped database)."""
+    problem = Problem(1, 2, 1, 32, 32, 16, "fp16", False)
+    winner = Variant("fa1", 32, 16, 2, 1)
+    db_path = tmp_path / "t.db"
+    with TuningDB(db_path) as db:
+        _winner(db, TuningKey.for_problem(problem, INTERPRETER, "fwd"), problem, winner)
+    args = ["bench", "--device", "cpu", "--shape", "1,2,1,32,32,16", "--causal", "no",
+            "--competitors", "flashgen", "--out", str(tmp_path / "out"), "--no-plot"]
+    missing = runner.invoke(app, [*args, "--db", str(tmp_path / "none.db")])
+    assert missing.exit_code == 2 and "no tuning database" in missing.output
+    result = runner.invoke(app, [*args, "--db", str(db_path)])
+    assert result.exit_code == 0, result.output
+    with (tmp_path / "out" / "bench.csv").open() as f:
+        (record,) = list(csv.DictReader(f))
+    assert record["note"].startswith(f"fwd {winner} (exact)"), record["note"]
+
+
+def _lines_fit(text: str, rows: int) -> None:
+    """Every line within 80 columns, no cell cut short ("…"), and `rows` data rows, one line
+    each (a wrapped row would add lines): all lines but titles, headers and rules."""
+    lines = text.splitlines()
+    assert all(len(line) <= 80 for line in lines), text
+    assert "…" not in text, text
+    body = [line for line in lines if line.strip()
+            and not line.strip().startswith(("flashgen tune:", "db · ", "user · ", "shipped · "))
+            and not line.startswith(("kind ", "problem ")) and set(line.strip()) != {"─"}]
+    assert len(body) == rows, text
+
+
+def _render(tables: list[Any]) -> str:
+    import io
+
+    from rich.console import Console
+
+    console = Console(width=80, file=io.StringIO(), record=True)
+    for table in tables:
+        console.print(table)
+    return console.export_text()
+
+
+HOPPER = DeviceInfo("NVIDIA H100 80GB HBM3", (9, 0), 132, 232448)
+#: Long labels and winners of real presets: llama3-70b's GQA at 512 keys, a backward with the
+#: Gluon dQ kernel on its own tile, the three-consumer fa3 kernel, and a CPU run's tiny TFLOP/s.
+LONG_ROWS: list[tuple[Problem, str, Any, float]] = [
+    (Problem(32, 64, 8, 512, 512, 128, "bf16", True), "fwd",
+     Variant("fa3", 128, 128, 4, 2, persistent=1, pingpong=True), 612.3),
+    (Problem(1, 32, 32, 16384, 16384, 64, "fp16", False), "fwd",
+     Variant("fa3", 192, 128, 4, 3, persistent=1, pingpong=True), 655.55),
+    (Problem(32, 64, 8, 512, 2048, 128, "bf16", True), "bwd",
+     BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_m=128), 312.25),
+    (Problem(1, 2, 1, 32, 48, 16, "fp32", False), "bwd", BwdVariant(32, 16, 2, 1, "atomic"),
+     1.234e-05),
+]
+
+
+def test_tune_tables_fit_80_columns() -> None:
+    from flashgen.tune.baseline import Baseline
+    from flashgen.tune.report import results_tables
+    from flashgen.tune.tuner import TuneResult
+
+    results = [TuneResult(p, TuningKey.for_problem(p, HOPPER, mode), 50, best=v, best_ms=0.8125,
+                          best_tflops=tflops, measured=50, failed=3, pruned=1200, resumed=2,
+                          seconds=123.4, baseline=Baseline("cudnn", Timing(0.9, 0.9, 0.9, 5)))
+               for p, mode, v, tflops in LONG_ROWS]
+    results.append(TuneResult(LONG_ROWS[0][0], results[0].key, 50))  # nothing passed
+    text = _render(results_tables(results))
+    _lines_fit(text, len(results))
+    for expected in ("bf16 c D128 g8 512 B32 H64", "fp16 f D64 16k B1 H32",
+                     "bf16 c D128 g8 512/2k B32 H64", "fa3 m192 n128 w4 s3 p1 pp",
+                     "m32 n128 w4 s3 fa3-dq dq-m128", "atomic m32 n16 w2 s1", "612", "656",
+                     "312", "1.2e-05", "1.11x", "none passed"):
+        assert expected in text, (expected, text)
+
+
+def test_tune_progress_line_fits_80_columns() -> None:
+    import io
+
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from flashgen.kernels.presets import problem_label
+    from flashgen.tune.report import progress_columns
+
+    console = Console(width=80, file=io.StringIO(), record=True)
+    progress = Progress(*progress_columns(), console=console, auto_refresh=False)
+    for problem, mode, _, _ in LONG_ROWS:
+        task = progress.add_task(f"{mode} {problem_label(problem)}", total=50, best="-",
+                                 last="failed: PassManager::run failed")
+        progress.update(task, completed=37, best="1.2e-05 TFLOP/s")
+    console.print(progress.get_renderable())
+    lines = [line for line in console.export_text().splitlines() if line.strip()]
+    assert len(lines) == len(LONG_ROWS)  # one line a task, dtype and mask included
+    for line, (problem, mode, _, _) in zip(lines, LONG_ROWS, strict=True):
+        assert len(line) <= 80 and line.startswith(f"{mode} {problem_label(problem)} ")
+        assert "37/50" in line and "best 1.2e-05 TFLOP/s" in line
+
+
+def test_show_tables_fit_80_columns(tmp_path: Path) -> None:
+    """Rows from two GPUs, both modes, a stale row (other templates): at COLUMNS=80 each
+    row is one line with nothing cut."""
+    db_path = tmp_path / "t.db"
+    h200 = DeviceInfo("NVIDIA H200", (9, 0), 132, 232448)
+    with TuningDB(db_path) as db:
+        for device in (HOPPER, h200):
+            for p, mode, v, tflops in LONG_ROWS:
+                _winner(db, TuningKey.for_problem(p, device, mode), p, v, tflops)
+        p, mode, v, tflops = LONG_ROWS[1]
+        old = Versions("3.0.0", "2.4.0")
+        _winner(db, TuningKey.for_problem(p.with_(causal=True), HOPPER, mode, old), p, v, 1.5)
+    result = runner.invoke(app, ["show", "--db", str(db_path)], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    text = result.stdout.split("\n", 1)[1]  # after the line naming the database
+    _lines_fit(text, 2 * len(LONG_ROWS) + 1)
+    assert "db · NVIDIA H100 80GB HBM3 · sm90 · forward" in text and "stale" in text
+    assert "m32 n128 w4 s3 fa3-dq dq-m128" in text and "1.2e-05" in text
+    wide = runner.invoke(app, ["show", "--db", str(db_path), "--wide"], env={"COLUMNS": "80"})
+    assert "B32 Hq64 Hkv8 Nq512 Nk2048" in wide.stdout and "…" not in wide.stdout

@@ -136,6 +136,60 @@ def test_no_entries_logs_one_suggestion(tmp_path: Path, caplog: pytest.LogCaptur
     assert sum("flashgen tune" in r.message for r in caplog.records) == 1
 
 
+class _Unbuildable:
+    """A kernel Triton cannot build here: its launch fails as a compile error does."""
+
+    def __getitem__(self, grid: object) -> object:
+        def launch(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("PassManager::run failed")
+
+        return launch
+
+
+def test_a_kernel_that_fails_to_compile_gives_way_to_the_portable_default(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A chosen kernel (a winner, or an untuned GPU's default) that does not compile must not
+    fail the call: the portable default runs, with one warning. Explicit variants raise."""
+    import flashgen.serve as serve
+
+    db = tmp_path / "t.db"
+    _store(db, P64, WINNER)
+    real = serve.load_kernel
+    monkeypatch.setattr(serve, "load_kernel",
+                        lambda v, p: _Unbuildable() if v == WINNER else real(v, p))
+    d = flashgen.Dispatcher(db)
+    with caplog.at_level(logging.WARNING, logger="flashgen"):
+        for n in (64, 64, 50):  # the same shape again, then another length of the kernel
+            q, k, v = make_inputs(1, 2, 1, n, n, 32, torch.float32, seed=n)
+            out, _ = d.forward(q, k, v, causal=True)
+            assert compare(out, q, k, v, causal=True).ok
+    warnings = [r.message for r in caplog.records if "failed" in r.message]
+    assert len(warnings) == 1, warnings
+    portable = flashgen.default_variant(P64, INTERPRETER, fa3=False)
+    assert str(WINNER) in warnings[0] and f"portable default {portable}" in warnings[0]
+    assert "PassManager::run failed" in warnings[0]
+    assert d.explain(q, k, v, causal=True).how == "fallback"  # explain says what runs
+    with pytest.raises(RuntimeError, match="PassManager"):
+        d.forward(q, k, v, causal=True, variant=WINNER)
+
+
+def test_the_tune_hint_fits_the_device(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The untuned-device hint once said `--gpu 0 --preset fa-bench` on the CPU interpreter
+    too, which fails there: it names `--device cpu` and the call's own shape on the
+    interpreter, a GPU index on a GPU."""
+    problem = flashgen.Problem(1, 2, 1, 16, 24, 16, "fp32", True)
+    with caplog.at_level(logging.WARNING, logger="flashgen"):
+        flashgen.Dispatcher(tmp_path / "none.db").choose(problem, INTERPRETER)
+        flashgen.Dispatcher(tmp_path / "none.db").choose(
+            problem, DeviceInfo("A-test", (8, 0), 108, 166912))
+    cpu, gpu = (r.message for r in caplog.records)
+    assert ("`flashgen tune --device cpu --shape 1,2,1,16,24,16 --dtype fp32 --causal yes "
+            "--mode both`") in cpu
+    assert "--gpu" not in cpu and "--preset" not in cpu
+    assert "flashgen tune --gpu 0 --shape 1,2,1,16,24,16" in gpu and "--device cpu" not in gpu
+
+
 def test_lookup_reads_sqlite_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     db = tmp_path / "t.db"
     _store(db, P64, WINNER)

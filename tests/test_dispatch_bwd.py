@@ -122,3 +122,35 @@ def test_untuned_backward_logs_once(tmp_path: Path, caplog: pytest.LogCaptureFix
     messages = [r.message for r in caplog.records]
     assert len(messages) == 1 and "no tuned backward kernels" in messages[0]
     assert "--mode bwd" in messages[0]
+
+
+def test_a_backward_kernel_that_fails_to_compile_gives_way_to_the_portable_default(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """As for the forward: a chosen backward kernel that does not build runs the portable
+    default with one warning; an explicit bwd_variant raises."""
+    import flashgen.serve as serve
+
+    class Unbuildable:
+        def __getitem__(self, grid: object) -> object:
+            raise RuntimeError("PassManager::run failed")
+
+    db = tmp_path / "t.db"
+    _store(db, P64, WINNER)
+    real = serve.load_bwd_kernel
+    monkeypatch.setattr(serve, "load_bwd_kernel", lambda kernel, v, p: (
+        Unbuildable() if v == WINNER and kernel == "dkdv" else real(kernel, v, p)))
+    d = flashgen.Dispatcher(db)
+    q, k, v = make_inputs(1, 2, 1, 64, 64, 32, torch.float32, seed=3)
+    out, lse = d.forward(q, k, v, causal=True)
+    do = torch.randn_like(out)
+    with caplog.at_level(logging.WARNING, logger="flashgen"):
+        grads = d.backward(do, q, k, v, out, lse, causal=True)
+        again = d.backward(do, q, k, v, out, lse, causal=True)
+    assert compare_grads(grads, q, k, v, do, causal=True).ok
+    torch.testing.assert_close(again, grads)
+    warnings = [r.message for r in caplog.records if "failed" in r.message]
+    assert len(warnings) == 1 and str(WINNER) in warnings[0]
+    assert d.explain(q, k, v, causal=True).backward.how == "fallback"
+    with pytest.raises(RuntimeError, match="PassManager"):
+        d.backward(do, q, k, v, out, lse, causal=True, variant=WINNER)

@@ -70,6 +70,46 @@ def test_hopper_portfolio_holds_only_valid_points(head_dim: int) -> None:
     assert portfolio(problem, SMALL_GPU) == [] and portfolio(problem, INTERPRETER) == []
 
 
+#: Described GPUs, one per architecture, with the shared memory a block may opt into.
+ARCHITECTURES = {
+    "ampere-8.0": DeviceInfo("A-test", (8, 0), 108, 166912),
+    "ada-8.9": DeviceInfo("L-test", (8, 9), 142, 101376),
+    "hopper-9.0": DeviceInfo("H-test", (9, 0), 132, 232448),
+    "blackwell-10.0": DeviceInfo("B-test", (10, 0), 148, 232448),
+    "blackwell-12.0": DeviceInfo("R-test", (12, 0), 170, 101376),
+}
+
+
+def _hopper_only(v: flashgen.Variant | flashgen.BwdVariant) -> bool:
+    """Whether `v` uses a kernel or feature written for Hopper alone: Gluon (fa3) kernels,
+    TMA descriptors or the warp-specialized loop."""
+    if isinstance(v, flashgen.BwdVariant):
+        return v.fa3 != "none"
+    return v.loop_order == "fa3" or v.use_tma or v.warp_specialize
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_hopper_kernels_are_offered_on_hopper_only(name: str) -> None:
+    """Blackwell (10.x, 12.x) once counted as Hopper (capability >= 9.0) and would have been
+    served Gluon/wgmma/TMA kernels; every GPU but 9.x gets the portable Triton variants, by
+    default, in the portfolio and in the whole search space, for both passes."""
+    from flashgen.kernels.modes import SPACES
+
+    dev = ARCHITECTURES[name]
+    hopper = dev.capability[0] == 9
+    assert dev.is_hopper == hopper
+    for problem in (flashgen.Problem(4, 16, 16, 4096, 4096, 128, "fp16", False),
+                    flashgen.Problem(2, 32, 8, 8192, 8192, 64, "bf16", True)):
+        for space in SPACES.values():
+            default = space.default(problem, dev)
+            assert _hopper_only(default) == hopper, (space.mode, problem, default)
+            picks = space.portfolio(problem, dev)
+            assert any(_hopper_only(v) for v in picks) == hopper, (space.mode, problem)
+            points = space.points(problem, dev)
+            assert any(_hopper_only(v) for v in points) == hopper, (space.mode, problem)
+        assert not _hopper_only(flashgen.default_variant(problem, dev, fa3=False))
+
+
 def test_rules_name_the_reason() -> None:
     p = flashgen.Problem(1, 1, 1, 8, 8, 256, "fp32")
     assert "longer than" in flashgen.why_invalid(flashgen.Variant("fa2", 64, 16, 4, 1), p)
@@ -112,6 +152,27 @@ def test_render_works_from_any_directory(tmp_path: Path) -> None:
     import hashlib
 
     assert out == hashlib.sha256(here.encode()).hexdigest()
+
+
+def test_rendered_kernels_stay_out_of_the_home_cache(monkeypatch: pytest.MonkeyPatch,
+                                                     tmp_path: Path) -> None:
+    """The suite once wrote hundreds of kernel sources into ~/.cache/flashgen: conftest
+    points FLASHGEN_CACHE_DIR at a session folder, which `cache_dir` follows."""
+    import inspect
+
+    from flashgen.kernels.render import cache_dir, load_kernel
+
+    home = (Path.home() / ".cache" / "flashgen").resolve()
+    problem = PROBLEMS[0]
+    kernel = load_kernel(flashgen.default_variant(problem, INTERPRETER), problem)
+    written = Path(inspect.getfile(kernel.fn)).resolve()
+    assert written.parent == cache_dir().resolve()
+    assert not written.is_relative_to(home) and not cache_dir().resolve().is_relative_to(home)
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path / "here"))
+    assert cache_dir() == tmp_path / "here" / "kernels"
+    monkeypatch.delenv("FLASHGEN_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "flashgen" / "kernels"
 
 
 def test_kernel_hash_is_stable_and_ignores_lengths_and_batch() -> None:

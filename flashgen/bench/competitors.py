@@ -12,8 +12,9 @@ records it as "n/a" with the reason and goes on.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from flashgen.kernels.hardware import device_info
 from flashgen.kernels.problem import Problem
 from flashgen.runtime.api import attention
-from flashgen.serve import default_dispatcher
+from flashgen.serve import Dispatcher, default_dispatcher
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -48,12 +49,13 @@ class Competitor:
     prepare: Callable[[Problem, torch.device], Prepared]
 
 
-def _flashgen(problem: Problem, device: torch.device) -> Prepared:
+def _flashgen(problem: Problem, device: torch.device,
+              dispatcher: Dispatcher | None = None) -> Prepared:
     # The dispatcher's choice for the timed problem is pinned, so the correctness inputs
     # (possibly a smaller problem, whose own dispatch could pick another variant) run the very
     # kernels that are timed. With the choice pinned, a call costs what a dispatched one does:
     # the plan cache is keyed by shape and variant alike.
-    dispatcher = default_dispatcher()
+    dispatcher = dispatcher or default_dispatcher()
     info = device_info(device)
     fwd = dispatcher.choose(problem, info)
     bwd = dispatcher.choose_bwd(problem, info)
@@ -161,13 +163,18 @@ CPU_DEFAULT = (FLASHGEN, "sdpa-math")
 MEMORY_COMPETITORS = (FLASHGEN, "sdpa-math")
 
 
-def resolve(names: Sequence[str]) -> list[Competitor]:
-    """Competitors by name, in the order given; an unknown name is an error naming the known."""
+def resolve(names: Sequence[str], dispatcher: Dispatcher | None = None) -> list[Competitor]:
+    """Competitors by name, in the order given; an unknown name is an error naming the known.
+    `dispatcher` chooses flashgen's kernels (default: the one `flashgen.attention` uses)."""
     unknown = [n for n in names if n not in COMPETITORS]
     if unknown:
         raise ValueError(f"unknown competitor(s) {', '.join(unknown)}; choose from "
                          f"{', '.join(COMPETITORS)}")
-    return [COMPETITORS[n] for n in dict.fromkeys(names)]
+    chosen = [COMPETITORS[n] for n in dict.fromkeys(names)]
+    if dispatcher is None:
+        return chosen
+    ours = functools.partial(_flashgen, dispatcher=dispatcher)
+    return [replace(c, prepare=ours) if c.name == FLASHGEN else c for c in chosen]
 
 
 def parse_names(text: str | None, device: torch.device) -> list[str]:

@@ -35,6 +35,7 @@ from flashgen.bench.report import (
 from flashgen.bench.suite import Mode, Row, default_timer, run_suite
 from flashgen.kernels.hardware import CPU_INTERPRETER
 from flashgen.kernels.problem import Problem
+from flashgen.serve import Dispatcher
 
 
 def resolve_device(device: str, gpu: int) -> torch.device:
@@ -95,9 +96,11 @@ def run_bench(
     rep_ms: float = 100.0,
     console: Console | None = None,
     log: Console | None = None,
+    dispatcher: Dispatcher | None = None,
 ) -> list[Row]:
     """Time (and with `memory`, measure the peak memory of) the competitors; print and write.
     `rep_ms`: milliseconds of timed calls per measurement on a GPU (see `default_timer`).
+    `dispatcher` chooses flashgen's kernels (default: the one `flashgen.attention` uses).
 
     Tables go to `console`, progress to `log` (stderr by default). The CSV files are
     rewritten after every problem, so a run killed by a time limit leaves what it measured;
@@ -105,7 +108,7 @@ def run_bench(
     """
     console = console or Console()
     log = log or Console(stderr=True)
-    competitors = resolve(competitor_names)
+    competitors = resolve(competitor_names, dispatcher)
     name = device_name(device)
     rows: list[Row] = []
     if timing:
@@ -152,8 +155,8 @@ def run_bench(
             write_csv(memory_records(mem_rows, name), outputs.memory_csv, MEMORY_CSV_FIELDS)
 
         try:
-            run_memory(targets, mem_modes, device, resolve(MEMORY_COMPETITORS), seed=seed,
-                       on_row=note)
+            run_memory(targets, mem_modes, device, resolve(MEMORY_COMPETITORS, dispatcher),
+                       seed=seed, on_row=note)
         except KeyboardInterrupt:
             log.print("interrupted: reporting the memory measured so far")
         console.print(memory_table(mem_rows, name))

@@ -105,20 +105,22 @@ def fa1_has_no_fa2_knobs(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
 
 
 def warp_specialize_needs_hopper(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
-    # Triton's warp specialization targets Hopper (and newer); the interpreter ignores it,
-    # which lets CPU tests exercise the code path.
+    # Triton's warp specialization of this loop was written and measured for Hopper; later
+    # GPUs get the portable loop (see DeviceInfo.is_hopper). The interpreter ignores the
+    # knob, which lets CPU tests exercise the code path.
     if v.warp_specialize and not (dev.is_hopper or dev.is_interpreter):
-        return "warp_specialize needs a Hopper GPU (compute capability 9.0+)"
+        return "warp_specialize needs a Hopper GPU (compute capability 9.x)"
     return None
 
 
 def tma_needs_hopper_and_aligned_rows(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
-    # TMA descriptors exist from Hopper on (the interpreter emulates them, for CPU tests), and
-    # every stride but the last must be a multiple of 16 bytes: rows of D elements must be.
+    # TMA descriptors are served on Hopper only (the interpreter emulates them, for CPU
+    # tests), and every stride but the last must be a multiple of 16 bytes: rows of D
+    # elements must be.
     if not v.use_tma:
         return None
     if not (dev.is_hopper or dev.is_interpreter):
-        return "use_tma needs a Hopper GPU (compute capability 9.0+)"
+        return "use_tma needs a Hopper GPU (compute capability 9.x)"
     elem = 4 if p.dtype == "fp32" else 2
     if (p.head_dim * elem) % 16:
         return f"use_tma needs 16-byte rows; head dim {p.head_dim} x {elem} B is not"
@@ -141,7 +143,7 @@ def fa3_needs_hopper_and_16bit(v: Variant, p: Problem, dev: DeviceInfo) -> str |
     if v.loop_order != "fa3":
         return None
     if not dev.is_hopper:
-        return "fa3 needs a Hopper GPU (compute capability 9.0; Gluon does not interpret)"
+        return "fa3 needs a Hopper GPU (compute capability 9.x; Gluon does not interpret)"
     if p.dtype not in ("fp16", "bf16"):
         return f"fa3 runs fp16 and bf16, not {p.dtype}"
     if p.head_dim not in FA3_HEAD_DIMS:

@@ -30,7 +30,11 @@ class DeviceInfo:
 
     @property
     def is_hopper(self) -> bool:
-        return self.capability >= (9, 0) and not self.is_interpreter
+        """Compute capability 9.x. The Gluon (fa3) kernels, their TMA descriptors and
+        Triton's warp specialization here are written for Hopper's wgmma and were measured
+        on it only; later GPUs (Blackwell is 10.x and 12.x) have other instructions, so
+        they, like Ampere and Ada, get the portable Triton variants."""
+        return self.capability[0] == 9 and not self.is_interpreter
 
     @property
     def key(self) -> str:
@@ -78,3 +82,13 @@ def device_info(device: torch.device | str | int | DeviceInfo | None = None) -> 
         )
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _cuda_info(index)
+
+
+def cuda_index(info: DeviceInfo) -> int:
+    """The index of the first visible CUDA device that `info` describes (0 where none does):
+    a key names a GPU model, a command line needs an index."""
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            if _cuda_info(index).key == info.key:
+                return index
+    return 0

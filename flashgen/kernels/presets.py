@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from flashgen.kernels.hardware import DeviceInfo, cuda_index
 from flashgen.kernels.problem import Problem
 
 TOKENS_PER_BATCH = 16384
@@ -103,3 +104,41 @@ def parse_causal(text: str) -> tuple[bool, ...]:
     except KeyError:
         raise ValueError(f"--causal must be one of {sorted(CAUSAL_CHOICES)}, got {text!r}") \
             from None
+
+
+def length_label(n: int) -> str:
+    """A sequence length as the tables print it: whole multiples of 1024 as "2k"."""
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def kind_label(dtype: str, causal: bool, head_dim: int, gqa: int, seq_q: int,
+               seq_k: int) -> str:
+    """The short name of a problem's kind, e.g. "bf16 c D128 g4 2k": dtype, c(ausal) or
+    f(ull), head dim, query heads per key/value head (GQA; left out where it is 1), and the
+    lengths ("512/2k" where Nq and Nk differ). Short so that a table row fits 80 columns;
+    the CLI's help explains it."""
+    lengths = (length_label(seq_q) if seq_q == seq_k
+               else f"{length_label(seq_q)}/{length_label(seq_k)}")
+    group = f" g{gqa}" if gqa > 1 else ""
+    return f"{dtype} {'c' if causal else 'f'} D{head_dim}{group} {lengths}"
+
+
+def problem_label(p: Problem) -> str:
+    """`kind_label` of a whole problem, then its batch and query heads: "bf16 c D128 g4 2k
+    B8 H32"."""
+    return (f"{kind_label(p.dtype, p.causal, p.head_dim, p.group, p.seq_q, p.seq_k)} "
+            f"B{p.batch} H{p.heads_q}")
+
+
+def shape_text(p: Problem) -> str:
+    """`p` as `--shape` takes it: B,Hq,Hkv,Nq,Nk,D."""
+    return ",".join(map(str, (p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim)))
+
+
+def tune_command(device: DeviceInfo, problem: Problem, mode: str = "both") -> str:
+    """The `flashgen tune` line that tunes `problem`'s kind on `device`, for hints: the CPU
+    interpreter needs `--device cpu` (and a GPU index would be wrong there), a GPU the index
+    under which this process sees that model."""
+    where = "--device cpu" if device.is_interpreter else f"--gpu {cuda_index(device)}"
+    return (f"flashgen tune {where} --shape {shape_text(problem)} --dtype {problem.dtype} "
+            f"--causal {'yes' if problem.causal else 'no'} --mode {mode}")

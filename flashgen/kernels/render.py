@@ -170,9 +170,12 @@ def source_hash(source: str) -> str:
 
 
 def cache_dir() -> Path:
-    """Where rendered sources are written: $FLASHGEN_CACHE_DIR or ~/.cache/flashgen/kernels."""
+    """Where rendered sources are written: the kernels/ folder of $FLASHGEN_CACHE_DIR, else
+    of $XDG_CACHE_HOME/flashgen (~/.cache/flashgen by default, as for the user database).
+    Read at each call, so tests and tools can point it elsewhere at any time."""
     env = os.environ.get("FLASHGEN_CACHE_DIR")
-    base = Path(env) if env else Path.home() / ".cache" / "flashgen"
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    base = Path(env).expanduser() if env else Path(cache) / "flashgen"
     return base / "kernels"
 
 

@@ -15,7 +15,9 @@ What differs between flashgen and an exported package is data and these methods:
 - `reject`: why an entry cannot serve a call beyond the rules the table carries (flashgen: its
   named validity rules; exports carry each entry's tile needs precomputed);
 - `kernel_is_current`: whether a tuned row still names the kernel it was tuned with, asked
-  once per row per process when the row is first considered.
+  once per row per process when the row is first considered;
+- `portable`: what runs where a chosen kernel fails to build on its first launch (exports:
+  their generic defaults; flashgen: its defaults without Gluon kernels).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class Dispatcher:
         self._bwd_plans: dict[tuple, _Plan] = {}
         self._current: dict[int, str | None] = {}  # id(entry) -> kernel_is_current's answer
         self._decoded: dict[tuple[str, str], Any] = {}
+        self._failed: set[tuple] = set()  # kernels whose failure to build was warned of
 
     # ---- what a package provides -----------------------------------------------------------
 
@@ -88,6 +91,14 @@ class Dispatcher:
         """Why a tuned entry no longer names the kernel it was tuned with (None: it does).
         Asked once per entry, when it is first considered for a call."""
         return None
+
+    def portable(self, mode: str, shape: Shape, table: Table) -> Entry | None:
+        """The entry that runs where the chosen one fails on its first launch (None: the
+        failure stands): the table's default, chosen to build on any GPU."""
+        try:
+            return table.default(mode, shape)
+        except ValueError:
+            return None
 
     # ---- variants in and out ---------------------------------------------------------------
 
@@ -195,9 +206,15 @@ class Dispatcher:
             key, plan = None, None
         if plan is None:
             choice, entry, shape = self._choose("fwd", q, k, v, causal, variant)
-            launch: Launcher = prepare_forward(entry, shape, self._kernels(entry, shape),
-                                               strict=variant is not None)
-            plan = _Plan(launch, choice, default_scale(shape.head_dim))
+
+            def make(found: Entry) -> Launcher:
+                return prepare_forward(found, shape, self._kernels(found, shape),
+                                       strict=variant is not None)
+
+            plan = _Plan(make(entry), choice, default_scale(shape.head_dim))
+            if variant is None:
+                plan = self._guard("fwd", plan, entry, shape, self.table(q.device), make,
+                                   self._plans, key)
             if key is not None:
                 self._plans[key] = plan
         return plan
@@ -212,12 +229,63 @@ class Dispatcher:
         if plan is None:
             choice, entry, shape = self._choose("bwd", q, k, v, causal, variant)
             table = self.table(q.device)
-            launch: BwdLauncher = prepare_backward(entry, shape, self._kernels(entry, shape),
-                                                   table.preprocess_block_m)
-            plan = _Plan(launch, choice, default_scale(shape.head_dim))
+
+            def make(found: Entry) -> BwdLauncher:
+                return prepare_backward(found, shape, self._kernels(found, shape),
+                                        table.preprocess_block_m)
+
+            plan = _Plan(make(entry), choice, default_scale(shape.head_dim))
+            if variant is None:
+                plan = self._guard("bwd", plan, entry, shape, table, make, self._bwd_plans,
+                                   key)
             if key is not None:
                 self._bwd_plans[key] = plan
         return plan
+
+    def _guard(self, mode: str, plan: _Plan, entry: Entry, shape: Shape, table: Table,
+               make: Callable[[Entry], Any], plans: dict[tuple, _Plan],
+               key: tuple | None) -> _Plan:
+        """`plan` whose first launch, where Triton compiles the kernel, gives way if the
+        chosen kernel fails there: a GPU nobody tuned may not build its default, and a call
+        must not fail over a choice its caller never made. The `portable` entry runs instead,
+        with one warning per kernel; where it is the failing one, the error stands (so does
+        an explicit variant's: it is never guarded). After the first launch `plans` holds the
+        plan that worked, so later calls pay nothing for the guard."""
+
+        def first(*args: Any) -> Any:
+            try:
+                result = plan.launch(*args)
+            except Exception as exc:
+                fallback = self.portable(mode, shape, table)
+                if (fallback is None or fallback["variant"] == entry["variant"]
+                        or isinstance(exc, torch.cuda.OutOfMemoryError)):
+                    raise
+                why = self._gave_way(mode, entry, fallback, shape, table, exc)
+                chosen = _Plan(make(fallback), Choice(self.present(mode, fallback["variant"]),
+                                                      "fallback", why), plan.scale)
+                if key is not None:
+                    plans[key] = chosen
+                return chosen.launch(*args)
+            if key is not None:
+                plans[key] = plan
+            return result
+
+        return dataclasses.replace(plan, launch=first)
+
+    def _gave_way(self, mode: str, entry: Entry, fallback: Entry, shape: Shape, table: Table,
+                  exc: Exception) -> str:
+        """Why `fallback` runs instead of `entry`; logged once per kernel (other lengths and
+        batches of the kind build the same one)."""
+        error = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        failed = self.present(mode, entry["variant"])
+        why = f"{failed} failed on {table.name} ({type(exc).__name__}: {error})"
+        kernel = (table.name, mode, json.dumps(entry["variant"], sort_keys=True), shape.dtype,
+                  shape.causal, shape.head_dim)
+        if kernel not in self._failed:
+            self._failed.add(kernel)
+            log.warning("%s: %s for %s; running the portable default %s instead", PACKAGE,
+                        why, shape, self.present(mode, fallback["variant"]))
+        return why
 
     def forward(
         self,

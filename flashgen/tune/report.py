@@ -1,16 +1,34 @@
-"""Rich tables for the CLI: a tuning run's results, the database's winners and its runs."""
+"""Rich tables for the CLI: a tuning run's progress and results, the databases' winners and
+their runs.
+
+Each fits 80 columns by default, a row a line: problems go by their short labels
+(`presets.problem_label`, e.g. "bf16 c D128 g4 2k B8 H32"), and the columns a reader needs
+less (milliseconds, failure counts, versions) appear with `wide` only. Numbers are never cut.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 
 from rich import box
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    ProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 
+from flashgen.kernels.bwd_variant import BwdVariant
+from flashgen.kernels.modes import AnyVariant
+from flashgen.kernels.presets import kind_label, problem_label
 from flashgen.store.current import row_is_current
 from flashgen.store.db import RunRow, WinnerRow
-from flashgen.store.keys import Versions
+from flashgen.store.keys import TuningKey, Versions
 from flashgen.tune.tuner import TuneResult
 
 
@@ -18,30 +36,80 @@ def _num(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
-def results_table(results: Iterable[TuneResult]) -> Table:
-    """One row per tuned problem and mode: its best variant, throughput and search cost."""
-    table = Table(title="flashgen tune", show_lines=False)
-    table.add_column("problem")
-    table.add_column("mode")
-    table.add_column("winner")
-    table.add_column("TFLOP/s", justify="right")
-    table.add_column("ms", justify="right")
-    table.add_column("vs SDPA", justify="right")
-    table.add_column("trials", justify="right")
-    table.add_column("failed", justify="right")
-    table.add_column("pruned", justify="right")
-    table.add_column("resumed", justify="right")
-    table.add_column("time", justify="right")
-    for r in results:
-        sdpa = "-"
-        if r.speedup is not None and r.baseline is not None:
-            sdpa = f"{r.speedup:.2f}x ({r.baseline.backend})"
-        table.add_row(
-            str(r.problem), r.mode, str(r.best) if r.best else "none passed",
-            _num(r.best_tflops, ".3g"), _num(r.best_ms, ".4g"), sdpa, str(r.measured),
-            str(r.failed), str(r.pruned), str(r.resumed), f"{r.seconds:.1f}s",
-        )
-    return table
+def tflops_text(value: float | None) -> str:
+    """Three digits; below 0.01 (the CPU interpreter's) two in exponent form, which is
+    never wider than the column's header."""
+    return "-" if value is None else f"{value:.3g}" if value >= 0.01 else f"{value:.1e}"
+
+
+def _table(title: str | None = None) -> Table:
+    """A table with a rule under its header and no vertical borders: the narrowest frame
+    that still reads as a table."""
+    return Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False,
+                 collapse_padding=True)
+
+
+def variant_label(variant: AnyVariant | None, wide: bool = False) -> str:
+    """A winner as the narrow tables print it. A backward variant drops its "bwd-" prefix
+    (its table is the backward one) and the usual dQ mode "separate" ("atomic" stays): its
+    full name ("bwd-separate m32 n128 w4 s3 fa3-dq dq-m64") alone took half the width."""
+    if variant is None:
+        return "none passed"
+    if wide or not isinstance(variant, BwdVariant):
+        return str(variant)
+    return str(variant).removeprefix("bwd-").removeprefix("separate ")
+
+
+def progress_columns(wide: bool = False) -> list[ProgressColumn]:
+    """The columns of tune's progress line; the task's description is "MODE LABEL" and its
+    fields `best` and `last` (the latest trial, shown with `wide` only: it is long)."""
+    columns: list[ProgressColumn] = [
+        TextColumn("{task.description}"), BarColumn(bar_width=10), MofNCompleteColumn(),
+        TextColumn("best {task.fields[best]}"), TimeElapsedColumn(),
+    ]
+    if wide:
+        columns.append(TextColumn("{task.fields[last]}"))
+    return columns
+
+
+#: Titles of the per-mode tables.
+MODE_NAMES = {"fwd": "forward", "bwd": "backward"}
+
+
+def results_tables(results: Sequence[TuneResult], wide: bool = False) -> list[Table]:
+    """A table per mode (so no column repeats it), a row per tuned problem: its best variant,
+    throughput and, with `wide`, the search's cost (time; measured, failed, pruned and
+    resumed trials)."""
+    tables = []
+    for mode, name in MODE_NAMES.items():
+        rows = [r for r in results if r.mode == mode]
+        if not rows:
+            continue
+        table = _table(f"flashgen tune: {name}")
+        table.add_column("problem", no_wrap=True)
+        table.add_column("winner", no_wrap=True)
+        table.add_column("TFLOP/s", justify="right", no_wrap=True)
+        if wide:
+            table.add_column("ms", justify="right", no_wrap=True)
+        table.add_column("vs SDPA", justify="right", no_wrap=True)
+        if wide:
+            for column in ("trials", "failed", "pruned", "resumed", "time"):
+                table.add_column(column, justify="right", no_wrap=True)
+        for r in rows:
+            sdpa = "-" if r.speedup is None else f"{r.speedup:.2f}x"
+            if wide and r.speedup is not None and r.baseline is not None:
+                sdpa += f" ({r.baseline.backend})"
+            cells = [problem_label(r.problem), variant_label(r.best, wide),
+                     tflops_text(r.best_tflops)]
+            if wide:
+                cells.append(_num(r.best_ms, ".4g"))
+            cells.append(sdpa)
+            if wide:
+                cells += [str(r.measured), str(r.failed), str(r.pruned), str(r.resumed),
+                          f"{r.seconds:.1f}s"]
+            table.add_row(*cells)
+        tables.append(table)
+    return tables
 
 
 def is_current(winner: WinnerRow, versions: Versions | None = None) -> bool:
@@ -51,27 +119,99 @@ def is_current(winner: WinnerRow, versions: Versions | None = None) -> bool:
     return winner.key.triton_version == versions.triton and row_is_current(winner)
 
 
-def winners_table(winners: Iterable[WinnerRow], versions: Versions | None = None) -> Table:
-    """The database's winners, one per key; stale rows (other Triton or kernel) marked.
+def key_label(key: TuningKey) -> str:
+    """`presets.kind_label` of a key: its lengths are the buckets' upper ends."""
+    return kind_label(key.dtype, key.causal, key.head_dim, key.gqa, key.seq_q_bucket,
+                      key.seq_k_bucket)
+
+
+@dataclass(frozen=True)
+class Listed:
+    """A winner as `flashgen show` lists it: the database it is in (`source` names the
+    database's role: "user", "shipped", or "db" for a file given with --db), whether
+    dispatch would serve its versions, and whether a row of the same bucket in a database
+    read before it (the user's, before the shipped one) is served instead."""
+
+    winner: WinnerRow
+    source: str
+    path: Path
+    current: bool
+    shadowed: bool = False
+
+    def to_dict(self) -> dict:
+        return {**self.winner.to_dict(), "db": str(self.path), "source": self.source,
+                "current": self.current, "shadowed": self.shadowed}
+
+
+def _bucket(w: WinnerRow) -> tuple:
+    k = w.key
+    return (k.device_key, k.mode, k.dtype, k.causal, k.head_dim, k.gqa, k.seq_q_bucket,
+            k.seq_k_bucket)
+
+
+def listed(sources: Sequence[tuple[str, Path, list[WinnerRow]]],
+           versions: Versions | None = None) -> list[Listed]:
+    """The winners of several databases, highest precedence first, as dispatch reads them:
+    a current row is `shadowed` where an earlier database has a current row of its bucket.
     `versions`: as for `is_current`."""
-    table = Table(title="flashgen winners")
-    for name in ("device", "kind", "buckets", "winner", "TFLOP/s", "vs SDPA", "tuned on",
-                 "triton / kernel"):
-        table.add_column(name, justify="right" if name in ("TFLOP/s", "vs SDPA") else "left")
-    for w in winners:
-        k = w.key
-        mask = "causal" if k.causal else "full"
-        stale = "" if is_current(w, versions) else " (stale)"
-        table.add_row(
-            f"{k.gpu_name} sm{k.capability}",
-            f"{k.mode} {k.dtype} {mask} D{k.head_dim} GQA{k.gqa}",
-            f"Nq<={k.seq_q_bucket} Nk<={k.seq_k_bucket}",
-            str(w.variant), _num(w.tflops, ".3g"),
-            "-" if w.speedup is None else f"{w.speedup:.2f}x",
-            f"B{w.problem.batch} Hq{w.problem.heads_q} Nq{w.problem.seq_q} Nk{w.problem.seq_k}",
-            f"{k.triton_version} / {(w.kernel_hash or '-')[:16]}{stale}",
-        )
-    return table
+    out: list[Listed] = []
+    served: set[tuple] = set()
+    for source, path, winners in sources:
+        mine: set[tuple] = set()
+        for w in winners:
+            current = is_current(w, versions)
+            out.append(Listed(w, source, path, current, current and _bucket(w) in served))
+            if current:
+                mine.add(_bucket(w))
+        served |= mine
+    return out
+
+
+def winners_tables(rows: Iterable[Listed], wide: bool = False) -> list[Table]:
+    """A table per database, GPU and mode (the title says which), a row per key: its kind,
+    winner, TFLOP/s, speed-up over SDPA, and a note where dispatch would not serve the row
+    ("stale": other Triton, or its variant renders another kernel now; "shadowed": an
+    earlier database has the bucket).
+    With `wide`: the problem it was tuned on, the SDPA backend, versions and the date."""
+    groups: dict[tuple[str, str, str], list[Listed]] = {}
+    for row in rows:
+        k = row.winner.key
+        groups.setdefault((row.source, k.device_key, k.mode), []).append(row)
+    order = {mode: i for i, mode in enumerate(MODE_NAMES)}
+    sources = list(dict.fromkeys(source for source, _, _ in groups))
+    tables = []
+    for (source, _, mode), group in sorted(groups.items(), key=lambda item: (
+            sources.index(item[0][0]), item[0][1], order.get(item[0][2], len(order)))):
+        k = group[0].winner.key
+        table = _table(f"{source} · {k.gpu_name} · sm{k.capability.replace('.', '')} · "
+                       f"{MODE_NAMES.get(mode, mode)}")
+        table.add_column("kind", no_wrap=True)
+        table.add_column("winner", no_wrap=True)
+        table.add_column("TFLOP/s", justify="right", no_wrap=True)
+        table.add_column("vs SDPA", justify="right", no_wrap=True)
+        if wide:
+            for column in ("SDPA", "tuned on", "triton", "kernel", "updated"):
+                table.add_column(column, no_wrap=True)
+        notes = [_note(r) for r in group]
+        if any(notes):
+            table.add_column("note", no_wrap=True)
+        for row, note in zip(group, notes, strict=True):
+            w = row.winner
+            cells = [key_label(w.key), variant_label(w.variant, wide), tflops_text(w.tflops),
+                     "-" if w.speedup is None else f"{w.speedup:.2f}x"]
+            if wide:
+                p = w.problem
+                cells += [w.sdpa_backend or "-",
+                          f"B{p.batch} Hq{p.heads_q} Hkv{p.heads_kv} Nq{p.seq_q} Nk{p.seq_k}",
+                          w.key.triton_version, (w.kernel_hash or "-")[:16],
+                          w.updated_at[:10]]
+            table.add_row(*cells, *([note] if any(notes) else []))
+        tables.append(table)
+    return tables
+
+
+def _note(row: Listed) -> str:
+    return "stale" if not row.current else "shadowed" if row.shadowed else ""
 
 
 def _took(run: RunRow) -> str:
