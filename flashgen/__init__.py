@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from flashgen.version import __version__ as __version__
 
 #: Each public name and the module that defines it.
 _PUBLIC: dict[str, str] = {

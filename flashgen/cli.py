@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from flashgen.kernels.problem import Problem
     from flashgen.store.db import TuningDB
     from flashgen.tune.fwd_bench import Bench
-    from flashgen.tune.tuner import TuneResult
+    from flashgen.tune.search import TuneResult
 
 def _explained(invoke: Callable[[typer.Context], Any], ctx: typer.Context) -> Any:
     """Run a command; a known database or file error (not a database, damaged, read-only,
@@ -265,7 +265,7 @@ def _run_tuning(problems: list[Problem], device_type: str, gpu: int, trials: int
     from flashgen.kernels.presets import problem_label
     from flashgen.store.db import TuningDB
     from flashgen.tune.report import progress_columns, results_tables, tflops_text
-    from flashgen.tune.tuner import TuneOptions, tune_problem
+    from flashgen.tune.search import TuneOptions, tune_problem
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     if device_type == "cuda":
@@ -327,7 +327,7 @@ def _interrupted(problem: Problem, mode: str, info: DeviceInfo, trials: int | No
     reported (this run's best so far, resumed results included), with the key's stored
     winner, since its trials are in the database too."""
     from flashgen.store.keys import TuningKey
-    from flashgen.tune.tuner import TuneResult
+    from flashgen.tune.search import TuneResult
 
     if reported:
         result = reported[0]
@@ -495,8 +495,8 @@ def bench(
     if db is not None and not db.is_file():
         raise _fail(f"no tuning database at {db}")
 
+    from flashgen.bench.command import Outputs, resolve_device, run_bench
     from flashgen.bench.competitors import parse_names, resolve
-    from flashgen.bench.run import Outputs, resolve_device, run_bench
     from flashgen.bench.suite import parse_modes
     from flashgen.kernels import presets
     from flashgen.serve import Dispatcher

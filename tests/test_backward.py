@@ -414,7 +414,7 @@ def test_fa3_backward_renders_gluon_for_its_kernels_only() -> None:
 def test_fa3_backward_compiles_for_hopper(kernel: str, variant: BwdVariant, d: int,
                                           dtype: str, causal: bool) -> None:
     pytest.importorskip("triton.experimental.gluon")
-    from flashgen.kernels.gluon_compile import report_in_subprocess
+    from flashgen.tune.gluon_compile import report_in_subprocess
 
     problem = _fa3_problem(d, dtype, causal)
     found = report_in_subprocess(variant, problem, kernel)

@@ -211,7 +211,7 @@ def test_a_run_that_stops_early_says_so(tmp_path: Path, monkeypatch: pytest.Monk
     def stop(*args: object, **kwargs: object) -> None:
         raise error("stopped")
 
-    monkeypatch.setattr("flashgen.tune.tuner.tune_problem", stop)
+    monkeypatch.setattr("flashgen.tune.search.tune_problem", stop)
     db_path = tmp_path / "t.db"
     runner.invoke(app, ["tune", "--device", "cpu", "--shape", "1,2,1,8,8,16", "--trials", "1",
                         "--db", str(db_path)])
@@ -365,7 +365,7 @@ LONG_ROWS: list[tuple[Problem, str, Any, float]] = [
 def test_tune_tables_fit_80_columns() -> None:
     from flashgen.tune.baseline import Baseline
     from flashgen.tune.report import results_tables
-    from flashgen.tune.tuner import TuneResult
+    from flashgen.tune.search import TuneResult
 
     results = [TuneResult(p, TuningKey.for_problem(p, HOPPER, mode), 50, best=v, best_ms=0.8125,
                           best_tflops=tflops, measured=50, failed=3, pruned=1200, resumed=2,

@@ -16,13 +16,13 @@ import torch
 
 import flashgen
 from flashgen.kernels.fwd_space import FA3_TILES, default_variant, portfolio
-from flashgen.kernels.gluon_compile import report_in_subprocess
 from flashgen.kernels.hardware import INTERPRETER, DeviceInfo, device_info
 from flashgen.kernels.render import _load_module, normalised, render, source_hash
 from flashgen.kernels.render import template_name as render_template_name
 from flashgen.runtime.forward import fa3_grid
 from flashgen.runtime.table import head_units_leave_programs_idle
 from flashgen.tune.check import compare, make_inputs
+from flashgen.tune.gluon_compile import report_in_subprocess
 
 HOPPER = DeviceInfo("H-test", (9, 0), 132, 232448)
 AMPERE = DeviceInfo("A-test", (8, 0), 108, 232448)  # as much shared memory as Hopper

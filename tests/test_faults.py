@@ -32,8 +32,8 @@ from flashgen.store.db import TuningDB
 from flashgen.store.keys import TuningKey, Versions
 from flashgen.tune.baseline import Baseline
 from flashgen.tune.fwd_bench import Measurement
+from flashgen.tune.search import TuneOptions, knob_choices, tune_problem
 from flashgen.tune.timing import Timing
-from flashgen.tune.tuner import TuneOptions, knob_choices, tune_problem
 
 runner = CliRunner()
 PROBLEM = Problem(1, 2, 1, 32, 32, 16)

@@ -19,8 +19,8 @@ from flashgen.store.db import TuningDB
 from flashgen.store.keys import MODES, TuningKey, Versions
 from flashgen.tune.bwd_bench import BWD_FLOPS_RATIO, BwdKernelBench
 from flashgen.tune.fwd_bench import Measurement
+from flashgen.tune.search import TuneOptions, TuneResult, knob_choices, tune_problem
 from flashgen.tune.timing import Timing, tflops
-from flashgen.tune.tuner import TuneOptions, TuneResult, knob_choices, tune_problem
 
 PROBLEM = Problem(1, 2, 1, 256, 256, 64)
 VERSIONS = Versions("3.6.0", "2.13.0")

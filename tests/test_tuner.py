@@ -27,8 +27,8 @@ from flashgen.tune.fwd_bench import (
     Measurement,
     gate_problem,
 )
+from flashgen.tune.search import TuneOptions, TuneResult, knob_choices, tune_problem
 from flashgen.tune.timing import Timing, tflops, time_cpu
-from flashgen.tune.tuner import TuneOptions, TuneResult, knob_choices, tune_problem
 
 PROBLEM = Problem(1, 2, 1, 256, 256, 64)
 #: 16-long sequences admit only 16-row tiles: a space small enough to measure exhaustively.

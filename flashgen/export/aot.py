@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import flashgen
 from flashgen.export.rows import (
     AnyVariant,
     Family,
@@ -49,10 +48,11 @@ from flashgen.kernels.problem import Problem
 from flashgen.kernels.render import render
 from flashgen.kernels.variant import Variant
 from flashgen.store.keys import Versions
+from flashgen.version import __version__
 
 MANIFEST_VERSION = 1
 LOADER = Path(__file__).with_name("cuda_loader.py")
-WORKER = Path(__file__).with_name("aot_worker.py")
+WORKER = Path(__file__).with_name("cubin_worker.py")
 POINTER_ALIGN = 16
 #: Head-dim strides, compiled in as 1: contiguous rows let every load vectorise.
 UNIT_STRIDES = ("stride_qd", "stride_kd", "stride_vd", "stride_od")
@@ -159,7 +159,7 @@ class _Job:
 
 
 def run_workers(jobs: list[dict[str, Any]], workdir: Path, workers: int) -> None:
-    """Compile `jobs` (see `_aot_worker`) in up to `workers` fresh processes."""
+    """Compile `jobs` (see `cubin_worker`) in up to `workers` fresh processes."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     batches = [jobs[i::workers] for i in range(min(workers, len(jobs)))]
     procs = []
@@ -342,7 +342,7 @@ def write_aot(selection: Selection, out: Path, name: str, force: bool = False,
     workers = workers or min(8, os.cpu_count() or 1)
     manifest: dict[str, Any] = {
         "format": "flashgen-aot", "version": MANIFEST_VERSION,
-        "flashgen_version": flashgen.__version__, "triton_version": Versions.current().triton,
+        "flashgen_version": __version__, "triton_version": Versions.current().triton,
         "abi": ABI, "dispatch_rule": DISPATCH_RULE,
         "gpus": {g.device.name: {"capability": "{}.{}".format(*g.device.capability),
                                  "device_key": g.device_key,

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import flashgen
 import flashgen.runtime
 from flashgen.export.rows import (
     GENERIC,
@@ -47,6 +46,7 @@ from flashgen.kernels.problem import Problem
 from flashgen.kernels.render import render, source_hash
 from flashgen.kernels.variant import Variant
 from flashgen.store.table import entry, winner_entry
+from flashgen.version import __version__
 
 #: flashgen's runtime, which the package carries verbatim.
 RUNTIME = Path(flashgen.runtime.__file__).parent
@@ -163,7 +163,7 @@ def build_table(selection: Selection) -> tuple[dict[str, Any], dict[str, str]]:
     families = selection.families()
     table = {
         "format": TABLE_FORMAT,
-        "flashgen_version": flashgen.__version__,
+        "flashgen_version": __version__,
         "preprocess_block_m": PREPROCESS_BLOCK_M,
         "lengths": list(LENGTHS),
         "gpus": {g.device.name: _gpu_table(kernels, g, families) for g in selection.gpus},

@@ -7,8 +7,8 @@ from typing import Any
 import torch
 
 from . import ops
-from .checks import check_options
 from .dispatch import Dispatcher, default_dispatcher
+from .inputs import check_options
 from .table import Choice
 
 

@@ -32,8 +32,8 @@ from typing import Any, ClassVar
 import torch
 
 from .backward import BwdLauncher, prepare_backward
-from .checks import check_inputs, check_options, check_runnable
 from .forward import Launcher, default_scale, prepare_forward
+from .inputs import check_inputs, check_options, check_runnable
 from .table import Choice, Entry, Shape, Table
 
 #: The package this runtime serves ("flashgen", or an exported package's name), which names

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .checks import DTYPE_NAMES
+from .inputs import DTYPE_NAMES
 
 Entry = Mapping[str, Any]
 #: Why an entry cannot serve a call (None: it can).

@@ -48,7 +48,7 @@ from flashgen.kernels.render import _templates
 from flashgen.store.current import LEGACY, RETIRED, family_hash, kernel_hash_now, row_is_current
 from flashgen.store.guard import busy_timeout_s, check_writable, mark, open_without_shm
 from flashgen.store.keys import KEY_COLUMNS, TuningKey, Versions, package_version
-from flashgen.tune.timing import Timing
+from flashgen.store.measurement import Timing
 
 Status = Literal["ok", "failed", "pruned"]
 STATUSES: tuple[str, ...] = ("ok", "failed", "pruned")
@@ -469,8 +469,8 @@ class TuningDB:
         """The latest ok-or-failed trial of each variant (by variant JSON) of `problem` under
         `key`: what a resumed run must not measure again. Pruned rows are left out: validity
         is recomputed for free. So are a GPU's ok rows whose repeats were unsteady (spread
-        past `timing.UNSTEADY_SPREAD`): their median is not to be trusted, so a resumed run measures
-        the variant again unless a steady row of it exists (the old row stays, as history;
+        past `measurement.UNSTEADY_SPREAD`): their median is not to be trusted, so a resumed run
+        measures the variant again unless a steady row of it exists (the old row stays, as history;
         the winner is the best ok row either way). And rows whose kernel is no longer the one
         their variant renders to (`current.row_is_current`): a template edit retired them."""
         on_gpu = not key.device_key.startswith(CPU_INTERPRETER)

@@ -29,7 +29,7 @@ from flashgen.kernels.presets import kind_label, problem_label
 from flashgen.store.current import row_is_current
 from flashgen.store.db import RunRow, WinnerRow
 from flashgen.store.keys import TuningKey, Versions
-from flashgen.tune.tuner import TuneResult
+from flashgen.tune.search import TuneResult
 
 
 def _num(value: float | None, fmt: str) -> str:

@@ -1,5 +1,5 @@
 """Compile Triton kernels for a GPU target, one process per batch of jobs: `flashgen.export.aot`'s
-worker. Run by path (`python _aot_worker.py JOBS.json`), so it imports triton and nothing of
+worker. Run by path (`python cubin_worker.py JOBS.json`), so it imports triton and nothing of
 flashgen or torch.
 
 A separate process because Triton decides at import whether `@triton.jit` makes compilable

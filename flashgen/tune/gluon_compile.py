@@ -5,9 +5,9 @@ see what the compiler made of the template: the PTX's Hopper instructions, share
 and ptxas's register and spill report. Run it in a process without TRITON_INTERPRET (the
 interpreter swaps Triton's library functions for Python ones that Gluon cannot compile):
 
-    python -m flashgen.kernels.gluon_compile '{"loop_order": "fa3", ...}' 2,16,16,4096,4096,128 \
+    python -m flashgen.tune.gluon_compile '{"loop_order": "fa3", ...}' 2,16,16,4096,4096,128 \
         --dtype bf16 --causal
-    python -m flashgen.kernels.gluon_compile '{"fa3": "both", ...}' 2,16,16,4096,4096,128 --bwd dkdv
+    python -m flashgen.tune.gluon_compile '{"fa3": "both", ...}' 2,16,16,4096,4096,128 --bwd dkdv
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def report_in_subprocess(variant: Variant | BwdVariant, problem: Problem,
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     shape = ",".join(str(x) for x in (problem.batch, problem.heads_q, problem.heads_kv,
                                       problem.seq_q, problem.seq_k, problem.head_dim))
-    cmd = [sys.executable, "-m", "flashgen.kernels.gluon_compile", variant.to_json(), shape,
+    cmd = [sys.executable, "-m", "flashgen.tune.gluon_compile", variant.to_json(), shape,
            "--dtype", problem.dtype] + (["--causal"] if problem.causal else [])
     cmd += ["--bwd", bwd] if bwd else []
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
