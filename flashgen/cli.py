@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from flashgen.kernels.problem import Problem
     from flashgen.store.db import TuningDB
     from flashgen.tune.fwd_bench import Bench
-    from flashgen.tune.search import TuneResult
+    from flashgen.tune.search import RunOptions, TuneResult
 
 def _explained(invoke: Callable[[typer.Context], Any], ctx: typer.Context) -> Any:
     """Run a command; a known database or file error (not a database, damaged, read-only,
@@ -231,8 +231,10 @@ def tune(
                                   presets.parse_causal(causal))
     except ValueError as exc:
         raise _fail(str(exc)) from None
-    _run_tuning(problems, device, gpu, trials, timeout, seed, compile_workers, db, modes,
-                remeasure, wide)
+    from flashgen.tune.search import RunOptions
+
+    _run_tuning(problems, RunOptions(device, gpu, trials, timeout, seed, compile_workers, db,
+                                     modes, remeasure, wide))
 
 
 def _make_bench(mode: str, problem: Problem, target: torch.device, seed: int,
@@ -252,10 +254,8 @@ def _make_bench(mode: str, problem: Problem, target: torch.device, seed: int,
                           dispatcher=Dispatcher([db_path, shipped_db_path()]))
 
 
-def _run_tuning(problems: list[Problem], device_type: str, gpu: int, trials: int | None,
-                timeout: float | None, seed: int, compile_workers: int,
-                db_path: Path | None, modes: tuple[str, ...] = ("fwd",),
-                remeasure: bool = False, wide: bool = False) -> None:
+def _run_tuning(problems: list[Problem], run: RunOptions) -> None:
+    """Tune `problems` as `run` says, with progress, a summary, and one database run row."""
     import optuna
     import torch
     from rich.console import Console
@@ -268,33 +268,33 @@ def _run_tuning(problems: list[Problem], device_type: str, gpu: int, trials: int
     from flashgen.tune.search import TuneOptions, tune_problem
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    if device_type == "cuda":
+    if run.device_type == "cuda":
         if not torch.cuda.is_available():
             raise _fail("no CUDA GPU is visible; use --device cpu for the interpreter")
-        if gpu >= torch.cuda.device_count():
-            raise _fail(f"--gpu {gpu}: only {torch.cuda.device_count()} GPU(s) visible")
-        target = torch.device("cuda", gpu)
+        if run.gpu >= torch.cuda.device_count():
+            raise _fail(f"--gpu {run.gpu}: only {torch.cuda.device_count()} GPU(s) visible")
+        target = torch.device("cuda", run.gpu)
     else:
         target = torch.device("cpu")
     info = device_info(target)
-    batch = compile_workers if device_type == "cuda" else 1
+    batch = run.compile_workers if run.device_type == "cuda" else 1
     run_id = uuid.uuid4().hex[:12]
     console = _console()
     results: list[TuneResult] = []
     current: tuple[Problem, str] | None = None  # the problem and mode being tuned
     reported: list[TuneResult] = []  # its result, as its progress last gave it
     interrupted = False
-    with TuningDB(db_path) as database, Progress(
-        *progress_columns(wide), console=Console(stderr=True),
+    with TuningDB(run.db_path) as database, Progress(
+        *progress_columns(run.wide), console=Console(stderr=True),
     ) as progress:
         progress.console.print(f"tuning {len(problems)} problem(s) on {info.name} "
                                f"(db: {database.path})")
         database.start_run(run_id, info)
         status = "failed"  # unless the loop ends or is interrupted
         try:
-            for problem, mode in ((p, m) for p in problems for m in modes):
+            for problem, mode in ((p, m) for p in problems for m in run.modes):
                 current, reported[:] = (problem, mode), []
-                task = progress.add_task(f"{mode} {problem_label(problem)}", total=trials,
+                task = progress.add_task(f"{mode} {problem_label(problem)}", total=run.trials,
                                          best="-", last="")
 
                 def show(r: TuneResult, task: int = task) -> None:
@@ -302,8 +302,10 @@ def _run_tuning(problems: list[Problem], device_type: str, gpu: int, trials: int
                     best = f"{tflops_text(r.best_tflops)} TFLOP/s" if r.best_tflops else "-"
                     progress.update(task, completed=r.measured, best=best, last=r.last[:50])
 
-                bench = _make_bench(mode, problem, target, seed, compile_workers, database.path)
-                options = TuneOptions(mode, trials, timeout, seed, batch, remeasure)
+                bench = _make_bench(mode, problem, target, run.seed, run.compile_workers,
+                                    database.path)
+                options = TuneOptions(mode, run.trials, run.timeout, run.seed, batch,
+                                      run.remeasure)
                 results.append(tune_problem(problem, bench, database, info, options,
                                            run_id=run_id, on_progress=show))
             status = "ok"
@@ -311,11 +313,11 @@ def _run_tuning(problems: list[Problem], device_type: str, gpu: int, trials: int
             interrupted = True
             status = "interrupted"
             if current is not None:
-                results.append(_interrupted(*current, info, trials, reported, database,
+                results.append(_interrupted(*current, info, run.trials, reported, database,
                                             progress))
         finally:
             database.finish_run(run_id, status)
-    _print_tables(console, results_tables(results, wide), wide)
+    _print_tables(console, results_tables(results, run.wide), run.wide)
     if interrupted:
         raise typer.Exit(130)  # as a shell reports a process that SIGINT stopped
 

@@ -145,12 +145,12 @@ def test_a_backward_kernel_that_fails_to_compile_gives_way_to_the_portable_defau
     out, lse = d.forward(q, k, v, causal=True)
     do = torch.randn_like(out)
     with caplog.at_level(logging.WARNING, logger="flashgen"):
-        grads = d.backward(do, q, k, v, out, lse, causal=True)
-        again = d.backward(do, q, k, v, out, lse, causal=True)
+        grads = d.backward(do, dispatch.Saved(q, k, v, out, lse), causal=True)
+        again = d.backward(do, dispatch.Saved(q, k, v, out, lse), causal=True)
     assert compare_grads(grads, q, k, v, do, causal=True).ok
     torch.testing.assert_close(again, grads)
     warnings = [r.message for r in caplog.records if "failed" in r.message]
     assert len(warnings) == 1 and str(WINNER) in warnings[0]
     assert d.explain(q, k, v, causal=True).backward.how == "fallback"
     with pytest.raises(RuntimeError, match="PassManager"):
-        d.backward(do, q, k, v, out, lse, causal=True, variant=WINNER)
+        d.backward(do, dispatch.Saved(q, k, v, out, lse), causal=True, variant=WINNER)

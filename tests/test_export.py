@@ -645,7 +645,9 @@ def test_exported_gluon_backward_uses_the_winners_tiles(tmp_path: Path,
     lse = torch.zeros(1, 2, 256)
     dispatcher = runtime.PackageDispatcher()
     assert dispatcher.explain(q, k, v).backward.how == "exact"
-    dispatcher.backward(torch.randn_like(q), q, k, v, torch.empty_like(q), lse, False, 0.125)
+    saved = sys.modules[f"{package.__name__}.runtime.dispatch"].Saved
+    dispatcher.backward(torch.randn_like(q), saved(q, k, v, torch.empty_like(q), lse), False,
+                        0.125)
     for kernel in ("dkdv", "dq"):
         rows = tuple(a[1] for a in launches[kernel] if isinstance(a, tuple) and a[:1] == ("tma",))
         s = winner.streamed(kernel)

@@ -11,7 +11,14 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from flashgen.kernels.bwd_variant import DQ_MODES, FA3_KERNELS, BwdVariant
-from flashgen.kernels.fwd_space import MAX_ACC_PER_THREAD, Pick, first_broken, tile_reason
+from flashgen.kernels.fwd_space import (
+    MAX_ACC_PER_THREAD,
+    Pick,
+    first_broken,
+    longer_than_needed,
+    over_shared_memory,
+    tile_reason,
+)
 from flashgen.kernels.hardware import DeviceInfo, device_info
 from flashgen.kernels.problem import Problem
 
@@ -22,10 +29,6 @@ BWD_STAGES = (1, 2, 3, 4)
 #: The Gluon dQ kernel's own streamed tile (`BwdVariant.dq_block_m`); 0 follows block_m. Its
 #: 32-key tiles were the slow ones, so only the longer two are offered.
 DQ_BLOCK_SIZES = (0, 64, 128)
-
-
-def _pow2_at_least_16(n: int) -> int:
-    return max(16, 1 << (n - 1).bit_length())
 
 
 def bwd_shared_memory_bytes(v: BwdVariant, p: Problem) -> int:
@@ -47,29 +50,24 @@ BwdRule = Callable[[BwdVariant, Problem, DeviceInfo], str | None]
 
 def block_m_longer_than_needed(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:
     # block_m steps over queries in dK/dV and over keys in the separate dQ kernel.
-    if v.block_m > _pow2_at_least_16(p.seq_q):
-        return f"block_m {v.block_m} is longer than the {p.seq_q} queries need"
+    reason = longer_than_needed("block_m", v.block_m, p.seq_q, "queries")
+    if reason or v.dq_mode != "separate":
+        return reason
     keys = v.streamed("dq")
-    if v.dq_mode == "separate" and keys > _pow2_at_least_16(p.seq_k):
-        knob = "dq_block_m" if keys != v.block_m else "block_m"
-        return f"{knob} {keys} is longer than the dQ kernel's {p.seq_k} keys need"
-    return None
+    knob = "dq_block_m" if keys != v.block_m else "block_m"
+    return longer_than_needed(knob, keys, p.seq_k, "keys", whose="the dQ kernel's")
 
 
 def block_n_longer_than_needed(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:
     # block_n is the owned tile: keys in dK/dV, queries in the separate dQ kernel.
-    if v.block_n > _pow2_at_least_16(p.seq_k):
-        return f"block_n {v.block_n} is longer than the {p.seq_k} keys need"
-    if v.dq_mode == "separate" and v.block_n > _pow2_at_least_16(p.seq_q):
-        return f"block_n {v.block_n} is longer than the dQ kernel's {p.seq_q} queries need"
-    return None
+    reason = longer_than_needed("block_n", v.block_n, p.seq_k, "keys")
+    if reason or v.dq_mode != "separate":
+        return reason
+    return longer_than_needed("block_n", v.block_n, p.seq_q, "queries", whose="the dQ kernel's")
 
 
 def shared_memory_overflow(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:
-    need = bwd_shared_memory_bytes(v, p)
-    if need > dev.shared_memory:
-        return f"needs ~{need} B of shared memory, device has {dev.shared_memory}"
-    return None
+    return over_shared_memory(bwd_shared_memory_bytes(v, p), dev)
 
 
 def dq_tile_unused(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:

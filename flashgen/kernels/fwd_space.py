@@ -49,23 +49,32 @@ def shared_memory_bytes(v: Variant, p: Problem) -> int:
 Rule = Callable[[Variant, Problem, DeviceInfo], str | None]
 
 
-def block_m_longer_than_queries(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
-    if v.block_m > _pow2_at_least_16(p.seq_q):
-        return f"block_m {v.block_m} is longer than the {p.seq_q} queries need"
+def longer_than_needed(knob: str, tile: int, count: int, what: str,
+                       whose: str = "the") -> str | None:
+    """Why a `tile` of `count` rows is too long (None: it is not); shared by the forward and
+    backward rules so both spaces drop the same redundant points with the same words."""
+    if tile > _pow2_at_least_16(count):
+        return f"{knob} {tile} is longer than {whose} {count} {what} need"
     return None
 
 
-def block_n_longer_than_keys(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
-    if v.block_n > _pow2_at_least_16(p.seq_k):
-        return f"block_n {v.block_n} is longer than the {p.seq_k} keys need"
-    return None
-
-
-def shared_memory_overflow(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
-    need = shared_memory_bytes(v, p)
+def over_shared_memory(need: int, dev: DeviceInfo) -> str | None:
+    """Why `need` bytes of shared memory do not fit on `dev` (None: they do)."""
     if need > dev.shared_memory:
         return f"needs ~{need} B of shared memory, device has {dev.shared_memory}"
     return None
+
+
+def block_m_longer_than_queries(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
+    return longer_than_needed("block_m", v.block_m, p.seq_q, "queries")
+
+
+def block_n_longer_than_keys(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
+    return longer_than_needed("block_n", v.block_n, p.seq_k, "keys")
+
+
+def shared_memory_overflow(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
+    return over_shared_memory(shared_memory_bytes(v, p), dev)
 
 
 def accumulator_too_large(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:

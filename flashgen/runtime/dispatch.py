@@ -43,6 +43,18 @@ log = logging.getLogger(PACKAGE)
 
 
 @dataclass(frozen=True)
+class Saved:
+    """What a forward keeps for its backward: its inputs, output and log-sum-exp (O(N)
+    memory), passed as one value because every backward call takes all five."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+
+
+@dataclass(frozen=True)
 class _Plan:
     """What a shape's calls reuse: the prepared launch, the choice, and the default scale."""
 
@@ -307,21 +319,14 @@ class Dispatcher:
             plan = self._plan(q, k, v, causal, variant)
         return plan.launch(q, k, v, plan.scale if scale is None else scale)
 
-    def backward(
-        self,
-        grad_out: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        causal: bool = False,
-        scale: float | None = None,
-        variant: Any = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def backward(self, grad_out: torch.Tensor, saved: Saved, causal: bool = False,
+                 scale: float | None = None, variant: Any = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(dq, dk, dv) for the forward's saved tensors, with the chosen backward variant."""
+        q, k, v = saved.q, saved.k, saved.v
         plan = self._bwd_plan(q, k, v, causal, variant)
-        return plan.launch(grad_out, q, k, v, out, lse, plan.scale if scale is None else scale)
+        return plan.launch(grad_out, q, k, v, saved.out, saved.lse,
+                           plan.scale if scale is None else scale)
 
     def explain(
         self,

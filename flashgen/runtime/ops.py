@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .dispatch import PACKAGE, default_dispatcher
+from .dispatch import PACKAGE, Saved, default_dispatcher
 
 #: One namespace per package: two copies of this runtime must not register the same op.
 NAMESPACE = PACKAGE.replace(".", "_")
@@ -38,15 +38,8 @@ def attention_fwd(
 
 
 @attention_fwd.register_fake
-def _attention_fwd_fake(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    causal: bool,
-    scale: float | None,
-    variant: str,
-    bwd_variant: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention_fwd_fake(q: torch.Tensor, *_: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output like q and an fp32 (B, H, N) log-sum-exp: only q's shape decides them."""
     b, h, n, _ = q.shape
     return torch.empty_like(q), q.new_empty((b, h, n), dtype=torch.float32)
 
@@ -65,22 +58,15 @@ def attention_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) recomputed block by block from the saved log-sum-exp."""
     dispatcher = default_dispatcher()
-    return dispatcher.backward(grad_out, q, k, v, out, lse, causal, scale,
+    return dispatcher.backward(grad_out, Saved(q, k, v, out, lse), causal, scale,
                                dispatcher.decode("bwd", variant))
 
 
 @attention_bwd.register_fake
 def _attention_bwd_fake(
-    grad_out: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    causal: bool,
-    scale: float | None,
-    variant: str,
+    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: object
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients like the inputs they belong to."""
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -121,7 +107,6 @@ class EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor | None) -> tuple:  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.dispatcher.backward(grad_out, q, k, v, out, lse, ctx.causal, ctx.scale,
-                                             ctx.bwd_variant)
+        dq, dk, dv = ctx.dispatcher.backward(grad_out, Saved(*ctx.saved_tensors), ctx.causal,
+                                             ctx.scale, ctx.bwd_variant)
         return dq, dk, dv, None, None, None, None, None

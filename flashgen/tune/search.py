@@ -30,6 +30,7 @@ import uuid
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 import optuna
@@ -100,6 +101,23 @@ class TuneOptions:
     seed: int = 0
     batch: int = 1  # trials asked and compiled together, then measured one by one
     remeasure: bool = False  # time the stored variants again first, fastest first
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How a `flashgen tune` run goes over its problems: where, with which budget and seed,
+    which passes, into which database. One object, so the CLI's run takes one argument."""
+
+    device_type: str = "cuda"  # cuda, or cpu for the Triton interpreter
+    gpu: int = 0
+    trials: int | None = None
+    timeout: float | None = None
+    seed: int = 0
+    compile_workers: int = 1
+    db_path: Path | None = None
+    modes: tuple[str, ...] = ("fwd",)
+    remeasure: bool = False
+    wide: bool = False
 
 
 @dataclass
