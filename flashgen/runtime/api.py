@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -63,7 +64,8 @@ def attention(
     gradient flows through the returned log-sum-exp.
     Returns the output (like q), and with `return_lse` also the log-sum-exp (B, Hq, Nq) fp32.
     """
-    if type(causal) is not bool or not (scale is None or type(scale) is float):
+    if type(causal) is not bool or not (scale is None or (type(scale) is float
+                                                          and 0 < abs(scale) < math.inf)):
         check_options(causal, scale)  # the well-typed call skips the function call
     if _needs_op(q, k, v):
         if not torch.compiler.is_compiling():

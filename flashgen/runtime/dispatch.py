@@ -200,7 +200,7 @@ class Dispatcher:
             entry = self._explicit(mode, variant, shape, table)
             choice = Choice(variant, "explicit", f"{'bwd_' if mode == 'bwd' else ''}variant= "
                             "was given")
-        check_runnable(q.device)
+        check_runnable(q.device, q.dtype)
         return choice, entry, shape
 
     def _kernels(self, entry: Entry, shape: Shape) -> Callable[[str], Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -55,18 +56,33 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def check_options(causal: object, scale: object) -> None:
-    """`causal` must be a bool and `scale` a number or None: anything else would reach the
-    kernel as a wrong mask or a wrong constant."""
+    """`causal` must be a bool and `scale` None or a finite, nonzero real number: anything else
+    would reach the kernel as a wrong mask, a Triton type error, or a constant that turns every
+    output into NaN (nan, inf) or a plain mean of v (0)."""
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        raise TypeError(f"scale must be a number or None, got {type(scale).__name__}")
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    if scale == 0:
+        raise ValueError("scale must be nonzero (0 would ignore q and k); None means 1/sqrt(D)")
 
 
-def check_runnable(device: torch.device) -> None:
-    """CPU tensors can only run under the Triton interpreter: say so instead of crashing."""
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+def check_runnable(device: torch.device, dtype: torch.dtype | None = None) -> None:
+    """CPU tensors can only run under the Triton interpreter: say so instead of crashing. And
+    the interpreter computes bf16 dot products wrongly (errors of order 1e8, no exception), so
+    bf16 there is refused rather than answered with garbage."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if device.type == "cpu" and not interpreted:
         raise ValueError(
             "CPU tensors run only under the Triton interpreter: set "
             "TRITON_INTERPRET=1 before triton is imported, or move them to a GPU"
+        )
+    if dtype == torch.bfloat16 and (interpreted or device.type == "cpu"):
+        raise TypeError(
+            "bf16 (torch.bfloat16) needs a GPU: Triton's interpreter computes bf16 dot "
+            "products wrongly; use float16 or float32 on the CPU, or move the tensors to a GPU"
         )

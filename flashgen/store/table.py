@@ -9,6 +9,8 @@ next one of the same bucket may.
 
 from __future__ import annotations
 
+import sqlite3
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,15 @@ from flashgen.kernels.problem import Problem
 from flashgen.kernels.resources import data_dir
 from flashgen.kernels.variant import Variant
 from flashgen.store.current import hash_is_current
-from flashgen.store.db import TuningDB, WinnerRow, default_db_path
+from flashgen.store.db import (
+    BUSY_TIMEOUT_S,
+    SCHEMA_VERSION,
+    TuningDB,
+    WinnerRow,
+    _migration_names,
+    default_db_path,
+)
+from flashgen.store.guard import NewerDatabase, StoreError, busy_timeout_s, check_writable
 from flashgen.store.keys import MODES
 
 SHIPPED_DB_NAME = "flashgen.db"
@@ -78,16 +88,61 @@ def entry_is_current(mode: str, found: Mapping[str, Any]) -> bool:
                            found.get("kernel_hash"))
 
 
+class DatabaseWarning(UserWarning):
+    """A tuning database could not be read; dispatch goes on without its winners."""
+
+
+#: The files dispatch has warned about in this process (each is named once, not per device).
+_warned: set[str] = set()
+
+
+def _winners(path: Path, device: DeviceInfo) -> list[WinnerRow]:
+    """Every mode's winners for `device` in `path`. Another program's file is refused before
+    its tables are read (a table named `winners` there is not ours); a newer flashgen's file
+    is read as far as it is compatible, and where it is not, the error says why."""
+    try:
+        check_writable(path, _migration_names(), SCHEMA_VERSION, busy_timeout_s(BUSY_TIMEOUT_S))
+        newer = False
+    except NewerDatabase:
+        newer = True
+    try:
+        with TuningDB.open_readonly(path) as db:
+            return [row for mode in MODES for row in db.load_winners(device.key, mode=mode)]
+    except sqlite3.DatabaseError as exc:
+        if newer:
+            raise StoreError(f"it was written by a newer flashgen and this one cannot read it "
+                             f"({exc}); upgrade flashgen") from exc
+        raise
+
+
+def _warn_unreadable(path: Path, exc: BaseException) -> None:
+    """Name a database dispatch cannot read and why, once per file per process: a call to
+    `attention` must not fail over a damaged or foreign file, nor repeat the news each call."""
+    where = str(path)
+    if where in _warned:
+        return
+    _warned.add(where)
+    problem = str(exc) or type(exc).__name__
+    warnings.warn(f"flashgen: cannot read the tuning database {where}: {problem}. Using the "
+                  f"shipped winners and the defaults instead; move or delete that file, or "
+                  f"point FLASHGEN_DB elsewhere.", DatabaseWarning, stacklevel=2)
+
+
 def device_table(paths: Sequence[Path], device: DeviceInfo) -> dict[str, Any]:
     """The runtime's table of `device` from the winners of `paths` (each opened once,
-    read-only; missing files are skipped)."""
+    read-only; missing files are skipped, and unreadable ones are named in one
+    `DatabaseWarning` and skipped, so that attention still runs on the others' winners and
+    the defaults)."""
     table: dict[str, Any] = {mode: [] for mode in MODES}
     table["preprocess_block_m"] = PREPROCESS_BLOCK_M
     for path in paths:
         if not path.is_file():
             continue
-        with TuningDB.open_readonly(path) as db:
-            rows = [row for mode in MODES for row in db.load_winners(device.key, mode=mode)]
+        try:
+            rows = _winners(path, device)
+        except (sqlite3.DatabaseError, OSError) as exc:
+            _warn_unreadable(path, exc)
+            continue
         for row in rows:
             source = f"{path} winners[{row.key.id}] trial {row.trial_id}"
             table[row.key.mode].append(winner_entry(row, source, device))
