@@ -422,10 +422,13 @@ class TuningDB:
         self, key: TuningKey, problem: Problem, variant: AnyVariant, status: Status, *,
         reason: str = "", timing: Timing | None = None, tflops: float | None = None,
         error: float | None = None, bound: float | None = None, seed: int | None = None,
-        run_id: str | None = None, kernel_hash: str | None = None,
+        run_id: str | None = None, kernel_hash: str | None = None, once: bool = False,
     ) -> int:
         """Store one trial and return its id. `kernel_hash`: of the kernel that ran (default:
-        `variant`'s rendered now; a pruned trial ran none and stores NULL)."""
+        `variant`'s rendered now; a pruned trial ran none and stores NULL). `once`: store
+        nothing (and return the stored row's id) where this variant already has a row of this
+        status for this key and problem; checked inside the write, so tuners running at once
+        cannot both find it missing."""
         if status not in STATUSES:
             raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
         wanted = space_of(key.mode).variant_type
@@ -450,6 +453,12 @@ class TuningDB:
             "created_at": _now(), "kernel_hash": kernel_hash,
         }
         with self._write():
+            if once:
+                held = list(self.db["trials"].rows_where(
+                    "key_id = ? and problem_json = ? and variant_json = ? and status = ?",
+                    [key.id, row["problem_json"], row["variant_json"], status], limit=1))
+                if held:
+                    return int(held[0]["id"])
             return int(self.db["trials"].insert(row).last_pk)
 
     def trials(self, key: TuningKey | None = None,

@@ -314,11 +314,12 @@ def tune_problem(
         passed = any(o.status == "ok" for j, o in result.outcomes.items() if j not in resumed)
         return clock() - start < (timeout if passed else OVERTIME * timeout)
 
-    def record(variant: AnyVariant, outcome: Outcome, m: Measurement | None = None) -> None:
+    def record(variant: AnyVariant, outcome: Outcome, m: Measurement | None = None,
+               once: bool = False) -> None:
         db.record_trial(key, problem, variant, outcome.status, reason=outcome.reason,
                         timing=m.timing if m else None, tflops=outcome.tflops,
                         error=m.error if m else None, bound=m.bound if m else None,
-                        seed=seed, run_id=run_id)
+                        seed=seed, run_id=run_id, once=once)
 
     grid = math.prod(map(len, knobs.values()))
     stale, asks = 0, 0
@@ -341,8 +342,7 @@ def tune_problem(
                 stale += 1
             elif reason := space.why_invalid(variant, problem, device):
                 outcome = Outcome("pruned", reason=reason)
-                if claims.stored_trial(db, key, problem, variant, ("pruned",)) is None:
-                    record(variant, outcome)
+                record(variant, outcome, once=True)  # a pruned point is stored once per key
                 result.note(variant_json, outcome)
                 result.pruned += 1
                 _tell(study, trial, outcome)
