@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -64,9 +63,7 @@ def attention(
     gradient flows through the returned log-sum-exp.
     Returns the output (like q), and with `return_lse` also the log-sum-exp (B, Hq, Nq) fp32.
     """
-    if type(causal) is not bool or not (scale is None or (type(scale) is float
-                                                          and 0 < abs(scale) < math.inf)):
-        check_options(causal, scale)  # the well-typed call skips the function call
+    check_options(causal, scale)
     if _needs_op(q, k, v):
         if not torch.compiler.is_compiling():
             d = dispatcher or default_dispatcher()
