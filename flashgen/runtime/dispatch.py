@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 import torch
 
 from .backward import BwdLauncher, prepare_backward
+from .decode import check_kvcache, prepare_decode, serves_as_decode
 from .forward import Launcher, default_scale, prepare_forward
 from .inputs import check_inputs, check_options, check_runnable
 from .table import Choice, Entry, Shape, Table
@@ -75,6 +76,7 @@ class Dispatcher:
         self._tables: dict[torch.device, Table] = {}
         self._plans: dict[tuple, _Plan] = {}
         self._bwd_plans: dict[tuple, _Plan] = {}
+        self._decode_plans: dict[tuple, _Plan] = {}
         self._current: dict[int, str | None] = {}  # id(entry) -> kernel_is_current's answer
         self._decoded: dict[tuple[str, str], Any] = {}
         self._failed: set[tuple] = set()  # kernels whose failure to build was warned of
@@ -87,7 +89,8 @@ class Dispatcher:
 
     def kernel(self, entry: Entry, role: str, shape: Shape) -> Any:
         """The JIT function that plays `role` ("fwd", "preprocess", "dkdv", "dq"; with
-        "_plain": the twin's) for `entry` on calls of `shape`'s kind."""
+        "_plain": the twin's; "decode", "decode_combine" for a `DecodeShape`) for `entry`
+        on calls of `shape`'s kind."""
         raise NotImplementedError
 
     def entry(self, mode: str, variant: Any, shape: Shape, table: Table) -> Entry:
@@ -124,7 +127,7 @@ class Dispatcher:
         dispatcher runs."""
         if variant is None:
             return
-        name = "variant" if mode == "fwd" else "bwd_variant"
+        name = {"fwd": "variant", "bwd": "bwd_variant"}.get(mode, f"{mode}_variant")
         cls = self.variant_types.get(mode)
         if cls is None:
             raise TypeError(f"{name}= is not supported here: {PACKAGE} runs its tuned "
@@ -184,7 +187,7 @@ class Dispatcher:
         entry = self.entry(mode, variant, shape, table)
         reason = self.reject(mode, entry, shape, table)
         if reason:
-            what = "variant" if mode == "fwd" else "backward variant"
+            what = {"fwd": "variant", "bwd": "backward variant"}.get(mode, f"{mode} variant")
             raise ValueError(f"{what} {variant} is invalid for {shape}: {reason}")
         return entry
 
@@ -216,6 +219,13 @@ class Dispatcher:
             plan = self._plans.get(key)
         except (AttributeError, TypeError):  # not tensors, or an unhashable variant
             key, plan = None, None
+        if plan is None and variant is None:
+            check_inputs(q, k, v)
+            if serves_as_decode(q.shape[2], k.shape[2]):
+                plan = self._decode_as_forward(q, k, v, causal)
+                if key is not None:
+                    self._plans[key] = plan
+                return plan
         if plan is None:
             choice, entry, shape = self._choose("fwd", q, k, v, causal, variant)
 
@@ -230,6 +240,67 @@ class Dispatcher:
             if key is not None:
                 self._plans[key] = plan
         return plan
+
+    def _decode_as_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           causal: bool) -> _Plan:
+        """A forward plan that runs the decode family (`decode.serves_as_decode`): k and v
+        are a contiguous cache every sequence of which is full."""
+        check_options(causal, None)
+        b, nk = q.shape[0], k.shape[2]
+        seqlens = torch.full((b,), nk, dtype=torch.int32, device=q.device)
+        plan = self._decode_plan(q, k, v, seqlens, None, causal, None)
+
+        def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+            return plan.launch(q, k, v, seqlens, None, scale)
+
+        reason = (f"decode family: Nq {q.shape[2]} against Nk {nk}; "
+                  f"{plan.choice.how}: {plan.choice.reason}")
+        return _Plan(launch, dataclasses.replace(plan.choice, reason=reason), plan.scale)
+
+    def _decode_plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     seqlens: torch.Tensor, block_table: torch.Tensor | None, causal: bool,
+                     variant: Any) -> _Plan:
+        """The decode plan of a call's shape (`runtime.decode`). The inputs are checked on
+        every call (shapes are cheap; values only where they need no GPU sync)."""
+        check_options(causal, None)
+        shape = check_kvcache(q, k, v, seqlens, block_table, causal)
+        try:
+            key = (shape, q.device, variant)
+            plan = self._decode_plans.get(key)
+        except TypeError:  # an unhashable variant
+            key, plan = None, None
+        if plan is not None:
+            return plan
+        table = self.table(q.device)
+        if variant is None:
+            choice, entry = self.lookup(table, "decode", shape)  # type: ignore[arg-type]
+        else:
+            entry = self._explicit("decode", variant, shape, table)  # type: ignore[arg-type]
+            choice = Choice(variant, "explicit", "decode_variant= was given")
+        check_runnable(q.device, q.dtype)
+        plan = _Plan(prepare_decode(entry, shape, self._kernels(entry, shape)),  # type: ignore[arg-type]
+                     choice, default_scale(shape.head_dim))
+        if key is not None:
+            self._decode_plans[key] = plan
+        return plan
+
+    def kvcache(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                cache_seqlens: torch.Tensor, block_table: torch.Tensor | None = None,
+                causal: bool = True, scale: float | None = None,
+                variant: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output, log-sum-exp) of the decode family on a KV cache (`attention_with_kvcache`)."""
+        plan = self._decode_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal,
+                                 variant)
+        return plan.launch(q, k_cache, v_cache, cache_seqlens, block_table,
+                           plan.scale if scale is None else scale)
+
+    def explain_kvcache(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        cache_seqlens: torch.Tensor, block_table: torch.Tensor | None = None,
+                        causal: bool = True, variant: Any = None) -> Choice:
+        """Which decode variant `attention_with_kvcache` runs for these inputs, and why."""
+        return self._decode_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal,
+                                 variant).choice
 
     def _bwd_plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                   variant: Any) -> _Plan:

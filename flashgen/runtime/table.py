@@ -18,6 +18,10 @@ query and key lengths its tiles fit), "source" (the database row) and what a dis
 
 For a call: the exact (dtype, causal, head dim, GQA ratio, Nq bucket, Nk bucket) entry; else
 the nearest tuned bucket of the same kind that is valid for the call; else the default.
+
+"decode" entries (the decode family, `runtime.decode`) carry two more fields: "page_size" (0
+for contiguous caches), part of their kind, and "bh_bucket", the bucket of batch x Hkv (the
+programs a split launches besides its splits), measured in the distance with the lengths.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from .inputs import DTYPE_NAMES
 Entry = Mapping[str, Any]
 #: Why an entry cannot serve a call (None: it can).
 Check = Callable[[Entry], "str | None"]
-MODES: tuple[str, ...] = ("fwd", "bwd")
+MODES: tuple[str, ...] = ("fwd", "bwd", "decode")
 
 
 #: flashgen's `Problem` fields, in its order, so that each converts to the other in one call
@@ -120,6 +124,17 @@ def _family(e: Entry) -> tuple[str, bool, int]:
     return e["dtype"], e["causal"], e["head_dim"]
 
 
+def _kind(mode: str, e: Entry) -> tuple:
+    """What a tuned entry must share with a call to serve it (decode adds the page size)."""
+    extra = (e["page_size"],) if mode == "decode" else ()
+    return (*_family(e), e["gqa"], *extra)
+
+
+def _call_kind(mode: str, shape: Any) -> tuple:
+    extra = (shape.page_size,) if mode == "decode" else ()
+    return (shape.dtype, shape.causal, shape.head_dim, shape.group, *extra)
+
+
 class Table:
     """One device's table (see the module docstring), indexed for lookup.
 
@@ -136,7 +151,7 @@ class Table:
         self.defaults: dict[str, dict[tuple, dict[tuple[int, int], Entry]]] = {}
         for mode in MODES:
             for e in data.get(mode, ()):
-                self.tuned[mode].setdefault((*_family(e), e["gqa"]), []).append(e)
+                self.tuned[mode].setdefault(_kind(mode, e), []).append(e)
             if f"{mode}_defaults" in data:
                 grid = self.defaults.setdefault(mode, {})
                 for e in data[f"{mode}_defaults"]:
@@ -146,12 +161,15 @@ class Table:
     def lookup(self, mode: str, shape: Shape, check: Check) -> tuple[Entry | None, str, str]:
         """(entry, how, reason): the exact or nearest tuned entry that `check` and the tile
         and whole-heads rules let serve `shape`, or (None, "fallback", why) if none does."""
-        family = (shape.dtype, shape.causal, shape.head_dim, shape.group)
+        family = _call_kind(mode, shape)
         want_q, want_k = bucket(shape.seq_q), bucket(shape.seq_k)
+        want_bh = bucket(shape.batch * shape.heads_kv)
 
         def distance(e: Entry) -> tuple[float, int]:
             d = (abs(math.log2(e["seq_q_bucket"] / want_q))
                  + abs(math.log2(e["seq_k_bucket"] / want_k)))
+            if "bh_bucket" in e:
+                d += abs(math.log2(e["bh_bucket"] / want_bh))
             return d, -e["seq_q_bucket"]  # ties: the longer bucket (better tuned for big work)
 
         skipped: list[str] = []
@@ -163,7 +181,7 @@ class Table:
                       or check(e))
             if reason:
                 skipped.append(f"bucket Nq{got[0]}/Nk{got[1]}: {reason}")
-            elif got == (want_q, want_k):
+            elif got == (want_q, want_k) and e.get("bh_bucket", want_bh) == want_bh:
                 return e, "exact", f"tuned winner for this bucket {got}"
             else:
                 return e, "nearest", (f"no winner for bucket {(want_q, want_k)}; nearest tuned "

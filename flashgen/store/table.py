@@ -17,6 +17,7 @@ from typing import Any
 
 from flashgen.kernels.bwd_render import PREPROCESS_BLOCK_M
 from flashgen.kernels.bwd_space import bwd_pointer_twin
+from flashgen.kernels.decode_variant import DecodeVariant
 from flashgen.kernels.hardware import DeviceInfo
 from flashgen.kernels.modes import AnyVariant, space_of
 from flashgen.kernels.problem import Problem
@@ -53,6 +54,8 @@ def twin(variant: AnyVariant, problem: Problem, device: DeviceInfo | None) -> An
     variants that need no TMA."""
     if isinstance(variant, Variant):
         return variant.pointer_twin() if variant.needs_tma else None
+    if isinstance(variant, DecodeVariant):
+        return None  # pointer loads only
     return bwd_pointer_twin(variant, problem, device) if variant.fa3 != "none" else None
 
 
