@@ -21,8 +21,8 @@ import torch
 from flashgen.kernels.bwd_render import PREPROCESS_BLOCK_M, load_bwd_kernel
 from flashgen.kernels.bwd_space import default_bwd_variant
 from flashgen.kernels.bwd_variant import BwdVariant
-from flashgen.kernels.decode_space import default_decode_variant
 from flashgen.kernels.decode_render import load_decode_kernel
+from flashgen.kernels.decode_space import default_decode_variant
 from flashgen.kernels.decode_variant import DecodeVariant
 from flashgen.kernels.fwd_space import default_variant
 from flashgen.kernels.hardware import DeviceInfo, device_info
@@ -33,9 +33,9 @@ from flashgen.kernels.render import load_kernel
 from flashgen.kernels.variant import Variant
 from flashgen.runtime import dispatch
 from flashgen.runtime.backward import BwdLauncher, prepare_backward
-from flashgen.runtime.decode import DecodeLauncher, DecodeShape, prepare_decode
 from flashgen.runtime.forward import Launcher, default_scale
 from flashgen.runtime.forward import prepare_forward as _prepare_entry
+from flashgen.runtime.kvcache import DecodeLauncher, DecodeShape, prepare_decode
 from flashgen.runtime.table import Choice, Entry, Shape, Table
 from flashgen.store.table import default_paths, device_table, entry, entry_is_current
 
@@ -222,3 +222,20 @@ def run_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     its all-Triton twin on inputs TMA cannot address. Inputs are not validated here."""
     scale = default_scale(problem.head_dim) if scale is None else float(scale)
     return _backward(variant, problem, device_info(q.device))(do, q, k, v, out, lse, scale)
+
+
+@functools.lru_cache(maxsize=256)
+def _decode(variant: DecodeVariant, problem: DecodeProblem) -> DecodeLauncher:
+    found = entry(variant, problem, None)
+    return prepare_decode(found, shape_of(problem),  # type: ignore[arg-type]
+                          lambda role: load_role(found, role, problem))
+
+
+def run_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
+               variant: DecodeVariant, problem: DecodeProblem,
+               scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run decode `variant` on a KV cache of `problem`'s kind (see the runtime's
+    `prepare_decode`); returns (output like q, log-sum-exp). Inputs are not validated here."""
+    scale = default_scale(problem.head_dim) if scale is None else float(scale)
+    return _decode(variant, problem)(q, k_cache, v_cache, cache_seqlens, block_table, scale)

@@ -18,7 +18,7 @@ class DecodeVariant(Knobs):
         score tile.
     num_splits: how many runs of keys each sequence is cut into, one program each, merged by
         the combine kernel. 0 lets the launcher pick enough to give every SM about two
-        programs (`runtime.decode.auto_splits`); 1 runs the split kernel alone (no combine).
+        programs (`runtime.kvcache.auto_splits`); 1 runs the split kernel alone (no combine).
     num_warps / num_stages: warps per program and pipelining depth of the K/V loads.
     """
 

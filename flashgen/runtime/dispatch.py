@@ -32,9 +32,9 @@ from typing import Any, ClassVar
 import torch
 
 from .backward import BwdLauncher, prepare_backward
-from .decode import check_kvcache, prepare_decode, serves_as_decode
 from .forward import Launcher, default_scale, prepare_forward
 from .inputs import check_inputs, check_options, check_runnable
+from .kvcache import check_kvcache, prepare_decode, serves_as_decode
 from .table import Choice, Entry, Shape, Table
 
 #: The package this runtime serves ("flashgen", or an exported package's name), which names
@@ -243,7 +243,7 @@ class Dispatcher:
 
     def _decode_as_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            causal: bool) -> _Plan:
-        """A forward plan that runs the decode family (`decode.serves_as_decode`): k and v
+        """A forward plan that runs the decode family (`kvcache.serves_as_decode`): k and v
         are a contiguous cache every sequence of which is full."""
         check_options(causal, None)
         b, nk = q.shape[0], k.shape[2]
@@ -261,7 +261,7 @@ class Dispatcher:
     def _decode_plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      seqlens: torch.Tensor, block_table: torch.Tensor | None, causal: bool,
                      variant: Any) -> _Plan:
-        """The decode plan of a call's shape (`runtime.decode`). The inputs are checked on
+        """The decode plan of a call's shape (`runtime.kvcache`). The inputs are checked on
         every call (shapes are cheap; values only where they need no GPU sync)."""
         check_options(causal, None)
         shape = check_kvcache(q, k, v, seqlens, block_table, causal)

@@ -19,7 +19,7 @@ query and key lengths its tiles fit), "source" (the database row) and what a dis
 For a call: the exact (dtype, causal, head dim, GQA ratio, Nq bucket, Nk bucket) entry; else
 the nearest tuned bucket of the same kind that is valid for the call; else the default.
 
-"decode" entries (the decode family, `runtime.decode`) carry two more fields: "page_size" (0
+"decode" entries (the decode family, `runtime.kvcache`) carry two more fields: "page_size" (0
 for contiguous caches), part of their kind, and "bh_bucket", the bucket of batch x Hkv (the
 programs a split launches besides its splits), measured in the distance with the lengths.
 """

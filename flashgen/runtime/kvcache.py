@@ -164,7 +164,7 @@ def check_lengths(seqlens: torch.Tensor, n_max: int, nq: int, causal: bool) -> N
 def check_pages(block_table: torch.Tensor, seqlens: torch.Tensor, page_size: int,
                 num_pages: int) -> None:
     """Every page id a sequence's valid keys use is in [0, num_pages)."""
-    for i, (row, n) in enumerate(zip(block_table.tolist(), seqlens.tolist())):
+    for i, (row, n) in enumerate(zip(block_table.tolist(), seqlens.tolist(), strict=True)):
         used = row[:cdiv(max(n, 0), page_size)]
         bad = [p for p in used if not 0 <= p < num_pages]
         if bad:
