@@ -8,11 +8,18 @@ read, and what a decode row's kernel hash covers.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from flashgen.kernels.decode_variant import DecodeVariant
 from flashgen.kernels.problem import DecodeProblem, Problem
-from flashgen.kernels.render import _load_module, _render, rendered_hash, source_hash
+from flashgen.kernels.render import (
+    _load_module,
+    _make_environment,
+    _render,
+    rendered_hash,
+    source_hash,
+)
 
 DecodeKernel = Literal["decode", "decode_combine"]
 DECODE_KERNELS: tuple[str, ...] = ("decode", "decode_combine")
@@ -57,6 +64,14 @@ def _context(kernel: DecodeKernel, variant: DecodeVariant, problem: Problem) -> 
 def render_decode(kernel: DecodeKernel, variant: DecodeVariant, problem: Problem) -> str:
     """The Triton source of one decode kernel (cached on what its template reads)."""
     return _render(decode_template_name(kernel), _context(kernel, variant, problem))
+
+
+def render_decode_with(templates: Mapping[str, str], kernel: DecodeKernel,
+                       variant: DecodeVariant, problem: Problem) -> str:
+    """What `render_decode` gives with other template texts (say an earlier revision's)."""
+    env = _make_environment(templates.get)
+    return env.get_template(decode_template_name(kernel)).render(
+        **decode_render_context(kernel, variant, problem))
 
 
 def decode_roles(variant: DecodeVariant) -> tuple[DecodeKernel, ...]:
