@@ -422,12 +422,12 @@ def list_presets() -> None:
     """List the problem presets that `flashgen tune --preset` accepts."""
     from rich.table import Table
 
-    from flashgen.kernels.presets import PRESETS
+    from flashgen.kernels.presets import DECODE_PRESETS, PRESETS
 
     table = Table(title="flashgen presets")
     for column in ("name", "problems", "description", "(B, Hq, Hkv, Nq, Nk, D)"):
         table.add_column(column)
-    for name, p in PRESETS.items():
+    for name, p in [*PRESETS.items(), *DECODE_PRESETS.items()]:
         shapes = p.shapes()
         table.add_row(name, str(len(shapes)), p.description,
                       " ".join(",".join(map(str, s)) for s in shapes[:2]) + " ...")
@@ -445,9 +445,16 @@ def bench(
     causal: Annotated[str, typer.Option(
         metavar="yes|no|both", help="Masking: yes (causal), no (full), or both.")] = "both",
     mode: Annotated[str, typer.Option(
-        metavar="fwd|bwd|both",
+        metavar="fwd|bwd|both|decode",
         help="What is timed: fwd (forward), bwd (backward alone), both (forward+backward "
-             "in one call); a comma-separated list such as fwd,both times each.")] = "fwd",
+             "in one call); a comma-separated list such as fwd,both times each. decode: "
+             "attention_with_kvcache against SDPA flash, cuDNN and FlexAttention, in us, "
+             "GB/s of K/V read and share of the measured copy rate (decode presets: "
+             "llama3-8b-decode, llama3-70b-decode, qwen2.5-7b-decode, decode-targets; "
+             "--causal defaults to yes).")] = "fwd",
+    page_size: Annotated[str, typer.Option(
+        metavar="LIST", help="--mode decode: comma-separated page sizes of the caches; 0 is "
+                             "a contiguous cache.")] = "0,16",
     competitors: Annotated[str | None, typer.Option(
         metavar="LIST",
         help="Comma-separated: flashgen, sdpa-flash, sdpa-cudnn, sdpa-efficient, sdpa-math, "
@@ -496,6 +503,10 @@ def bench(
         raise _fail("--no-timing leaves nothing to do without --memory")
     if db is not None and not db.is_file():
         raise _fail(f"no tuning database at {db}")
+    if mode == "decode":
+        _bench_decode(shape or [], preset or [], dtype, causal, page_size, device, gpu, out,
+                      csv_path, seed, rep_ms, db)
+        return
 
     from flashgen.bench.command import Outputs, resolve_device, run_bench
     from flashgen.bench.competitors import parse_names, resolve
@@ -518,6 +529,31 @@ def bench(
     run_bench(problems, modes, target, names, Outputs.under(out, csv_path, plot, no_plot),
               timing=timing, memory=memory, seed=seed, rep_ms=rep_ms, console=_console(),
               dispatcher=dispatcher)
+
+
+def _bench_decode(shapes: list[str], preset_names: list[str], dtype: str | None, causal: str,
+                  page_size: str, device: str, gpu: int, out: Path, csv_path: Path | None,
+                  seed: int, rep_ms: float, db: Path | None) -> None:
+    """`flashgen bench --mode decode`: see `flashgen.bench.decoding`."""
+    from flashgen.bench.command import resolve_device
+    from flashgen.bench.decoding import DECODE_COMPETITORS, run_decode_bench
+    from flashgen.kernels import presets
+    from flashgen.serve import Dispatcher
+    from flashgen.store.table import shipped_db_path
+
+    try:
+        target = resolve_device(device, gpu)
+        dtypes = presets.parse_dtypes(dtype or ("bf16" if device == "cuda" else "fp32"))
+        problems = presets.decode_problems(
+            shapes, preset_names, dtypes,
+            presets.parse_causal("yes" if causal == "both" else causal),
+            presets.parse_page_sizes(page_size))
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    names = DECODE_COMPETITORS if target.type == "cuda" else ("flashgen",)
+    run_decode_bench(problems, target, names, seed=seed, rep_ms=rep_ms,
+                     csv_path=csv_path or out / "decode.csv", console=_console(),
+                     dispatcher=Dispatcher([db, shipped_db_path()]) if db else None)
 
 
 @app.command()

@@ -48,15 +48,20 @@ def make_kvcache(problem: DecodeProblem, device: torch.device | str = "cpu", see
     """Seeded inputs of `problem`'s kind. Every sequence holds `problem.seq_k` keys unless
     `seqlens` gives each its own; the cache holds `capacity` keys per sequence (default: the
     longest length, rounded up to whole pages)."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
     p, dtype = problem, problem.torch_dtype
+    device = torch.device(device)
+    # On a GPU the numbers are drawn there: a 128k-key cache of a large batch is tens of GB.
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shuffle = torch.Generator(device="cpu").manual_seed(seed)
     lengths = seqlens if seqlens is not None else [p.seq_k] * p.batch
     if len(lengths) != p.batch:
         raise ValueError(f"seqlens has {len(lengths)} lengths for batch {p.batch}")
     n_max = capacity or max(lengths)
 
     def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+        if device.type == "cuda":
+            return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
+        return torch.randn(*shape, generator=gen).to(dtype=dtype)
 
     q = randn(p.batch, p.heads_q, p.seq_q, p.head_dim)
     lens = torch.tensor(lengths, dtype=torch.int32, device=device)
@@ -66,7 +71,7 @@ def make_kvcache(problem: DecodeProblem, device: torch.device | str = "cpu", see
         return KVCache(q, k, v, lens, None)
     per_seq = -(-n_max // p.page_size)
     total = p.batch * per_seq + 3  # spare pages no sequence owns
-    order = torch.randperm(total, generator=gen)[:p.batch * per_seq]
+    order = torch.randperm(total, generator=shuffle)[:p.batch * per_seq]
     table = order.view(p.batch, per_seq).to(device=device, dtype=torch.int32)
     k = randn(total, p.page_size, p.heads_kv, p.head_dim)
     v = randn(total, p.page_size, p.heads_kv, p.head_dim)
