@@ -199,10 +199,15 @@ def tune(
         min=1, help="Threads compiling candidates ahead of timing; also how many trials are "
                     "asked of the sampler at once.")] = min(16, os.cpu_count() or 1),
     mode: Annotated[str, typer.Option(
-        metavar="fwd|bwd|both",
+        metavar="fwd|bwd|both|decode",
         help="What to tune: the forward kernel (fwd), the backward kernels (bwd: gradients "
              "checked against the reference, the backward alone timed), or both, forward "
-             "first, for each problem.")] = "fwd",
+             "first, for each problem; decode: the decode family (attention_with_kvcache) "
+             "on caches of each --page-size, with decode presets such as "
+             "llama3-8b-decode.")] = "fwd",
+    page_size: Annotated[str, typer.Option(
+        metavar="LIST", help="--mode decode: comma-separated cache page sizes; 0 is a "
+                             "contiguous cache.")] = "0",
     remeasure: Annotated[bool, typer.Option(
         help="Measure again the variants each problem already has timings for (fastest "
              "stored first; they count toward --trials) before sampling new ones: for "
@@ -214,9 +219,10 @@ def tune(
     time the correct ones, and store all trials and the winners in the database."""
     if device not in ("cuda", "cpu"):
         raise _fail(f"--device must be cuda or cpu, got {device!r}")
-    modes = {"fwd": ("fwd",), "bwd": ("bwd",), "both": ("fwd", "bwd")}.get(mode)
+    modes = {"fwd": ("fwd",), "bwd": ("bwd",), "both": ("fwd", "bwd"),
+             "decode": ("decode",)}.get(mode)
     if modes is None:
-        raise _fail(f"--mode must be fwd, bwd or both, got {mode!r}")
+        raise _fail(f"--mode must be fwd, bwd, both or decode, got {mode!r}")
     if device == "cpu":
         _use_interpreter()
     if not shape and not preset:
@@ -227,8 +233,13 @@ def tune(
     from flashgen.kernels import presets
 
     try:
-        problems = presets.expand(shape or [], preset or [], presets.parse_dtypes(dtype),
-                                  presets.parse_causal(causal))
+        if mode == "decode":
+            problems: list[Problem] = list(presets.decode_problems(
+                shape or [], preset or [], presets.parse_dtypes(dtype),
+                presets.parse_causal(causal), presets.parse_page_sizes(page_size)))
+        else:
+            problems = presets.expand(shape or [], preset or [], presets.parse_dtypes(dtype),
+                                      presets.parse_causal(causal))
     except ValueError as exc:
         raise _fail(str(exc)) from None
     from flashgen.tune.search import RunOptions
@@ -242,6 +253,12 @@ def _make_bench(mode: str, problem: Problem, target: torch.device, seed: int,
     """The bench of one problem and mode. The backward's input comes from the forward that
     dispatch serves from the database being tuned (then the shipped one), so `--mode both`
     feeds it the forward just tuned."""
+    if mode == "decode":
+        from flashgen.kernels.problem import DecodeProblem
+        from flashgen.tune.decode_bench import DecodeKernelBench
+
+        assert isinstance(problem, DecodeProblem)
+        return DecodeKernelBench(problem, target, seed=seed, compile_workers=compile_workers)
     if mode == "fwd":
         from flashgen.tune.fwd_bench import KernelBench
 

@@ -193,8 +193,11 @@ def kind_label(dtype: str, causal: bool, head_dim: int, gqa: int, seq_q: int,
 def problem_label(p: Problem) -> str:
     """`kind_label` of a whole problem, then its batch and query heads: "bf16 c D128 g4 2k
     B8 H32"."""
+    cache = ""
+    if isinstance(p, DecodeProblem):
+        cache = f" p{p.page_size}" if p.page_size else " contig"
     return (f"{kind_label(p.dtype, p.causal, p.head_dim, p.group, p.seq_q, p.seq_k)} "
-            f"B{p.batch} H{p.heads_q}")
+            f"B{p.batch} H{p.heads_q}{cache}")
 
 
 def shape_text(p: Problem) -> str:

@@ -82,6 +82,9 @@ class Problem:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Problem:
+        """The problem `to_dict` gave `data`: a `DecodeProblem` where it names a page size."""
+        if cls is Problem and "page_size" in data:
+            return DecodeProblem(**data)
         return cls(**data)
 
     @classmethod

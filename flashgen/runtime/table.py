@@ -175,16 +175,20 @@ class Table:
         skipped: list[str] = []
         for e in sorted(self.tuned[mode].get(family, ()), key=distance):  # stable: precedence
             got = (e["seq_q_bucket"], e["seq_k_bucket"])
+            if "bh_bucket" in e:  # decode: batch x Hkv is part of the bucket
+                got, want = (*got, e["bh_bucket"]), (want_q, want_k, want_bh)
+            else:
+                want = (want_q, want_k)
             reason = (self._too_short(e, shape)
                       or head_units_leave_programs_idle(knobs(e["variant"]), shape,
                                                         self.sm_count)
                       or check(e))
             if reason:
                 skipped.append(f"bucket Nq{got[0]}/Nk{got[1]}: {reason}")
-            elif got == (want_q, want_k) and e.get("bh_bucket", want_bh) == want_bh:
+            elif got == want:
                 return e, "exact", f"tuned winner for this bucket {got}"
             else:
-                return e, "nearest", (f"no winner for bucket {(want_q, want_k)}; nearest tuned "
+                return e, "nearest", (f"no winner for bucket {want}; nearest tuned "
                                       f"bucket {got} is valid here")
         if skipped:
             return None, "fallback", "tuned buckets of this kind are invalid here: " + "; ".join(

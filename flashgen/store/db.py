@@ -219,8 +219,17 @@ def m008_claims(db: sqlite_utils.Database) -> None:
     )
 
 
+@migrations()
+def m009_decode_keys(db: sqlite_utils.Database) -> None:
+    """Decode tuning (mode 'decode'): its keys add the cache's page size and the batch x Hkv
+    bucket (`TuningKey.DECODE_ONLY`); other modes' rows hold 0 there."""
+    for table in ("trials", "winners"):
+        for column in ("page_size", "bh_bucket"):
+            db[table].add_column(column, int, not_null_default=0)
+
+
 #: The number of migrations above; a test checks that a fresh file reaches it.
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 
 def _migration_names() -> list[str]:
@@ -621,7 +630,7 @@ class TuningDB:
             winner = _winner_row(row, strict=False)
             if winner is None:
                 continue
-            bucket = tuple(row[c] for c in KEY_COLUMNS if c != "torch_version")
+            bucket = tuple(row.get(c) for c in KEY_COLUMNS if c != "torch_version")
             held = chosen.get(bucket)
             if held is None or _prefer(winner, held, current.torch):
                 chosen[bucket] = winner

@@ -77,6 +77,7 @@ def winner_entry(winner: WinnerRow, source: str, device: DeviceInfo) -> dict[str
     return {
         "dtype": k.dtype, "causal": k.causal, "head_dim": k.head_dim, "gqa": k.gqa,
         "seq_q_bucket": k.seq_q_bucket, "seq_k_bucket": k.seq_k_bucket,
+        **({"page_size": k.page_size, "bh_bucket": k.bh_bucket} if k.mode == "decode" else {}),
         **entry(winner.variant, winner.problem, device),
         "tflops": winner.tflops, "source": source,
         "problem": winner.problem.to_dict(), "kernel_hash": winner.kernel_hash,

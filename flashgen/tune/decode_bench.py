@@ -1,4 +1,4 @@
-"""The decode family's inputs, correctness gate and candidate bench.
+"""The decode family's inputs, correctness gate and candidate bench (`DecodeKernelBench`).
 
 Inputs: a seeded KV cache of a `DecodeProblem`'s kind, contiguous ((B, Nmax, Hkv, D) memory
 viewed as (B, Hkv, Nmax, D), as transformers keeps it) or paged (a shuffled block table over
@@ -9,12 +9,20 @@ sequence's valid cache alone; the call passes where every sequence does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
+from flashgen.kernels.decode_variant import DecodeVariant
 from flashgen.kernels.problem import DecodeProblem
+from flashgen.serve import run_decode
+from flashgen.tune.baseline import Baseline, sdpa_baseline
 from flashgen.tune.check import CheckResult, compare
+from flashgen.tune.fwd_bench import Measurement, describe_failure
+from flashgen.tune.timing import tflops, time_cpu, time_cuda
 
 
 @dataclass(frozen=True)
@@ -93,3 +101,93 @@ def compare_kvcache(out: torch.Tensor, cache: KVCache, causal: bool,
             worst = got
     assert worst is not None
     return worst
+
+
+def decode_gate(problem: DecodeProblem) -> DecodeProblem:
+    """The problem a decode candidate is checked on: at most 2 sequences of at most 2 K/V
+    heads and 1024 + (Nk mod 256) keys, so the last key tile and the split boundaries fall
+    as in the real problem; ragged (see `DecodeKernelBench.measure`)."""
+    keys = problem.seq_k if problem.seq_k <= 1280 else 1024 + problem.seq_k % 256
+    hkv = min(problem.heads_kv, 2)
+    return replace(problem, batch=min(problem.batch, 2), heads_kv=hkv,
+                   heads_q=hkv * problem.group, seq_k=keys)
+
+
+class DecodeKernelBench:
+    """Decode variants of one `DecodeProblem` (the tuner's `Bench` for mode "decode").
+
+    The timed cache holds Nk keys in every sequence. Each candidate's gate runs on fresh
+    inputs seeded from the variant, with a ragged batch (the second sequence shorter, not a
+    multiple of a tile), against the float64 reference on each sequence's valid cache.
+    Throughput is the forward's FLOPs per second, as for the other modes, so the database's
+    columns mean one thing; `flashgen bench --mode decode` reports GB/s.
+    """
+
+    def __init__(self, problem: DecodeProblem, device: torch.device | str, *, seed: int = 0,
+                 compile_workers: int | None = None) -> None:
+        self.problem = problem
+        self.device = torch.device(device)
+        self.seed = seed
+        self.gate = decode_gate(problem)
+        self.on_gpu = self.device.type == "cuda"
+        self._cache: KVCache | None = None
+
+    @property
+    def cache(self) -> KVCache:
+        if self._cache is None:
+            self._cache = make_kvcache(self.problem, self.device, self.seed)
+        return self._cache
+
+    def _run(self, c: KVCache, variant: DecodeVariant,
+             problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
+        return run_decode(c.q, c.k, c.v, c.seqlens, c.block_table, variant, problem)
+
+    def compile(self, variants: Sequence[DecodeVariant]) -> dict[DecodeVariant, str]:
+        """Launch each variant once on the timing inputs (Triton compiles at first launch);
+        serially: decode kernels are small and few."""
+        if not self.on_gpu:
+            return {}
+        failures: dict[DecodeVariant, str] = {}
+        for v in variants:
+            try:
+                self._run(self.cache, v, self.problem)
+            except Exception as exc:
+                failures[v] = describe_failure(exc)
+        torch.cuda.synchronize(self.device)
+        return failures
+
+    def measure(self, variant: DecodeVariant) -> Measurement:
+        g = self.gate
+        seed = (self.seed * 1_000_003 + zlib.crc32(variant.to_json().encode())) % 2**31
+        lengths = [g.seq_k, max(g.seq_q, g.seq_k * 2 // 3 + 1)][:g.batch]
+        small = make_kvcache(g, self.device, seed, seqlens=lengths, capacity=g.seq_k)
+        try:
+            out, lse = self._run(small, variant, g)
+        except Exception as exc:
+            return Measurement.failed(describe_failure(exc))
+        check = compare_kvcache(out, small, g.causal, lse=lse)
+        if not check.ok:
+            error = check.error if math.isfinite(check.error) else None
+            return Measurement.failed(f"wrong answer: {check.reason}", error, check.bound)
+        c = self.cache
+        try:
+            timing = (time_cuda(lambda: self._run(c, variant, self.problem), self.device)
+                      if self.on_gpu else time_cpu(lambda: self._run(c, variant, self.problem)))
+        except Exception as exc:
+            return Measurement.failed(describe_failure(exc), check.error, check.bound)
+        return Measurement("ok", timing=timing,
+                           tflops=tflops(self.problem.flops(), timing.median_ms),
+                           error=check.error, bound=check.bound)
+
+    def baseline(self) -> Baseline | None:
+        """SDPA's fastest backend on the same keys as one contiguous cache; one query needs
+        no mask (SDPA's own causal flag aligns top-left, so longer chunks get none here)."""
+        if self.problem.causal and self.problem.seq_q > 1:
+            return None
+        c = self.cache
+        k = c.k if c.block_table is None else torch.cat([c.valid(b)[0] for b in
+                                                         range(self.problem.batch)])
+        v = c.v if c.block_table is None else torch.cat([c.valid(b)[1] for b in
+                                                         range(self.problem.batch)])
+        timer = (lambda fn: time_cuda(fn, self.device)) if self.on_gpu else time_cpu
+        return sdpa_baseline(c.q, k, v, False, timer)
