@@ -116,8 +116,10 @@ class TuningKey:
                         if self.mode == "decode" or name not in DECODE_ONLY)
 
     def to_columns(self) -> dict[str, Any]:
-        """The key as database columns (booleans as 0/1, as SQLite stores them)."""
-        row = asdict(self)
+        """The key as database columns (booleans as 0/1, as SQLite stores them). Other modes
+        leave the decode-only columns to their default, 0, as files before them lacked them."""
+        row = {k: v for k, v in asdict(self).items()
+               if self.mode == "decode" or k not in DECODE_ONLY}
         row["causal"] = int(self.causal)
         return row
 
