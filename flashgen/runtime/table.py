@@ -152,7 +152,12 @@ class Table:
         for mode in MODES:
             for e in data.get(mode, ()):
                 self.tuned[mode].setdefault(_kind(mode, e), []).append(e)
-            if f"{mode}_defaults" in data:
+            if mode == "decode":
+                if "decode_defaults" in data:
+                    grid = self.defaults.setdefault(mode, {})
+                    for e in data["decode_defaults"]:
+                        grid.setdefault(_family(e), {})[(e["rows"], e["page_size"])] = e
+            elif f"{mode}_defaults" in data:
                 grid = self.defaults.setdefault(mode, {})
                 for e in data[f"{mode}_defaults"]:
                     grid.setdefault(_family(e), {})[(e["seq_q_bucket"], e["seq_k_bucket"])] = e
@@ -222,6 +227,18 @@ class Table:
                 f"{shape.head_dim} in {self.name}; it holds: {have}. Export again from a "
                 "database tuned for this kind of problem."
             )
+        if mode == "decode":
+            return grid[decode_default_key(shape)]
         low, high = self.lengths[0], self.lengths[-1]
         clamp = lambda n: min(high, max(low, bucket(n)))
         return grid[(clamp(shape.seq_q), clamp(shape.seq_k))]
+
+
+def decode_default_key(shape: Any) -> tuple[int, int]:
+    """Where a decode call finds its default in a precomputed grid ("decode_defaults":
+    packed rows 16, 32, 64 x page size 0, 16, 32, 64): its packed query rows (GQA group x
+    Nq) and page size, rounded into the grid. The defaults' tiles are at most 64 rows and 64
+    keys, so larger calls share the largest cell."""
+    rows = min(64, max(16, bucket(shape.group * shape.seq_q)))
+    page = min(64, max(16, shape.page_size)) if shape.page_size else 0
+    return rows, page
