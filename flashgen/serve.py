@@ -122,7 +122,8 @@ class Dispatcher(dispatch.Dispatcher):
                     f"{whom}.")
 
         whole = notice("", "both", "this device")
-        return {"fwd": whole, "bwd": notice("backward ", "bwd", "them") if tuned_fwd else whole}
+        return {"fwd": whole, "bwd": notice("backward ", "bwd", "them") if tuned_fwd else whole,
+                "decode": notice("decode ", "decode", "them")}
 
     def kernel(self, entry: Entry, role: str, shape: Shape) -> Any:
         return load_role(entry, role, problem_of(shape))

@@ -210,5 +210,7 @@ def tune_command(device: DeviceInfo, problem: Problem, mode: str = "both") -> st
     interpreter needs `--device cpu` (and a GPU index would be wrong there), a GPU the index
     under which this process sees that model."""
     where = "--device cpu" if device.is_interpreter else f"--gpu {cuda_index(device)}"
+    page = (f" --page-size {problem.page_size}"
+            if isinstance(problem, DecodeProblem) and mode == "decode" else "")
     return (f"flashgen tune {where} --shape {shape_text(problem)} --dtype {problem.dtype} "
-            f"--causal {'yes' if problem.causal else 'no'} --mode {mode}")
+            f"--causal {'yes' if problem.causal else 'no'} --mode {mode}{page}")
