@@ -197,3 +197,11 @@ def test_gpu_debug_checks_pages(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FLASHGEN_DEBUG", "1")
     with pytest.raises(ValueError, match="names page 10000"):
         flashgen.attention_with_kvcache(c.q, c.k, c.v, c.seqlens, block_table=bad)
+
+
+def test_transformers_step_limit_matches_dispatch() -> None:
+    """The integration's new-token limit is the runtime's (it may import only flashgen)."""
+    from flashgen.integrations.transformers import DECODE_MAX_NEW_TOKENS
+    from flashgen.runtime.kvcache import DECODE_MAX_SEQ_Q
+
+    assert DECODE_MAX_NEW_TOKENS == DECODE_MAX_SEQ_Q

@@ -19,7 +19,10 @@ from typing import Any
 import torch
 
 import flashgen
-from flashgen.runtime.kvcache import DECODE_MAX_SEQ_Q
+
+#: New tokens per step that run the decode family (generation, speculative decoding): the
+#: limit `flashgen.attention` itself uses for a few queries against a long cache.
+DECODE_MAX_NEW_TOKENS = 16
 
 #: The last mask read and whether it was free of padding: every layer of a forward pass gets
 #: the same mask, which is read back once per pass, not once per layer (a GPU sync).
@@ -67,7 +70,7 @@ def flashgen_attention_forward(
         raise ValueError("flashgen supports neither logit softcapping nor sliding windows")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     nq = query.shape[2]
-    if nq <= DECODE_MAX_SEQ_Q and valid > nq:
+    if nq <= DECODE_MAX_NEW_TOKENS and valid > nq:
         # New tokens against a cache: the decode family, every sequence `valid` keys long.
         lengths = torch.full((query.shape[0],), valid, dtype=torch.int32, device=query.device)
         out = flashgen.attention_with_kvcache(query, key, value, lengths, causal=causal,
