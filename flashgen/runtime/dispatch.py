@@ -34,7 +34,7 @@ import torch
 from .backward import BwdLauncher, prepare_backward
 from .forward import Launcher, default_scale, prepare_forward
 from .inputs import check_inputs, check_options, check_runnable
-from .kvcache import check_kvcache, prepare_decode, serves_as_decode
+from .kvcache import check_kvcache, debug_checks, prepare_decode, serves_as_decode
 from .table import Choice, Entry, Shape, Table
 
 #: The package this runtime serves ("flashgen", or an exported package's name), which names
@@ -261,17 +261,24 @@ class Dispatcher:
     def _decode_plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      seqlens: torch.Tensor, block_table: torch.Tensor | None, causal: bool,
                      variant: Any) -> _Plan:
-        """The decode plan of a call's shape (`runtime.kvcache`). The inputs are checked on
-        every call (shapes are cheap; values only where they need no GPU sync)."""
-        check_options(causal, None)
-        shape = check_kvcache(q, k, v, seqlens, block_table, causal)
+        """The decode plan of a call's shape (`runtime.kvcache`), checked and chosen on the
+        first call of its shape; later calls of the shape are a dict lookup (the value checks
+        run again where they need no GPU sync: CPU tensors, or FLASHGEN_DEBUG=1)."""
         try:
-            key = (shape, q.device, variant)
+            table_kind = (None if block_table is None
+                          else (block_table.shape, block_table.dtype, block_table.device))
+            key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device,
+                   v.device, seqlens.shape, seqlens.dtype, seqlens.device, table_kind, causal,
+                   variant)  # fmt: skip
             plan = self._decode_plans.get(key)
-        except TypeError:  # an unhashable variant
+        except (AttributeError, TypeError):  # not tensors, or an unhashable variant
             key, plan = None, None
         if plan is not None:
+            if seqlens.device.type == "cpu" or debug_checks():
+                check_kvcache(q, k, v, seqlens, block_table, causal)
             return plan
+        check_options(causal, None)
+        shape = check_kvcache(q, k, v, seqlens, block_table, causal)
         table = self.table(q.device)
         if variant is None:
             choice, entry = self.lookup(table, "decode", shape)  # type: ignore[arg-type]
