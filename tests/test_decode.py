@@ -48,10 +48,11 @@ def test_contiguous_ragged(causal: bool, nq: int, splits: int) -> None:
 
 
 @interpreter
-@pytest.mark.parametrize("page,block_n,splits", [(16, 16, 2), (8, 16, 0)])
+@pytest.mark.parametrize("page,block_n,splits", [(16, 16, 2), (8, 16, 0), (16, 32, 3)])
 def test_paged_shuffled(page: int, block_n: int, splits: int) -> None:
     """A shuffled block table over spare pages; pages of 8 under 16-key tiles take the
-    per-key page gather. fp16, Nq 3 (speculative decoding), causal, odd head dim 40."""
+    per-key page gather, as do 32-key tiles over pages of 16. fp16, Nq 3 (speculative
+    decoding), causal, odd head dim 40."""
     p = DecodeProblem(2, 8, 2, 3, 48, 40, "fp16", True, page_size=page)
     _check(p, [48, 19], DecodeVariant(16, block_n, splits, 1, 1))
 
@@ -81,9 +82,10 @@ def test_attention_dispatches_small_nq_to_decode() -> None:
 def test_space_rules_and_default() -> None:
     p = DecodeProblem(1, 32, 8, 1, 4096, 128, "fp16", True, page_size=16)
     space = decode_search_space(p, INTERPRETER)
-    assert space and all(v.block_n <= 16 and v.block_m == 16 for v in space)
-    assert default_decode_variant(p, INTERPRETER) in space
-    assert "spans several pages" in why_invalid_decode(DecodeVariant(16, 64), p, INTERPRETER)
+    assert space and all(v.block_m == 16 for v in space)  # 4 query heads x 1 query
+    assert default_decode_variant(p, INTERPRETER) == DecodeVariant(16, 64, 0, 4, 2)
+    assert "num_warps must be among" in why_invalid_decode(DecodeVariant(16, 64, 0, 3), p,
+                                                           INTERPRETER)
     short = DecodeProblem(1, 4, 1, 1, 64, 64, "fp16", True)
     assert "more than the 2 key tiles" in why_invalid_decode(DecodeVariant(16, 32, 4), short,
                                                              INTERPRETER)
@@ -206,3 +208,27 @@ def test_transformers_step_limit_matches_dispatch() -> None:
     from flashgen.runtime.kvcache import DECODE_MAX_SEQ_Q
 
     assert DECODE_MAX_NEW_TOKENS == DECODE_MAX_SEQ_Q
+
+
+@pytest.mark.parametrize("page,variant,dtype,d", [
+    (0, DecodeVariant(16, 64, 0, 4, 3), "bf16", 128),
+    (16, DecodeVariant(16, 64, 0, 4, 3), "bf16", 128),  # a tile spans 4 pages: the gather
+    (256, DecodeVariant(32, 128, 0, 4, 3), "fp16", 72),  # one page per tile, padded D,
+])                                                      # Nq 8: 32 packed rows
+def test_decode_kernels_compile_for_hopper(page: int, variant: DecodeVariant, dtype: str,
+                                           d: int) -> None:
+    """The interpreter never runs Triton's compiler: compile both kernels for sm_90a (no GPU
+    needed) and read ptxas's report."""
+    from flashgen.tune.decode_compile import report_in_subprocess
+
+    p = DecodeProblem(8, 32, 8, variant.block_m // 4, 8192, d, dtype, True, page_size=page)
+    assert why_invalid_decode(variant, p, "cpu") is None
+    found = report_in_subprocess(variant, p)
+    for role in ("decode", "decode_combine"):
+        assert found[role]["shared"] <= 232448
+        assert any("0 bytes spill stores" in line for line in found[role]["ptxas"]), found
+    # K and V buffered num_stages deep on paged caches too: each tile's page ids are read a
+    # step ahead (read in the step, the pipeliner kept one K/V buffer at any num_stages).
+    assert found["decode"]["async_copies"] >= 2 * variant.num_stages, found
+    stage = 2 * variant.block_n * p.padded_head_dim * 2  # K and V tiles, 16-bit
+    assert found["decode"]["shared"] >= stage * (variant.num_stages - 1), found

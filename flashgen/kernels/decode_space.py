@@ -14,7 +14,7 @@ from flashgen.kernels.fwd_space import (
     over_shared_memory,
 )
 from flashgen.kernels.hardware import DeviceInfo, device_info
-from flashgen.kernels.problem import DecodeProblem, Problem
+from flashgen.kernels.problem import Problem
 
 BLOCK_M = (16, 32, 64, 128)
 BLOCK_N = (16, 32, 64, 128, 256)
@@ -84,14 +84,6 @@ def too_many_warps(v: DecodeVariant, p: Problem, dev: DeviceInfo) -> str | None:
     return None
 
 
-def paged_tiles_need_pages(v: DecodeVariant, p: Problem, dev: DeviceInfo) -> str | None:
-    # A tile spanning several pages gathers a page id per key: correct, but the loads lose
-    # their contiguity. Keep those points only where pages are smaller than any useful tile.
-    if isinstance(p, DecodeProblem) and p.paged and v.block_n > max(p.page_size, 16):
-        return f"block_n {v.block_n} spans several pages of {p.page_size} keys"
-    return None
-
-
 RULES: tuple[Rule, ...] = (
     knobs_out_of_range,
     block_m_longer_than_rows,
@@ -100,7 +92,6 @@ RULES: tuple[Rule, ...] = (
     shared_memory_overflow,
     accumulator_too_large,
     too_many_warps,
-    paged_tiles_need_pages,
 )
 
 
@@ -126,14 +117,13 @@ def _pow2_at_least_16(n: int) -> int:
 def default_decode_variant(problem: Problem, device: DeviceInfo | str | None = None,
                            fa3: bool = True) -> DecodeVariant:
     """The untuned choice: every packed row in one tile (up to 64), 64-key steps (32 for
-    wide heads or small pages), automatic splits. Falls back to smaller tiles until the
-    rules pass; the 16 x 16 tile always does. `fa3` is accepted for the modes' common
-    signature: decode has no Gluon kernel."""
+    heads wider than 128), automatic splits, on paged caches too (a tile spanning pages
+    gathers a page id per key, and each key's row is still one contiguous read). Falls back
+    to smaller tiles until the rules pass; the 16 x 16 tile always does. `fa3` is accepted
+    for the modes' common signature: decode has no Gluon kernel."""
     dev = device_info(device)
     block_m = min(64, _pow2_at_least_16(packed_rows(problem)))
     block_n = 64 if problem.padded_head_dim <= 128 else 32
-    if isinstance(problem, DecodeProblem) and problem.paged:
-        block_n = min(block_n, max(16, problem.page_size))
     stages = 2 if dev.is_interpreter else 3
     for bm, bn in ((block_m, block_n), (block_m, 32), (block_m, 16), (16, 16)):
         for warps in (4, 2, 1):
