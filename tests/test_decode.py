@@ -6,6 +6,9 @@ tests run real sizes in bf16 with page sizes 16 and 256.
 
 from __future__ import annotations
 
+import io
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -232,3 +235,24 @@ def test_decode_kernels_compile_for_hopper(page: int, variant: DecodeVariant, dt
     assert found["decode"]["async_copies"] >= 2 * variant.num_stages, found
     stage = 2 * variant.block_n * p.padded_head_dim * 2  # K and V tiles, 16-bit
     assert found["decode"]["shared"] >= stage * (variant.num_stages - 1), found
+
+
+@interpreter
+def test_decode_bench_checks_and_times_each_competitor(tmp_path: Path) -> None:
+    """`bench --mode decode` on the interpreter: flashgen and SDPA's math backend, each
+    checked against the reference first; a paged problem reuses its contiguous twin's
+    figures for the competitor that takes no block table."""
+    from rich.console import Console
+
+    from flashgen.bench.decoding import run_decode_bench
+    from flashgen.kernels.presets import decode_problems
+
+    problems = decode_problems(["2,4,1,1,40,16"], [], ["fp32"], [True], [0, 16])
+    out = tmp_path / "decode.csv"
+    rows = run_decode_bench(problems, torch.device("cpu"), ("flashgen", "sdpa-math"),
+                            rep_ms=1, csv_path=out, console=Console(file=io.StringIO()))
+    assert [(r.competitor, r.status) for r in rows] == [("flashgen", "ok"),
+                                                       ("sdpa-math", "ok")] * 2
+    assert rows[3].note == "contiguous twin's figure" and rows[3].us == rows[1].us
+    assert all(r.gbps and r.gbps > 0 for r in rows)
+    assert len(out.read_text().splitlines()) == 5

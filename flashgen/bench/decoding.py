@@ -77,9 +77,11 @@ def _flashgen(problem: DecodeProblem, dispatcher: Dispatcher) -> tuple[Call, str
 
 
 def _dense(c: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cache as contiguous (B, Hkv, Nk, D) K and V, every sequence full."""
+    """The cache as (B, Hkv, Nk, D) K and V, every sequence full: a contiguous cache as it is
+    (a (B, Nk, Hkv, D) tensor viewed so, FlashAttention's own layout; no copy of tens of GB),
+    a paged one gathered into a copy."""
     if c.block_table is None:
-        return c.k.contiguous(), c.v.contiguous()
+        return c.k, c.v
     keys = [c.valid(b) for b in range(c.q.shape[0])]
     return (torch.cat([k for k, _ in keys]).contiguous(),
             torch.cat([v for _, v in keys]).contiguous())
