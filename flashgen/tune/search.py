@@ -23,6 +23,7 @@ measuring right now is left to it, and a pruned point already stored is not stor
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
@@ -80,6 +81,8 @@ MAX_ENQUEUED_WINNERS = 8
 MAX_ASKS_PER_POINT = 4
 #: Seconds to wait when every variant of a batch is being measured by another tuner.
 CLAIM_POLL_S = 0.2
+#: `MAX_STALE_ASKS` for a study in a shared storage, where every ask is a stored trial.
+SHARED_STALE_ASKS = 4
 
 
 @dataclass(frozen=True)
@@ -312,10 +315,7 @@ def tune_problem(
         stored = {j: r for j, r in stored.items() if r.status != "ok"}
     _resume(study, result, stored, problem, device, knobs, space, add=leader)
     if together is not None:
-        for variant_json, known in together.measured().items():
-            if variant_json in valid and variant_json not in result.outcomes:
-                result.note(variant_json, Outcome(**known))
-                result.resumed += 1
+        _learn(together, result, valid)
     resumed = set(result.outcomes)
     if on_progress and result.resumed:
         on_progress(result)  # the resumed best, before anything is measured (or interrupted)
@@ -358,9 +358,14 @@ def tune_problem(
                 run_id=run_id, kernel_hash=kernel))
 
     def tell(trial: Trial, outcome: Outcome) -> None:
-        _tell(study, trial, outcome)
-        if together is not None:
-            together.told(trial)
+        if together is None:
+            _tell(study, trial, outcome)
+            return
+        # A worker slower than the grace period may find its trial failed as stale (and
+        # enqueued again): the claims still keep its variant from being measured twice.
+        with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
+            _tell(study, trial, outcome)
+        together.told(trial)
 
     grid = math.prod(map(len, knobs.values()))
     stale, asks = 0, 0
@@ -368,11 +373,17 @@ def tune_problem(
     max_asks = MAX_ASKS_PER_POINT * grid + (MAX_STALE_ASKS + 1) * len(valid)
     if options.exhaustive:
         max_asks += len(valid)  # every point is enqueued on top of the sampled asks
+    # Every ask of a shared study is a stored trial: give up on a stuck sampler sooner.
+    max_stale = MAX_STALE_ASKS if together is None else SHARED_STALE_ASKS
     while (budget_left() and not over and not valid.keys() <= result.outcomes.keys()
            and asks < max_asks):
+        if together is not None:
+            _learn(together, result, valid)  # what the other workers measured meanwhile
+            if valid.keys() <= result.outcomes.keys():
+                break
         want = max(1, min(batch, trials - result.measured if trials is not None else batch))
         pending: dict[str, tuple[AnyVariant, list[Trial]]] = {}
-        while len(pending) < want and stale < MAX_STALE_ASKS and asks < max_asks:
+        while len(pending) < want and stale < max_stale and asks < max_asks:
             trial = together.ask() if together else study.ask()
             asks += 1
             variant = space.variant_type(**{name: trial.suggest_categorical(name, choices)
@@ -400,6 +411,8 @@ def tune_problem(
                 # The sampler is stuck on known points: hand it one it has not measured.
                 unmeasured = [v for j, v in valid.items() if j not in result.outcomes]
                 free = [v for v in unmeasured if v.to_json() not in elsewhere]
+                if together is not None and not free:
+                    time.sleep(CLAIM_POLL_S)  # the rest is being measured by others
                 study.enqueue_trial(rng.choice(free or unmeasured).to_dict())
                 stale = 0
             continue
@@ -473,6 +486,14 @@ def _take_claims(
 #: How a trial another worker holds, or one over the budget, is told: FAIL, which TPE leaves
 #: out of its model (a shared study cannot leave it running: its heartbeat stops).
 _SKIPPED = Outcome("failed", reason="measured by another worker")
+
+
+def _learn(together: SharedStudy, result: TuneResult, valid: dict[str, AnyVariant]) -> None:
+    """Note the outcomes other workers stored since this one last looked."""
+    for variant_json, known in together.measured().items():
+        if variant_json in valid and variant_json not in result.outcomes:
+            result.note(variant_json, Outcome(**known))
+            result.resumed += 1
 
 
 def _take_shared_claims(

@@ -35,8 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+import sqlalchemy.exc
 from optuna.exceptions import DuplicatedStudyError, UpdateFinishedTrialError
-from optuna.storages import BaseStorage, JournalStorage, RDBStorage, RetryFailedTrialCallback
+from optuna.storages import BaseStorage, JournalStorage, RDBStorage
 from optuna.storages._heartbeat import BaseHeartbeat  # the contract RDBStorage implements
 from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
 from optuna.trial import FrozenTrial, TrialState
@@ -62,6 +63,8 @@ CLAIMS_SUFFIX = " claims"
 _BEAT_ATTR = "flashgen_heartbeat"
 
 _RDB_DIALECTS = ("postgresql", "mysql", "sqlite")
+#: Tries at opening an RDB storage whose tables another worker is creating right then.
+_CREATE_TRIES = 5
 
 
 class StorageError(ValueError):
@@ -73,7 +76,8 @@ def redact(url: str) -> str:
     if "://" in url and "@" in url.split("://", 1)[1]:
         scheme, rest = url.split("://", 1)
         creds, host = rest.rsplit("@", 1)
-        return f"{scheme}://{creds.split(':', 1)[0]}:***@{host}"
+        if ":" in creds:
+            return f"{scheme}://{creds.split(':', 1)[0]}:***@{host}"
     return url
 
 
@@ -105,10 +109,20 @@ def open_storage(url: str, *, heartbeat_s: int = HEARTBEAT_S,
     if scheme.startswith("postgresql"):
         engine = {"connect_args": {"connect_timeout": 10}}
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            return RDBStorage(url, engine_kwargs=engine, heartbeat_interval=heartbeat_s,
-                              grace_period=grace_s, heartbeat_stale_trial_callback=_retry_stale)
+        for attempt in range(_CREATE_TRIES):
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                    return RDBStorage(url, engine_kwargs=engine,
+                                      heartbeat_interval=heartbeat_s, grace_period=grace_s,
+                                      heartbeat_stale_trial_callback=_retry_stale)
+            except sqlalchemy.exc.IntegrityError:
+                # Workers opening an empty database at once race to create Optuna's tables;
+                # the loser's CREATE fails on what the winner made, and a retry finds them.
+                if attempt == _CREATE_TRIES - 1:
+                    raise
+                time.sleep(0.2 * (attempt + 1))
+        raise AssertionError("unreachable")
     except ModuleNotFoundError as exc:
         raise StorageError(f"--storage {redact(url)}: driver {exc.name!r} is not installed "
                            f"(pip install 'flashgen[distributed]')") from None
@@ -123,7 +137,12 @@ def _retry_stale(study: optuna.Study, trial: FrozenTrial) -> None:
     if not study.study_name.endswith(CLAIMS_SUFFIX):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            RetryFailedTrialCallback(max_retry=MAX_RETRY)(study, trial)
+            _RETRY(max_retry=MAX_RETRY)(study, trial)
+
+
+#: Optuna 4.9 renamed the callback that enqueues a stale trial again.
+_RETRY = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback",
+                 getattr(optuna.storages, "RetryFailedTrialCallback", None))
 
 
 class _HeartbeatJournal(JournalStorage, BaseHeartbeat):
