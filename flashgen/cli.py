@@ -335,7 +335,11 @@ def _run_workers(problems: list[Problem], run: RunOptions, slots: list[int | Non
                                     f"w{index} {'cpu' if gpu is None else f'gpu{gpu}'} "
                                     f"{r.mode} {problem_label(r.problem)}"))
 
-            results, ends = run_workers(plan, slots, show)
+            try:
+                results, ends = run_workers(plan, slots, show)
+            except KeyboardInterrupt:  # the workers got it too, and stored what they had
+                progress.console.print("interrupted: results so far are in the database")
+                raise typer.Exit(130) from None
     with TuningDB(run.db_path) as database:
         for r in results:
             r.winner = database.winner(r.key)
