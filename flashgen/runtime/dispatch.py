@@ -33,14 +33,21 @@ import torch
 
 from .backward import BwdLauncher, prepare_backward
 from .forward import Launcher, default_scale, prepare_forward
-from .inputs import check_inputs, check_options, check_runnable
-from .kvcache import check_kvcache, debug_checks, prepare_decode, serves_as_decode
+from .inputs import DTYPE_NAMES, check_inputs, check_options, check_runnable
+from .kvcache import (
+    DecodeShape,
+    check_kvcache,
+    debug_checks,
+    prepare_decode,
+    serves_as_decode,
+)
 from .table import Choice, Entry, Shape, Table
 
 #: The package this runtime serves ("flashgen", or an exported package's name), which names
 #: its logger and its torch.library namespace.
 PACKAGE = (__package__ or __name__).rpartition(".")[0]
 log = logging.getLogger(PACKAGE)
+_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 
 @dataclass(frozen=True)
@@ -243,20 +250,37 @@ class Dispatcher:
 
     def _decode_as_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            causal: bool) -> _Plan:
-        """A forward plan that runs the decode family (`kvcache.serves_as_decode`): k and v
-        are a contiguous cache every sequence of which is full."""
+        """A forward plan that runs the decode family (`kvcache.serves_as_decode`) on checked
+        q, k, v: k and v are a contiguous cache every sequence of which is full, which the
+        kernel is told by a missing length tensor (no tensor is made for it: a plan first
+        made under CUDA graph capture would hold one that only the graph fills)."""
         check_options(causal, None)
-        b, nk = q.shape[0], k.shape[2]
-        seqlens = torch.full((b,), nk, dtype=torch.int32, device=q.device)
-        plan = self._decode_plan(q, k, v, seqlens, None, causal, None)
+        b, hq, nq, d = q.shape
+        shape = DecodeShape(b, hq, k.shape[1], nq, k.shape[2], d, DTYPE_NAMES[q.dtype],
+                            causal, 0)
+        plan = self._decode_prepared(shape, q.device, None)
 
         def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-            return plan.launch(q, k, v, seqlens, None, scale)
+            return plan.launch(q, k, v, None, None, scale)
 
-        reason = (f"decode family: Nq {q.shape[2]} against Nk {nk}; "
+        reason = (f"decode family: Nq {nq} against Nk {k.shape[2]}; "
                   f"{plan.choice.how}: {plan.choice.reason}")
         return _Plan(launch, dataclasses.replace(plan.choice, reason=reason), plan.scale)
+
+    def _decode_prepared(self, shape: DecodeShape, device: torch.device,
+                         variant: Any) -> _Plan:
+        """The chosen decode entry for `shape`, its launch prepared."""
+        table = self.table(device)
+        if variant is None:
+            choice, entry = self.lookup(table, "decode", shape)  # type: ignore[arg-type]
+        else:
+            entry = self._explicit("decode", variant, shape, table)  # type: ignore[arg-type]
+            choice = Choice(variant, "explicit", "decode_variant= was given")
+        check_runnable(device, _DTYPES[shape.dtype])
+        kernels = self._kernels(entry, shape)  # type: ignore[arg-type]
+        return _Plan(prepare_decode(entry, shape, kernels), choice,
+                     default_scale(shape.head_dim))
 
     def _decode_plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      seqlens: torch.Tensor, block_table: torch.Tensor | None, causal: bool,
@@ -278,16 +302,8 @@ class Dispatcher:
                 check_kvcache(q, k, v, seqlens, block_table, causal)
             return plan
         check_options(causal, None)
-        shape = check_kvcache(q, k, v, seqlens, block_table, causal)
-        table = self.table(q.device)
-        if variant is None:
-            choice, entry = self.lookup(table, "decode", shape)  # type: ignore[arg-type]
-        else:
-            entry = self._explicit("decode", variant, shape, table)  # type: ignore[arg-type]
-            choice = Choice(variant, "explicit", "decode_variant= was given")
-        check_runnable(q.device, q.dtype)
-        plan = _Plan(prepare_decode(entry, shape, self._kernels(entry, shape)),  # type: ignore[arg-type]
-                     choice, default_scale(shape.head_dim))
+        plan = self._decode_prepared(check_kvcache(q, k, v, seqlens, block_table, causal),
+                                     q.device, variant)
         if key is not None:
             self._decode_plans[key] = plan
         return plan

@@ -25,7 +25,8 @@ from .forward import cdiv, padded_head_dim, sm_count
 from .inputs import DTYPE_NAMES, MAX_HEAD_DIM
 from .table import Entry, knobs
 
-#: (q, k_cache, v_cache, cache_seqlens, block_table or None, scale) -> (out, lse)
+#: (q, k_cache, v_cache, cache_seqlens or None (every sequence full), block_table or None,
+#: scale) -> (out, lse)
 DecodeLauncher = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 KernelOf = Callable[[str], Any]
 
@@ -199,7 +200,7 @@ def prepare_decode(entry: Entry, shape: DecodeShape, kernel: KernelOf) -> Decode
     row_tiles = cdiv(group * shape.seq_q, variant.block_m)
     padded = padded_head_dim(shape.head_dim)
 
-    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: torch.Tensor,
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: torch.Tensor | None,
             block_table: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         b, hq, nq, d = q.shape
         if paged:
@@ -212,7 +213,7 @@ def prepare_decode(entry: Entry, shape: DecodeShape, kernel: KernelOf) -> Decode
             v_strides = (v.stride(0), v.stride(2), v.stride(1), v.stride(3))
             table_stride = table.stride(0)
         else:
-            table, page, table_stride = seqlens, 1, 0  # no table: any pointer will do
+            table, page, table_stride = None, 1, 0  # no table
             hkv, n_max = k.shape[1], k.shape[2]
             k_strides, v_strides = k.stride(), v.stride()
         splits = variant.num_splits or auto_splits(b * hkv * row_tiles, n_max, variant.block_n,

@@ -53,7 +53,8 @@ def compile_triton(fn: Any, signature: dict[str, str], constexprs: dict[str, Any
 
 def compile_decode(variant: DecodeVariant, problem: DecodeProblem,
                    splits: int = 64) -> dict[str, Any]:
-    """Both decode kernels of `variant` compiled for sm_90a; the combine for `splits`."""
+    """Both decode kernels of `variant` compiled for sm_90a as the launcher calls them (no
+    block table on a contiguous cache); the combine for `splits`."""
     element = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}[problem.dtype]
     split_sig = {"Q": f"*{element}", "K": f"*{element}", "V": f"*{element}",
                  "SEQLENS": "*i32", "BLOCK_TABLE": "*i32", "O": "*fp32", "LSE": "*fp32",
@@ -62,8 +63,9 @@ def compile_decode(variant: DecodeVariant, problem: DecodeProblem,
     width = 1 << (splits - 1).bit_length()
     return {
         "decode": compile_triton(load_decode_kernel("decode", variant, problem), split_sig,
-                                 {"PAGE_SIZE": max(1, problem.page_size)}, variant.num_warps,
-                                 variant.num_stages),
+                                 {"PAGE_SIZE": max(1, problem.page_size)}
+                                 | ({} if problem.paged else {"BLOCK_TABLE": None}),
+                                 variant.num_warps, variant.num_stages),
         "decode_combine": compile_triton(load_decode_kernel("decode_combine", variant, problem),
                                          combine_sig, {"SPLITS": width}, 8, 1),
     }
