@@ -42,10 +42,11 @@ def _check(problem: DecodeProblem, lengths: list[int], variant: DecodeVariant | 
 
 @interpreter
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("nq,splits", [(1, 3), (3, 0), (3, 1)])
+@pytest.mark.parametrize("nq,splits", [(1, 3), (3, 0), (3, 1), (5, 2)])
 def test_contiguous_ragged(causal: bool, nq: int, splits: int) -> None:
     """GQA 4:1, head dim 24 (padded to 32), a (B, N, H, D) cache viewed as (B, H, N, D),
-    every sequence its own length; three splits, automatic, and one (no combine)."""
+    every sequence its own length; three splits, automatic, and one (no combine); Nq 5 packs
+    20 rows into two 16-row tiles (a sequence of 5 keys: every key a query's own)."""
     p = DecodeProblem(3, 8, 2, nq, 40, 24, "fp32", causal)
     _check(p, [40, 5, 23], DecodeVariant(16, 16, splits, 1, 1))
 
