@@ -207,6 +207,12 @@ def tune(
         help="Measure again the variants each problem already has timings for (fastest "
              "stored first; they count toward --trials) before sampling new ones: for "
              "timings a flawed timer took. Old rows stay as history.")] = False,
+    deterministic: Annotated[bool, typer.Option(
+        "--deterministic",
+        help="Search only variants whose gradients are bitwise equal run to run: for the "
+             "backward, the separate dQ kernel (no fp32 atomics). What dispatch serves under "
+             "torch.use_deterministic_algorithms(True). The forward is deterministic "
+             "already: every forward variant qualifies.")] = False,
     db: DbOption = None,
     wide: WideOption = False,
 ) -> None:
@@ -234,7 +240,7 @@ def tune(
     from flashgen.tune.search import RunOptions
 
     _run_tuning(problems, RunOptions(device, gpu, trials, timeout, seed, compile_workers, db,
-                                     modes, remeasure, wide))
+                                     modes, remeasure, wide, deterministic))
 
 
 def _make_bench(mode: str, problem: Problem, target: torch.device, seed: int,
@@ -305,7 +311,7 @@ def _run_tuning(problems: list[Problem], run: RunOptions) -> None:
                 bench = _make_bench(mode, problem, target, run.seed, run.compile_workers,
                                     database.path)
                 options = TuneOptions(mode, run.trials, run.timeout, run.seed, batch,
-                                      run.remeasure)
+                                      run.remeasure, run.deterministic)
                 results.append(tune_problem(problem, bench, database, info, options,
                                            run_id=run_id, on_progress=show))
             status = "ok"
