@@ -158,6 +158,17 @@ def test_the_export_table_carries_the_deterministic_alternate(tmp_path: Path) ->
     json.dumps(table)  # table.json holds it as written
 
 
+def test_slim_keeps_the_deterministic_alternate(tmp_path: Path) -> None:
+    from flashgen.store.slim import slim
+
+    report = slim(_mixed(tmp_path), tmp_path / "slim.db", provenance="test")
+    assert (report.winners, report.trials) == (1, 2)  # the slower separate trial is cut
+    with TuningDB.open_readonly(tmp_path / "slim.db") as db:
+        (winner,) = db.all_winners()
+        alternate = db.fastest_deterministic(winner)
+    assert winner.variant == ATOMIC and alternate is not None and alternate.variant == SEPARATE
+
+
 def test_tuning_deterministic_measures_only_deterministic_variants(tmp_path: Path) -> None:
     """A fake bench (the selection logic alone): an atomic row stored earlier is neither
     resumed into the run's best nor measured again; every point measured is separate."""
