@@ -158,6 +158,16 @@ def test_the_export_table_carries_the_deterministic_alternate(tmp_path: Path) ->
     json.dumps(table)  # table.json holds it as written
 
 
+def test_show_says_whether_a_winner_is_deterministic(tmp_path: Path) -> None:
+    db = _mixed(tmp_path)
+    _store(db, P64.with_(causal=False), [(SEPARATE, 1.0)])
+    shown = CliRunner().invoke(app, ["show", "--db", str(db), "--json"])
+    assert shown.exit_code == 0, shown.output
+    rows = json.loads(shown.output)
+    assert sorted((r["variant"]["dq_mode"], r["deterministic"]) for r in rows) == [
+        ("atomic", False), ("separate", True)]
+
+
 def test_slim_keeps_the_deterministic_alternate(tmp_path: Path) -> None:
     from flashgen.store.slim import slim
 
