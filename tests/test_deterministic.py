@@ -158,6 +158,28 @@ def test_the_export_table_carries_the_deterministic_alternate(tmp_path: Path) ->
     json.dumps(table)  # table.json holds it as written
 
 
+@pytest.mark.interpreter
+def test_an_exported_package_serves_the_alternate_in_deterministic_mode(
+        tmp_path: Path, deterministic: None) -> None:
+    import importlib
+    import sys
+
+    _mixed(tmp_path)
+    exported = CliRunner().invoke(app, ["export", "--db", str(tmp_path / "t.db"), "--out",
+                                        str(tmp_path), "--name", "fgk_det"])
+    assert exported.exit_code == 0, exported.output
+    sys.path.insert(0, str(tmp_path))
+    try:
+        package = importlib.import_module("fgk_det")
+    finally:
+        sys.path.remove(str(tmp_path))
+    q, k, v = make_inputs(1, 2, 1, 64, 64, 32, torch.float32)
+    served = package.explain(q, k, v, causal=True).backward
+    assert served.variant == SEPARATE.to_dict() and DETERMINISTIC_ROLE in served.reason
+    torch.use_deterministic_algorithms(False)
+    assert package.explain(q, k, v, causal=True).backward.variant == ATOMIC.to_dict()
+
+
 def test_show_says_whether_a_winner_is_deterministic(tmp_path: Path) -> None:
     db = _mixed(tmp_path)
     _store(db, P64.with_(causal=False), [(SEPARATE, 1.0)])
