@@ -4,15 +4,49 @@ Call `register()` once; then load or build a model with `attn_implementation="fl
 flashgen handles causal and full attention, GQA and KV caches (its causal mask is aligned
 bottom-right, which is what a query chunk at the end of a cache needs). Padding masks are not
 supported: a batch with padding raises an error naming the mask.
+
+Generation: a step of a few new tokens against a cache runs the decode family
+(`flashgen.attention_with_kvcache`). A dynamic cache hands over exactly the keys seen so far;
+a static cache hands over all of its Nmax slots, and transformers' flash-style mask (a 2-D
+all-ones mask as long as the keys seen, shorter than the cache) says how many are valid.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 
 import flashgen
+
+#: New tokens per step that run the decode family (generation, speculative decoding): the
+#: limit `flashgen.attention` itself uses for a few queries against a long cache.
+DECODE_MAX_NEW_TOKENS = 16
+
+#: The last mask read and whether it was free of padding: every layer of a forward pass gets
+#: the same mask, which is read back once per pass, not once per layer (a GPU sync).
+_last: list[Any] = [None, False]
+
+
+def _valid_keys(attention_mask: torch.Tensor | None, keys: int) -> int:
+    """How many leading keys of the cache are valid: all of them without a mask; the mask's
+    length for a static cache's 2-D mask without padding. Anything else raises."""
+    if attention_mask is None:
+        return keys
+    seen = _last[0]() if _last[0] is not None else None
+    if seen is attention_mask:
+        unpadded = _last[1]
+    else:
+        unpadded = (attention_mask.dim() == 2 and attention_mask.shape[1] <= keys
+                    and bool(attention_mask.all()))
+        _last[:] = [weakref.ref(attention_mask), unpadded]
+    if not unpadded:
+        raise ValueError(
+            "flashgen got an attention_mask (a padded batch or a custom mask); flashgen has no "
+            "dense masks. Use unpadded batches, or attn_implementation='sdpa' for this model."
+        )
+    return attention_mask.shape[1]
 
 NAME = "flashgen"
 
@@ -29,17 +63,21 @@ def flashgen_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: (B, H, N, D) in, (B, N, H, D) out."""
-    if attention_mask is not None:
-        raise ValueError(
-            "flashgen got an attention_mask (a padded batch or a custom mask); flashgen has no "
-            "dense masks. Use unpadded batches, or attn_implementation='sdpa' for this model."
-        )
+    valid = _valid_keys(attention_mask, key.shape[2])
     if dropout and module.training:
         raise ValueError(f"attention dropout {dropout} is not supported by flashgen")
     if kwargs.get("softcap") is not None or kwargs.get("sliding_window") is not None:
         raise ValueError("flashgen supports neither logit softcapping nor sliding windows")
-    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    out = flashgen.attention(query, key, value, causal=bool(causal), scale=scaling)
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    nq = query.shape[2]
+    if nq <= DECODE_MAX_NEW_TOKENS and valid > nq:
+        # New tokens against a cache: the decode family, every sequence `valid` keys long.
+        lengths = torch.full((query.shape[0],), valid, dtype=torch.int32, device=query.device)
+        out = flashgen.attention_with_kvcache(query, key, value, lengths, causal=causal,
+                                              scale=scaling)
+    else:
+        out = flashgen.attention(query, key[:, :, :valid], value[:, :, :valid], causal=causal,
+                                 scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -42,13 +42,21 @@ import torch
 
 from .backward import BwdLauncher, prepare_backward, why_nondeterministic
 from .forward import Launcher, default_scale, prepare_forward
-from .inputs import check_inputs, check_options, check_runnable
+from .inputs import DTYPE_NAMES, check_inputs, check_options, check_runnable
+from .kvcache import (
+    DecodeShape,
+    check_kvcache,
+    debug_checks,
+    prepare_decode,
+    serves_as_decode,
+)
 from .table import Choice, Entry, Shape, Table
 
 #: The package this runtime serves ("flashgen", or an exported package's name), which names
 #: its logger and its torch.library namespace.
 PACKAGE = (__package__ or __name__).rpartition(".")[0]
 log = logging.getLogger(PACKAGE)
+_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 
 @dataclass(frozen=True)
@@ -84,6 +92,7 @@ class Dispatcher:
         self._tables: dict[torch.device, Table] = {}
         self._plans: dict[tuple, _Plan] = {}
         self._bwd_plans: dict[tuple, _Plan] = {}
+        self._decode_plans: dict[tuple, _Plan] = {}
         self._current: dict[int, str | None] = {}  # id(entry) -> kernel_is_current's answer
         self._decoded: dict[tuple[str, str], Any] = {}
         self._failed: set[tuple] = set()  # kernels whose failure to build was warned of
@@ -96,7 +105,8 @@ class Dispatcher:
 
     def kernel(self, entry: Entry, role: str, shape: Shape) -> Any:
         """The JIT function that plays `role` ("fwd", "preprocess", "dkdv", "dq"; with
-        "_plain": the twin's) for `entry` on calls of `shape`'s kind."""
+        "_plain": the twin's; "decode", "decode_combine" for a `DecodeShape`) for `entry`
+        on calls of `shape`'s kind."""
         raise NotImplementedError
 
     def entry(self, mode: str, variant: Any, shape: Shape, table: Table) -> Entry:
@@ -133,7 +143,7 @@ class Dispatcher:
         dispatcher runs."""
         if variant is None:
             return
-        name = "variant" if mode == "fwd" else "bwd_variant"
+        name = {"fwd": "variant", "bwd": "bwd_variant"}.get(mode, f"{mode}_variant")
         cls = self.variant_types.get(mode)
         if cls is None:
             raise TypeError(f"{name}= is not supported here: {PACKAGE} runs its tuned "
@@ -216,7 +226,7 @@ class Dispatcher:
         entry = self.entry(mode, variant, shape, table)
         reason = self.reject(mode, entry, shape, table)
         if reason:
-            what = "variant" if mode == "fwd" else "backward variant"
+            what = {"fwd": "variant", "bwd": "backward variant"}.get(mode, f"{mode} variant")
             raise ValueError(f"{what} {variant} is invalid for {shape}: {reason}")
         if mode == "bwd" and torch.are_deterministic_algorithms_enabled():
             self._refuse_nondeterministic(entry, "given as bwd_variant=")
@@ -250,6 +260,13 @@ class Dispatcher:
             plan = self._plans.get(key)
         except (AttributeError, TypeError):  # not tensors, or an unhashable variant
             key, plan = None, None
+        if plan is None and variant is None:
+            check_inputs(q, k, v)
+            if serves_as_decode(q.shape[2], k.shape[2]):
+                plan = self._decode_as_forward(q, k, v, causal)
+                if key is not None:
+                    self._plans[key] = plan
+                return plan
         if plan is None:
             choice, entry, shape = self._choose("fwd", q, k, v, causal, variant)
 
@@ -264,6 +281,83 @@ class Dispatcher:
             if key is not None:
                 self._plans[key] = plan
         return plan
+
+    def _decode_as_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           causal: bool) -> _Plan:
+        """A forward plan that runs the decode family (`kvcache.serves_as_decode`) on checked
+        q, k, v: k and v are a contiguous cache every sequence of which is full, which the
+        kernel is told by a missing length tensor (no tensor is made for it: a plan first
+        made under CUDA graph capture would hold one that only the graph fills)."""
+        check_options(causal, None)
+        b, hq, nq, d = q.shape
+        shape = DecodeShape(b, hq, k.shape[1], nq, k.shape[2], d, DTYPE_NAMES[q.dtype],
+                            causal, 0)
+        plan = self._decode_prepared(shape, q.device, None)
+
+        def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+            return plan.launch(q, k, v, None, None, scale)
+
+        reason = (f"decode family: Nq {nq} against Nk {k.shape[2]}; "
+                  f"{plan.choice.how}: {plan.choice.reason}")
+        return _Plan(launch, dataclasses.replace(plan.choice, reason=reason), plan.scale)
+
+    def _decode_prepared(self, shape: DecodeShape, device: torch.device,
+                         variant: Any) -> _Plan:
+        """The chosen decode entry for `shape`, its launch prepared."""
+        table = self.table(device)
+        if variant is None:
+            choice, entry = self.lookup(table, "decode", shape)  # type: ignore[arg-type]
+        else:
+            entry = self._explicit("decode", variant, shape, table)  # type: ignore[arg-type]
+            choice = Choice(variant, "explicit", "decode_variant= was given")
+        check_runnable(device, _DTYPES[shape.dtype])
+        kernels = self._kernels(entry, shape)  # type: ignore[arg-type]
+        return _Plan(prepare_decode(entry, shape, kernels), choice,
+                     default_scale(shape.head_dim))
+
+    def _decode_plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     seqlens: torch.Tensor, block_table: torch.Tensor | None, causal: bool,
+                     variant: Any) -> _Plan:
+        """The decode plan of a call's shape (`runtime.kvcache`), checked and chosen on the
+        first call of its shape; later calls of the shape are a dict lookup (the value checks
+        run again where they need no GPU sync: CPU tensors, or FLASHGEN_DEBUG=1)."""
+        try:
+            table_kind = (None if block_table is None
+                          else (block_table.shape, block_table.dtype, block_table.device))
+            key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device,
+                   v.device, seqlens.shape, seqlens.dtype, seqlens.device, table_kind, causal,
+                   variant)  # fmt: skip
+            plan = self._decode_plans.get(key)
+        except (AttributeError, TypeError):  # not tensors, or an unhashable variant
+            key, plan = None, None
+        if plan is not None:
+            if seqlens.device.type == "cpu" or debug_checks():
+                check_kvcache(q, k, v, seqlens, block_table, causal)
+            return plan
+        check_options(causal, None)
+        plan = self._decode_prepared(check_kvcache(q, k, v, seqlens, block_table, causal),
+                                     q.device, variant)
+        if key is not None:
+            self._decode_plans[key] = plan
+        return plan
+
+    def kvcache(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                cache_seqlens: torch.Tensor, block_table: torch.Tensor | None = None,
+                causal: bool = True, scale: float | None = None,
+                variant: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output, log-sum-exp) of the decode family on a KV cache (`attention_with_kvcache`)."""
+        plan = self._decode_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal,
+                                 variant)
+        return plan.launch(q, k_cache, v_cache, cache_seqlens, block_table,
+                           plan.scale if scale is None else scale)
+
+    def explain_kvcache(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        cache_seqlens: torch.Tensor, block_table: torch.Tensor | None = None,
+                        causal: bool = True, variant: Any = None) -> Choice:
+        """Which decode variant `attention_with_kvcache` runs for these inputs, and why."""
+        return self._decode_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal,
+                                 variant).choice
 
     def _bwd_plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                   variant: Any) -> _Plan:

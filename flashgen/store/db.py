@@ -262,8 +262,17 @@ def m009_knob_names(db: sqlite_utils.Database) -> None:
         if (text := now(row["key_id"].split("|")[0], row["variant_json"])) is not None])
 
 
+@migrations()
+def m010_decode_keys(db: sqlite_utils.Database) -> None:
+    """Decode tuning (mode 'decode'): its keys add the cache's page size and the batch x Hkv
+    bucket (`TuningKey.DECODE_ONLY`); other modes' rows hold 0 there."""
+    for table in ("trials", "winners"):
+        for column in ("page_size", "bh_bucket"):
+            db[table].add_column(column, int, not_null_default=0)
+
+
 #: The number of migrations above; a test checks that a fresh file reaches it.
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 
 
 def _migration_names() -> list[str]:
@@ -694,7 +703,7 @@ class TuningDB:
             winner = _winner_row(row, strict=False)
             if winner is None:
                 continue
-            bucket = tuple(row[c] for c in KEY_COLUMNS if c != "torch_version")
+            bucket = tuple(row.get(c) for c in KEY_COLUMNS if c != "torch_version")
             held = chosen.get(bucket)
             if held is None or _prefer(winner, held, current.torch):
                 chosen[bucket] = winner

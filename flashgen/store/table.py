@@ -19,6 +19,7 @@ from typing import Any
 
 from flashgen.kernels.bwd_render import PREPROCESS_BLOCK_M
 from flashgen.kernels.bwd_space import bwd_pointer_twin
+from flashgen.kernels.decode_variant import DecodeVariant
 from flashgen.kernels.hardware import DeviceInfo
 from flashgen.kernels.modes import AnyVariant, space_of
 from flashgen.kernels.problem import Problem
@@ -57,6 +58,8 @@ def twin(variant: AnyVariant, problem: Problem, device: DeviceInfo | None) -> An
     variants that need no TMA."""
     if isinstance(variant, Variant):
         return variant.pointer_twin() if variant.needs_tma else None
+    if isinstance(variant, DecodeVariant):
+        return None  # pointer loads only
     return bwd_pointer_twin(variant, problem, device) if variant.fa3 != "none" else None
 
 
@@ -80,6 +83,7 @@ def winner_entry(winner: WinnerRow, source: str, device: DeviceInfo,
     return {**({"role": role} if role else {}),
         "dtype": k.dtype, "causal": k.causal, "head_dim": k.head_dim, "gqa": k.gqa,
         "seq_q_bucket": k.seq_q_bucket, "seq_k_bucket": k.seq_k_bucket,
+        **({"page_size": k.page_size, "bh_bucket": k.bh_bucket} if k.mode == "decode" else {}),
         **entry(winner.variant, winner.problem, device),
         "tflops": winner.tflops, "source": source,
         "problem": winner.problem.to_dict(), "kernel_hash": winner.kernel_hash,

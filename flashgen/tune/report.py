@@ -74,7 +74,7 @@ def progress_columns(wide: bool = False) -> list[ProgressColumn]:
 
 
 #: Titles of the per-mode tables.
-MODE_NAMES = {"fwd": "forward", "bwd": "backward"}
+MODE_NAMES = {"fwd": "forward", "bwd": "backward", "decode": "decode"}
 
 
 def results_tables(results: Sequence[TuneResult], wide: bool = False) -> list[Table]:

@@ -63,6 +63,12 @@ def make_bench(mode: str, problem: Problem, target: Any, seed: int, compile_work
     """The bench of one problem and mode. The backward's input comes from the forward that
     dispatch serves from the database being tuned (then the shipped one), so `--mode both`
     feeds it the forward just tuned."""
+    if mode == "decode":
+        from flashgen.kernels.problem import DecodeProblem
+        from flashgen.tune.decode_bench import DecodeKernelBench
+
+        assert isinstance(problem, DecodeProblem)
+        return DecodeKernelBench(problem, target, seed=seed, compile_workers=compile_workers)
     if mode == "fwd":
         from flashgen.tune.fwd_bench import KernelBench
 
