@@ -230,6 +230,12 @@ def tune(
              "file path ending in .log on a shared filesystem (needs flashgen[distributed] "
              "for PostgreSQL). Each worker still writes its --db; `flashgen pull` gathers "
              "every host's rows.")] = None,
+    deterministic: Annotated[bool, typer.Option(
+        "--deterministic",
+        help="Search only variants whose gradients are bitwise equal run to run: for the "
+             "backward, the separate dQ kernel (no fp32 atomics). What dispatch serves under "
+             "torch.use_deterministic_algorithms(True). The forward is deterministic "
+             "already: every forward variant qualifies.")] = False,
     db: DbOption = None,
     wide: WideOption = False,
 ) -> None:
@@ -272,7 +278,7 @@ def tune(
     from flashgen.tune.search import RunOptions
 
     run = RunOptions(device, gpu, trials, timeout, seed, compile_workers, db, modes, remeasure,
-                     wide, exhaustive)
+                     wide, exhaustive, deterministic)
     if distributed:
         _run_workers(problems, run, _worker_slots(run, gpus, workers), storage)
     else:
@@ -422,7 +428,7 @@ def _run_tuning(problems: list[Problem], run: RunOptions) -> None:
                 bench = make_bench(mode, problem, target, run.seed, run.compile_workers,
                                    database.path)
                 options = TuneOptions(mode, run.trials, run.timeout, run.seed, batch,
-                                      run.remeasure, run.exhaustive)
+                                      run.remeasure, run.exhaustive, run.deterministic)
                 results.append(tune_problem(problem, bench, database, info, options,
                                            run_id=run_id, on_progress=show))
             status = "ok"

@@ -9,6 +9,8 @@ byte), which serves the table through `runtime/package.py`. Layout:
     PACKAGE/runtime/*.py     flashgen's runtime, verbatim
     PACKAGE/table.json       per GPU: tuned forward/backward entries and default grids;
                              plus generic defaults for GPUs or Tritons that were not tuned
+                             (a nondeterministic backward winner is followed by its key's
+                             fastest deterministic trial, as in flashgen's own tables)
     PACKAGE/kernels/*.py     fwd_<hash>.py, bwd_{preprocess,dkdv,dq}_<hash>.py,
                              decode_<hash>.py and decode_combine_<hash>.py (a use_tma
                              or fa3 forward, or an fa3 backward, also gets its pointer twin,
@@ -51,7 +53,7 @@ from flashgen.kernels.hardware import DeviceInfo
 from flashgen.kernels.problem import Problem
 from flashgen.kernels.render import render, source_hash
 from flashgen.kernels.variant import Variant
-from flashgen.store.table import entry, winner_entry
+from flashgen.store.table import DETERMINISTIC_ROLE, entry, winner_entry
 from flashgen.version import __version__
 
 #: flashgen's runtime, which the package carries verbatim.
@@ -141,9 +143,18 @@ def _entry(kernels: _Kernels, mode: str, variant: AnyVariant, problem: Problem,
     return _shipped(entry(variant, problem, device), kernels, mode, variant, problem)
 
 
-def _tuned(kernels: _Kernels, mode: str, row: Sourced, device: DeviceInfo) -> dict[str, Any]:
+def _tuned(kernels: _Kernels, mode: str, row: Sourced, device: DeviceInfo) -> list[dict[str, Any]]:
+    """The winner's entry, then its deterministic alternate's where it has one (the order
+    the runtime tries them in)."""
     w = row.winner
-    return _shipped(winner_entry(w, row.source(), device), kernels, mode, w.variant, w.problem)
+    entries = [_shipped(winner_entry(w, row.source(), device), kernels, mode, w.variant,
+                        w.problem)]
+    if row.alternate is not None:
+        a = row.alternate
+        found = winner_entry(a, f"{row.source(a)} ({DETERMINISTIC_ROLE})", device,
+                             DETERMINISTIC_ROLE)
+        entries.append(_shipped(found, kernels, mode, a.variant, a.problem))
+    return entries
 
 
 def _defaults(kernels: _Kernels, families: list[Family], decode_families: list[Family],
@@ -172,9 +183,9 @@ def _gpu_table(kernels: _Kernels, gpu: GpuWinners, families: list[Family],
     return {
         "capability": f"{major}.{minor}", "sm_count": gpu.device.sm_count,
         "device_key": gpu.device_key, "triton_version": gpu.triton_version,
-        "fwd": [_tuned(kernels, "fwd", s, gpu.device) for s in gpu.fwd],
-        "bwd": [_tuned(kernels, "bwd", s, gpu.device) for s in gpu.bwd],
-        "decode": [_tuned(kernels, "decode", s, gpu.device) for s in gpu.decode],
+        "fwd": [e for s in gpu.fwd for e in _tuned(kernels, "fwd", s, gpu.device)],
+        "bwd": [e for s in gpu.bwd for e in _tuned(kernels, "bwd", s, gpu.device)],
+        "decode": [e for s in gpu.decode for e in _tuned(kernels, "decode", s, gpu.device)],
         **_defaults(kernels, families, decode_families, gpu.device),
     }
 
@@ -213,9 +224,10 @@ def _readme(name: str, table: dict[str, Any], notes: list[str]) -> str:
         "```", "", "Tuned for:", "",
     ]
     for gpu, t in table["gpus"].items():
+        winners = {m: sum("role" not in e for e in t[m]) for m in ("fwd", "bwd", "decode")}
         lines.append(f"- {gpu} (sm {t['capability']}, Triton {t['triton_version']}): "
-                     f"{len(t['fwd'])} forward, {len(t['bwd'])} backward and "
-                     f"{len(t['decode'])} decode winners")
+                     f"{winners['fwd']} forward, {winners['bwd']} backward and "
+                     f"{winners['decode']} decode winners")
     lines += ["", "Other GPUs and Triton versions get the generic default variants, with a "
               "warning."]
     lines += [f"- note: {n}" for n in notes]

@@ -6,6 +6,8 @@ The rules follow `flashgen.runtime.dispatch`: only current rows (a row whose ker
 hash differs from its variant's rendered now timed a kernel this flashgen no longer renders),
 earlier databases win a bucket, then the row of the running torch, then the newest.
 One Triton version per GPU, since the exported runtime checks a single version.
+A backward winner that is not deterministic carries its key's fastest deterministic trial,
+which the package serves under `torch.use_deterministic_algorithms(True)`, as flashgen does.
 """
 
 from __future__ import annotations
@@ -64,13 +66,17 @@ AnyVariant = Variant | BwdVariant | DecodeVariant
 
 @dataclass(frozen=True)
 class Sourced:
-    """A winner and the database it came from."""
+    """A winner and the database it came from; `alternate`: its key's fastest deterministic
+    trial where the winner is not deterministic (`TuningDB.fastest_deterministic`)."""
 
     winner: WinnerRow
     path: Path
+    alternate: WinnerRow | None = None
 
-    def source(self) -> str:
-        return f"{self.path.name} winners[{self.winner.key.id}] trial {self.winner.trial_id}"
+    def source(self, row: WinnerRow | None = None) -> str:
+        """Where `row` (default: the winner; else its alternate) comes from."""
+        row = row or self.winner
+        return f"{self.path.name} winners[{self.winner.key.id}] trial {row.trial_id}"
 
 
 @dataclass(frozen=True)
@@ -120,14 +126,14 @@ def _read(paths: Sequence[Path], gpu: str | None, notes: list[str]) -> dict[str,
         if not path.is_file():
             continue
         with TuningDB.open_readonly(path) as db:
-            rows = db.all_winners()
-        for w in rows:
-            if gpu is not None and w.key.gpu_name != gpu:
-                continue
-            if not row_is_current(w):
-                stale += 1
-                continue
-            found.setdefault(w.key.gpu_name, []).append(Sourced(w, path))
+            for w in db.all_winners():
+                if gpu is not None and w.key.gpu_name != gpu:
+                    continue
+                if not row_is_current(w):
+                    stale += 1
+                    continue
+                found.setdefault(w.key.gpu_name, []).append(
+                    Sourced(w, path, db.fastest_deterministic(w)))
     if stale:
         notes.append(f"{stale} winner(s) tuned on other template text left out (re-tune them)")
     return found

@@ -56,19 +56,31 @@ class ModeSpace(Generic[V]):
     portfolio: Callable[[Problem, DeviceInfo], list[V]]
     #: The code part of a stored row's key: the hash of the kernels a variant launches.
     kernel_hash: Callable[[V, Problem], str]
+    #: Whether a variant gives bitwise-equal results run to run (`tune --deterministic`).
+    deterministic: Callable[[V], bool]
 
     def from_json(self, text: str) -> V:
         return self.variant_type.from_json(text)
 
 
+def _fwd_deterministic(variant: Variant) -> bool:
+    """Every forward variant: each program owns its output rows and adds nothing atomically."""
+    return True
+
+
+def _bwd_deterministic(variant: BwdVariant) -> bool:
+    return variant.deterministic
+
+
 SPACES: dict[str, ModeSpace] = {
     "fwd": ModeSpace("fwd", Variant, search_space, why_invalid, default_variant, portfolio,
-                     kernel_hash),
+                     kernel_hash, _fwd_deterministic),
     "bwd": ModeSpace("bwd", BwdVariant, bwd_search_space, why_invalid_bwd, default_bwd_variant,
-                     bwd_portfolio, bwd_kernel_hash),
+                     bwd_portfolio, bwd_kernel_hash, _bwd_deterministic),
     # Decode problems are `DecodeProblem`s (a page size besides a Problem's fields).
     "decode": ModeSpace("decode", DecodeVariant, decode_search_space, why_invalid_decode,
-                        default_decode_variant, decode_portfolio, decode_kernel_hash),
+                        default_decode_variant, decode_portfolio, decode_kernel_hash,
+                        _fwd_deterministic),
 }
 
 

@@ -5,6 +5,14 @@ A `Dispatcher` reads each device's table once (`table`) and, per call shape, pic
 caches it: after the first call of a shape, a call is one dict lookup, the allocations and the
 launch. The forward and the backward pass are served alike.
 
+Under `torch.use_deterministic_algorithms(True)` the backward serves only entries whose
+gradients are bitwise equal run to run (`backward.why_nondeterministic`): a nondeterministic
+tuned entry gives way to the next entry of its bucket (flashgen's tables follow such a winner
+with its key's fastest deterministic trial), the nearest bucket, or the default; an explicit
+nondeterministic `bwd_variant=` is an error, as torch's own ops without a deterministic
+implementation are (a warning with `warn_only=True`). The flag is part of the backward plan's
+key, so turning it on or off between calls is honoured.
+
 What differs between flashgen and an exported package is data and these methods:
 - `load_table`: where a device's table comes from (exports: table.json; flashgen: the tuning
   databases, through `flashgen.store.table`);
@@ -25,13 +33,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
-from .backward import BwdLauncher, prepare_backward
+from .backward import BwdLauncher, prepare_backward, why_nondeterministic
 from .forward import Launcher, default_scale, prepare_forward
 from .inputs import DTYPE_NAMES, check_inputs, check_options, check_runnable
 from .kvcache import (
@@ -175,12 +184,35 @@ class Dispatcher:
             notice = table.data.get("untuned", {}).get(mode)
             if notice:
                 log.warning(notice)
-        entry, how, reason = table.lookup(
-            mode, shape, lambda e: self.reject(mode, e, shape, table) or self._stale(mode, e))
+        deterministic = mode == "bwd" and torch.are_deterministic_algorithms_enabled()
+
+        def check(e: Entry) -> str | None:
+            if deterministic and (why := why_nondeterministic(e)):
+                return f"{why} (deterministic algorithms are on)"
+            return self.reject(mode, e, shape, table) or self._stale(mode, e)
+
+        entry, how, reason = table.lookup(mode, shape, check)
         if entry is None:
             entry = table.default(mode, shape) or self.entry(mode, None, shape, table)
+            if deterministic:
+                self._refuse_nondeterministic(entry, f"{table.name}'s default for {shape}")
         return Choice(self.present(mode, entry["variant"]), how, reason,
                       entry.get("source")), entry
+
+    def _refuse_nondeterministic(self, entry: Entry, what: str) -> None:
+        """Under deterministic algorithms, a RuntimeError (a warning with warn_only) where
+        `entry`'s backward is not deterministic, worded as torch words its own."""
+        why = why_nondeterministic(entry)
+        if why is None:
+            return
+        message = (f"{PACKAGE}: backward variant {self.present('bwd', entry['variant'])} "
+                   f"({what}) does not have a deterministic implementation: {why}; but you "
+                   "set torch.use_deterministic_algorithms(True). Pass a bwd_variant with "
+                   "dq_mode='separate', or turn determinism off for this call.")
+        if torch.is_deterministic_algorithms_warn_only_enabled():
+            warnings.warn(message, UserWarning, stacklevel=4)
+        else:
+            raise RuntimeError(message)
 
     def _stale(self, mode: str, entry: Entry) -> str | None:
         key = id(entry)  # entries live as long as their table, which this dispatcher keeps
@@ -196,6 +228,8 @@ class Dispatcher:
         if reason:
             what = {"fwd": "variant", "bwd": "backward variant"}.get(mode, f"{mode} variant")
             raise ValueError(f"{what} {variant} is invalid for {shape}: {reason}")
+        if mode == "bwd" and torch.are_deterministic_algorithms_enabled():
+            self._refuse_nondeterministic(entry, "given as bwd_variant=")
         return entry
 
     def _choose(self, mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -328,7 +362,8 @@ class Dispatcher:
     def _bwd_plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                   variant: Any) -> _Plan:
         try:
-            key = (q.shape, k.shape, v.shape, q.dtype, q.device, causal, variant)
+            key = (q.shape, k.shape, v.shape, q.dtype, q.device, causal, variant,
+                   torch.are_deterministic_algorithms_enabled())
             plan = self._bwd_plans.get(key)
         except (AttributeError, TypeError):
             key, plan = None, None
@@ -364,7 +399,9 @@ class Dispatcher:
             except Exception as exc:
                 fallback = self.portable(mode, shape, table)
                 if (fallback is None or fallback["variant"] == entry["variant"]
-                        or isinstance(exc, torch.cuda.OutOfMemoryError)):
+                        or isinstance(exc, torch.cuda.OutOfMemoryError)
+                        or (mode == "bwd" and torch.are_deterministic_algorithms_enabled()
+                            and why_nondeterministic(fallback))):
                     raise
                 why = self._gave_way(mode, entry, fallback, shape, table, exc)
                 chosen = _Plan(make(fallback), Choice(self.present(mode, fallback["variant"]),
@@ -416,7 +453,8 @@ class Dispatcher:
     def backward(self, grad_out: torch.Tensor, saved: Saved, causal: bool = False,
                  scale: float | None = None, variant: Any = None,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(dq, dk, dv) for the forward's saved tensors, with the chosen backward variant."""
+        """(dq, dk, dv) for the forward's saved tensors, with the chosen backward variant
+        (a deterministic one under `torch.use_deterministic_algorithms(True)`)."""
         q, k, v = saved.q, saved.k, saved.v
         plan = self._bwd_plan(q, k, v, causal, variant)
         return plan.launch(grad_out, q, k, v, saved.out, saved.lse,

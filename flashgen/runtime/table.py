@@ -13,8 +13,10 @@ An entry holds the bucket it was tuned for ("dtype", "causal", "head_dim", "gqa"
 "seq_q_bucket", "seq_k_bucket"; defaults have no "gqa"), "variant" (the knobs, a dict),
 "twin" (the knobs of what runs where TMA cannot address the inputs, for variants that use
 it), and optionally "kernels" (role -> module, exports), "need" (the smallest power-of-two
-query and key lengths its tiles fit), "source" (the database row) and what a dispatcher's
-`kernel_is_current` reads (such as the hash of the kernel the row was tuned with).
+query and key lengths its tiles fit), "source" (the database row), "role" (what it is to its
+bucket where it is not the winner, such as the fastest deterministic trial that follows a
+nondeterministic backward winner) and what a dispatcher's `kernel_is_current` reads (such as
+the hash of the kernel the row was tuned with).
 
 For a call: the exact (dtype, causal, head dim, GQA ratio, Nq bucket, Nk bucket) entry; else
 the nearest tuned bucket of the same kind that is valid for the call; else the default.
@@ -188,13 +190,15 @@ class Table:
                       or head_units_leave_programs_idle(knobs(e["variant"]), shape,
                                                         self.sm_count)
                       or check(e))
+            passed = f" (passed over: {'; '.join(skipped)})" if skipped else ""
             if reason:
                 skipped.append(f"bucket Nq{got[0]}/Nk{got[1]}: {reason}")
             elif got == want:
-                return e, "exact", f"tuned winner for this bucket {got}"
+                role = e.get("role", "tuned winner")
+                return e, "exact", f"{role} for this bucket {got}{passed}"
             else:
                 return e, "nearest", (f"no winner for bucket {want}; nearest tuned "
-                                      f"bucket {got} is valid here")
+                                      f"bucket {got} is valid here{passed}")
         if skipped:
             return None, "fallback", "tuned buckets of this kind are invalid here: " + "; ".join(
                 skipped)

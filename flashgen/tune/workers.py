@@ -139,7 +139,8 @@ def _work(index: int, gpu: int | None, plan: WorkerPlan, report: Any) -> str:
                     bench = plan.bench_factory(mode, problem, target, run.seed + index,
                                                run.compile_workers, database.path)
                     options = TuneOptions(mode, run.trials, run.timeout, run.seed + index,
-                                          batch, exhaustive=run.exhaustive)
+                                          batch, exhaustive=run.exhaustive,
+                                          deterministic=run.deterministic)
                     result = tune_problem(
                         problem, bench, database, info, options, run_id=run_id,
                         on_progress=lambda r: report.put(("progress", index, _light(r))),
