@@ -669,7 +669,7 @@ def bench(
         raise _fail(f"no tuning database at {db}")
     if mode == "decode":
         _bench_decode(shape or [], preset or [], dtype, causal, page_size, device, gpu, out,
-                      csv_path, seed, rep_ms, db)
+                      csv_path, seed, rep_ms, timer, db)
         return
 
     from flashgen.bench.command import Outputs, resolve_device, run_bench
@@ -698,7 +698,7 @@ def bench(
 
 def _bench_decode(shapes: list[str], preset_names: list[str], dtype: str | None, causal: str,
                   page_size: str, device: str, gpu: int, out: Path, csv_path: Path | None,
-                  seed: int, rep_ms: float, db: Path | None) -> None:
+                  seed: int, rep_ms: float, timer: str, db: Path | None) -> None:
     """`flashgen bench --mode decode`: see `flashgen.bench.decoding`."""
     from flashgen.bench.command import resolve_device
     from flashgen.bench.decoding import DECODE_COMPETITORS, run_decode_bench
@@ -716,7 +716,7 @@ def _bench_decode(shapes: list[str], preset_names: list[str], dtype: str | None,
     except ValueError as exc:
         raise _fail(str(exc)) from None
     names = DECODE_COMPETITORS if target.type == "cuda" else ("flashgen",)
-    run_decode_bench(problems, target, names, seed=seed, rep_ms=rep_ms,
+    run_decode_bench(problems, target, names, seed=seed, rep_ms=rep_ms, timer=timer,
                      csv_path=csv_path or out / "decode.csv", console=_console(),
                      dispatcher=Dispatcher([db, shipped_db_path()]) if db else None)
 

@@ -10,7 +10,7 @@ others run on the same keys as one contiguous (B, Hkv, Nk, D) cache (SDPA and Fl
 take no block table), every sequence full. A single query needs no mask (causal or not, it
 sees every key), so it runs unmasked everywhere; longer chunks take the bottom-right mask.
 Every function is first checked against the float64 reference on a small problem of the
-same kind (`gate`), then timed with L2 flushed (`tune.timing.time_cuda`).
+same kind (`gate`), then timed with L2 flushed (`tune.timing.time_cuda`, by `--timer`).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def copy_rate(device: torch.device, nbytes: int = COPY_BYTES) -> float:
     """Bytes per second a device-to-device copy moves (read plus written)."""
     src = torch.empty(nbytes // 2, dtype=torch.float16, device=device)
     dst = torch.empty_like(src)
-    timing = time_cuda(lambda: dst.copy_(src), device, warmup_ms=25, rep_ms=100)
+    timing = time_cuda(lambda: dst.copy_(src), device, warmup_ms=25, rep_ms=100, timer="gpu")
     return 2 * nbytes / (timing.median_ms * 1e-3)
 
 
@@ -108,10 +108,13 @@ def _other(name: str, problem: DecodeProblem, device: torch.device) -> tuple[Cal
 
 def run_decode_bench(problems: Sequence[DecodeProblem], device: torch.device,
                      names: Sequence[str] = DECODE_COMPETITORS, *, seed: int = 0,
-                     rep_ms: float = 100.0, csv_path: Path | None = None,
+                     rep_ms: float = 100.0, timer: str = "wall",
+                     csv_path: Path | None = None,
                      console: Console | None = None,
                      dispatcher: Dispatcher | None = None) -> list[DecodeRow]:
-    """Check and time each competitor on each problem; print one table, write the CSV."""
+    """Check and time each competitor on each problem; print one table, write the CSV.
+    `timer` as `flashgen bench --timer` takes it: "wall" (calls back to back, a call's host
+    launch cost counting where it exceeds its GPU work, as do_bench times) or "gpu"."""
     console = console or Console()
     dispatcher = dispatcher or default_dispatcher()
     gpu = device.type == "cuda"
@@ -143,7 +146,8 @@ def run_decode_bench(problems: Sequence[DecodeProblem], device: torch.device,
                 rows.append(DecodeRow(problem, name, "failed", note=checked.reason))
                 continue
             timing = (time_cuda(lambda fn=fn, c=cache: fn(c), device, warmup_ms=rep_ms / 4,
-                                rep_ms=rep_ms) if gpu else time_cpu(lambda fn=fn, c=cache: fn(c)))
+                                rep_ms=rep_ms, timer=timer)
+                      if gpu else time_cpu(lambda fn=fn, c=cache: fn(c)))
             us = timing.median_ms * 1e3
             rows.append(DecodeRow(problem, name, "ok", us, problem.kv_bytes / (us * 1e-6) / 1e9,
                                   note))
