@@ -182,8 +182,8 @@ def test_gpu_real_sizes(dtype: str, page: int, nq: int) -> None:
     """Llama 3 8B heads (32:8, D128), ragged lengths up to 8k, default and fixed splits."""
     p = DecodeProblem(4, 32, 8, nq, 8192, 128, dtype, True, page_size=page)
     lengths = [8192, 4097, 777, nq + 5]
-    for variant in (None, DecodeVariant(32 if nq == 4 else 16, 64 if page != 16 else 16, 7,
-                                        4, 3)):
+    # 16 packed rows either way: Nq 1 pads a tile of 4 heads, Nq 4 fills one (4 x 4).
+    for variant in (None, DecodeVariant(16, 64 if page != 16 else 16, 7, 4, 3)):
         _check(p, lengths, variant, device="cuda")
 
 

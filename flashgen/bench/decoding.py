@@ -138,20 +138,24 @@ def run_decode_bench(problems: Sequence[DecodeProblem], device: torch.device,
                 fn, note = (_flashgen(problem, dispatcher) if name == FLASHGEN
                             else _other(name, problem, device))
                 checked = compare_kvcache(fn(small), small, problem.causal)
+                timing = None
+                if checked.ok:  # the timed shape may compile again (FlexAttention) and fail
+                    timing = (time_cuda(lambda fn=fn, c=cache: fn(c), device,
+                                        warmup_ms=rep_ms / 4, rep_ms=rep_ms, timer=timer)
+                              if gpu else time_cpu(lambda fn=fn, c=cache: fn(c)))
             except Exception as exc:  # a competitor that cannot run this is a data point
                 rows.append(DecodeRow(problem, name, "n/a", note=f"{type(exc).__name__}: "
                                       f"{str(exc).splitlines()[0][:160] if str(exc) else ''}"))
                 continue
-            if not checked.ok:
+            if timing is None:
                 rows.append(DecodeRow(problem, name, "failed", note=checked.reason))
                 continue
-            timing = (time_cuda(lambda fn=fn, c=cache: fn(c), device, warmup_ms=rep_ms / 4,
-                                rep_ms=rep_ms, timer=timer)
-                      if gpu else time_cpu(lambda fn=fn, c=cache: fn(c)))
             us = timing.median_ms * 1e3
             rows.append(DecodeRow(problem, name, "ok", us, problem.kv_bytes / (us * 1e-6) / 1e9,
                                   note))
             del fn
+        if csv_path is not None:  # after every problem: a run cut short keeps what it measured
+            write_decode_csv(rows, csv_path, rate)
         if gpu:
             torch.cuda.empty_cache()
     console.print(decode_table(rows, names, rate))
