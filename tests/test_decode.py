@@ -7,6 +7,7 @@ tests run real sizes in bf16 with page sizes 16 and 256.
 from __future__ import annotations
 
 import io
+import itertools
 from pathlib import Path
 
 import pytest
@@ -174,6 +175,22 @@ def test_invalid_explicit_variant_is_an_error() -> None:
         _call(**_inputs(), variant=flashgen.Variant())
 
 
+#: The fixed-split variant the GPU tests run: 16 packed rows (Nq 1 pads a tile of 4 heads,
+#: Nq 4 fills one), 64-key tiles (across four pages of 16).
+GPU_FIXED_SPLITS = DecodeVariant(16, 64, 7, 4, 3)
+
+
+def test_the_gpu_tests_variant_is_valid_on_hopper() -> None:
+    """Checked here, so a GPU run is not spent on an invalid explicit variant."""
+    from flashgen.kernels.hardware import DeviceInfo
+    from flashgen.kernels.modes import space_of
+
+    h100 = DeviceInfo("NVIDIA H100 80GB HBM3", (9, 0), 132, 232448)
+    for page, nq, dtype in itertools.product((0, 16, 256), (1, 4), ("bf16", "fp16")):
+        p = DecodeProblem(4, 32, 8, nq, 8192, 128, dtype, True, page_size=page)
+        assert space_of("decode").why_invalid(GPU_FIXED_SPLITS, p, h100) is None
+
+
 @gpu
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("page", [0, 16, 256])
@@ -182,8 +199,7 @@ def test_gpu_real_sizes(dtype: str, page: int, nq: int) -> None:
     """Llama 3 8B heads (32:8, D128), ragged lengths up to 8k, default and fixed splits."""
     p = DecodeProblem(4, 32, 8, nq, 8192, 128, dtype, True, page_size=page)
     lengths = [8192, 4097, 777, nq + 5]
-    # 16 packed rows either way: Nq 1 pads a tile of 4 heads, Nq 4 fills one (4 x 4).
-    for variant in (None, DecodeVariant(16, 64 if page != 16 else 16, 7, 4, 3)):
+    for variant in (None, GPU_FIXED_SPLITS):
         _check(p, lengths, variant, device="cuda")
 
 
