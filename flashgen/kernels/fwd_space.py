@@ -212,7 +212,20 @@ def persistent_out_of_range(v: Variant, p: Problem, dev: DeviceInfo) -> str | No
     return None
 
 
+def modifiers_need_fa2_pointers(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
+    # Window, softcap, sinks and the packed layout are written into the fa2 template only;
+    # TMA descriptors address whole (B, H, N, D) tensors, not packed sequences, so the
+    # modified kernels load through pointers. fa1 and fa3 (Gluon) have no such structure yet.
+    if not p.modifiers:
+        return None
+    if v.loop_order != "fa2" or v.use_tma:
+        return (f"{', '.join(p.modifiers)} run in fa2 without use_tma only "
+                f"(not {v.loop_order}{' use_tma' if v.use_tma else ''})")
+    return None
+
+
 RULES: tuple[Rule, ...] = (
+    modifiers_need_fa2_pointers,
     persistent_out_of_range,
     block_m_longer_than_queries,
     block_n_longer_than_keys,

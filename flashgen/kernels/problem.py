@@ -19,6 +19,8 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 MAX_HEAD_DIM = 256
+#: The structure flags beyond causal, in field order.
+MODIFIERS: tuple[str, ...] = ("window", "softcap", "sinks", "varlen")
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,13 @@ class Problem:
     head_dim: int
     dtype: str = "fp16"
     causal: bool = False
+    # Modifiers and layout, each a structure choice of the kernels (their sizes and values are
+    # runtime arguments): a sliding window, a logit softcap, per-head sinks, packed
+    # variable-length sequences (then batch counts sequences, seq_q / seq_k are the longest).
+    window: bool = False
+    softcap: bool = False
+    sinks: bool = False
+    varlen: bool = False
 
     def __post_init__(self) -> None:
         for name in ("batch", "heads_q", "heads_kv", "seq_q", "seq_k", "head_dim"):
@@ -48,6 +57,14 @@ class Problem:
             raise ValueError(f"head dim {self.head_dim} is over the supported {MAX_HEAD_DIM}")
         if self.dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype!r}; use one of {sorted(DTYPES)}")
+        for name in MODIFIERS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def modifiers(self) -> tuple[str, ...]:
+        """The modifiers and layout this problem asks for, by name (empty for plain attention)."""
+        return tuple(name for name in MODIFIERS if getattr(self, name))
 
     @property
     def group(self) -> int:
@@ -106,4 +123,4 @@ class Problem:
         return (
             f"B{self.batch} Hq{self.heads_q} Hkv{self.heads_kv} Nq{self.seq_q} Nk{self.seq_k} "
             f"D{self.head_dim} {self.dtype} {mask}"
-        )
+        ) + "".join(f" {name}" for name in self.modifiers)
