@@ -29,20 +29,21 @@ from flashgen.tune.timing import tflops, time_cuda
 POINTS = [Variant("fa3", 128, 128, 4, 3), Variant("fa3", 128, 128, 4, 2),
           Variant("fa3", 128, 64, 4, 3), Variant("fa3", 128, 64, 4, 4),
           Variant("fa3", 64, 64, 4, 2), Variant("fa3", 64, 128, 4, 2),
-          Variant("fa3", 128, 128, 8, 2), Variant("fa3", 128, 128, 4, 2, persistent=1),
-          Variant("fa3", 128, 64, 4, 3, persistent=1), Variant("fa3", 128, 128, 4, 3, persistent=1),
-          Variant("fa3", 128, 64, 4, 4, persistent=1), Variant("fa3", 64, 64, 4, 3, persistent=1),
-          Variant("fa3", 64, 64, 4, 4, persistent=1), Variant("fa3", 64, 128, 4, 2, persistent=1),
-          Variant("fa3", 64, 128, 4, 3, persistent=1), Variant("fa3", 128, 64, 4, 2, persistent=1),
+          Variant("fa3", 128, 128, 8, 2),
+          # one program per SM, two consumers
+          *(Variant("fa3", m, n, 4, s, programs_per_sm=1)
+            for m, n, s in ((128, 128, 2), (128, 64, 3), (128, 128, 3), (128, 64, 4),
+                            (64, 64, 3), (64, 64, 4), (64, 128, 2), (64, 128, 3), (128, 64, 2))),
           # one consumer of 128 rows (8 warps)
-          *(Variant("fa3", 128, n, 8, s, persistent=1) for n, s in ((64, 2), (64, 3), (128, 2))),
+          *(Variant("fa3", 128, n, 8, s, programs_per_sm=1)
+            for n, s in ((64, 2), (64, 3), (128, 2))),
           # three consumers (192 rows)
-          *(Variant("fa3", 192, n, 4, s, persistent=1) for n in (128, 64) for s in (2, 3, 4)),
+          *(Variant("fa3", 192, n, 4, s, programs_per_sm=1) for n in (128, 64) for s in (2, 3, 4)),
           # consumers taking turns at the tensor cores
-          *(Variant("fa3", m, n, 4, s, persistent=1, pingpong=True)
+          *(Variant("fa3", m, n, 4, s, programs_per_sm=1, pingpong=True)
             for m, n, s in ((128, 128, 2), (128, 64, 3), (192, 128, 3), (192, 64, 3))),
           # whole heads per program under the causal mask (head_units)
-          *(Variant("fa3", 128, 128, 4, s, persistent=1, head_units=True) for s in (3, 2))]
+          *(Variant("fa3", 128, 128, 4, s, programs_per_sm=1, head_units=True) for s in (3, 2))]
 
 
 def cudnn_ms(problem: Problem, bench: KernelBench) -> float:

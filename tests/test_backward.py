@@ -232,7 +232,7 @@ def test_bwd_variant_is_frozen_hashable_and_round_trips() -> None:
     assert hash(v) == hash(BwdVariant.from_dict(v.to_dict()))
     assert BwdVariant.from_json(v.to_json()) == v
     with pytest.raises(AttributeError):
-        v.block_m = 64  # type: ignore[misc]
+        v.block_streamed = 64  # type: ignore[misc]
     with pytest.raises(ValueError, match="unknown backward variant parameters"):
         BwdVariant.from_dict({**v.to_dict(), "dqmode": "atomic"})
 
@@ -250,15 +250,15 @@ def test_space_holds_exactly_the_valid_points(
         assert why_invalid_bwd(v, problem, device)
     for v in space:
         assert bwd_shared_memory_bytes(v, problem) <= device.shared_memory
-        assert v.block_m <= max(16, 1 << (problem.seq_q - 1).bit_length())
-        assert v.block_n <= max(16, 1 << (problem.seq_k - 1).bit_length())
+        assert v.block_streamed <= max(16, 1 << (problem.seq_q - 1).bit_length())
+        assert v.block_owned <= max(16, 1 << (problem.seq_k - 1).bit_length())
     assert default_bwd_variant(problem, device) in space
 
 
 def test_bwd_rules_name_the_reason() -> None:
     p = flashgen.Problem(1, 1, 1, 8, 300, 64, "fp16")
     assert "queries need" in why_invalid_bwd(BwdVariant(64, 16, 2, 1), p)
-    # The separate dQ kernel owns block_n queries; the atomic mode has no such kernel.
+    # The separate dQ kernel owns block_owned queries; the atomic mode has no such kernel.
     assert "dQ kernel" in why_invalid_bwd(BwdVariant(16, 64, 4, 1), p)
     assert why_invalid_bwd(BwdVariant(16, 64, 4, 1, "atomic"), p) is None
     big = flashgen.Problem(1, 1, 1, 4096, 4096, 256, "fp16")
@@ -278,12 +278,12 @@ def test_every_bwd_variant_renders_to_valid_python(problem: flashgen.Problem) ->
             assert f"attn_bwd_{kernel}" in names
             assert "{%" not in source and "{{" not in source
             if kernel == "dkdv":
-                assert f"BLOCK_M: tl.constexpr = {v.block_m}" in source
-                assert f"BLOCK_N: tl.constexpr = {v.block_n}" in source
+                assert f"BLOCK_M: tl.constexpr = {v.block_streamed}" in source
+                assert f"BLOCK_N: tl.constexpr = {v.block_owned}" in source
                 assert f"ATOMIC_DQ: tl.constexpr = {v.dq_mode == 'atomic'}" in source
             elif kernel == "dq":  # the owned/streamed pair swaps in the dQ kernel
-                assert f"BLOCK_M: tl.constexpr = {v.block_n}" in source
-                assert f"BLOCK_N: tl.constexpr = {v.block_m}" in source
+                assert f"BLOCK_M: tl.constexpr = {v.block_owned}" in source
+                assert f"BLOCK_N: tl.constexpr = {v.block_streamed}" in source
 
 
 def test_bwd_render_and_kernel_hash_ignore_lengths() -> None:
@@ -324,13 +324,13 @@ def test_fa3_backward_points_exist_only_where_the_gluon_kernels_run() -> None:
     reasons = {
         BwdVariant(64, 128, 4, 2, "atomic", "both"): "dq_mode",
         BwdVariant(64, 128, 8, 2, fa3="dq"): "num_warps",
-        BwdVariant(64, 32, 4, 2, fa3="both"): "block_n",
+        BwdVariant(64, 32, 4, 2, fa3="both"): "block_owned",
         BwdVariant(16, 128, 4, 2, fa3="dq"): "32 rows",
         BwdVariant(128, 128, 4, 2, fa3="both"): "spills",
         BwdVariant(64, 128, 4, 2, fa3="all"): "unknown fa3",
-        BwdVariant(32, 128, 4, 3, dq_block_m=64): "needs fa3",
-        BwdVariant(64, 128, 4, 2, fa3="both", dq_block_m=64): "repeats block_m",
-        BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_m=96): "dq_block_m must be among",
+        BwdVariant(32, 128, 4, 3, dq_block_streamed=64): "needs fa3",
+        BwdVariant(64, 128, 4, 2, fa3="both", dq_block_streamed=64): "repeats block_streamed",
+        BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_streamed=96): "must be among",
     }
     for variant, why in reasons.items():
         assert why in (why_invalid_bwd(variant, _fa3_problem(128), HOPPER) or ""), variant
@@ -341,7 +341,7 @@ def test_fa3_backward_points_exist_only_where_the_gluon_kernels_run() -> None:
 def test_fa3_backward_defaults_and_twins() -> None:
     for causal in (False, True):
         assert default_bwd_variant(_fa3_problem(64, causal=causal), HOPPER) == BwdVariant(
-            32, 128, 4, 3, fa3="dq", dq_block_m=64)
+            32, 128, 4, 3, fa3="dq", dq_block_streamed=64)
     # Keys too short for a 64-key dQ tile fall back to the Triton kernels.
     short = flashgen.Problem(1, 2, 2, 40, 40, 64, "fp16", False)
     assert default_bwd_variant(short, HOPPER).fa3 == "none"
@@ -349,7 +349,7 @@ def test_fa3_backward_defaults_and_twins() -> None:
     assert default_bwd_variant(_fa3_problem(128), HOPPER, fa3=False).fa3 == "none"
     assert default_bwd_variant(_fa3_problem(128), AMPERE).fa3 == "none"
     # Rows stored before the knob existed load as all-Triton variants.
-    assert BwdVariant.from_json('{"block_m": 32, "block_n": 64}').fa3 == "none"
+    assert BwdVariant.from_json('{"block_streamed": 32, "block_owned": 64}').fa3 == "none"
     for d in (64, 128):
         problem = _fa3_problem(d)
         for variant in bwd_search_space(problem, HOPPER):
@@ -359,28 +359,40 @@ def test_fa3_backward_defaults_and_twins() -> None:
                 assert why_invalid_bwd(twin, problem, HOPPER) is None
     same = BwdVariant(32, 128, 4, 3, fa3="dq")
     assert bwd_pointer_twin(same, _fa3_problem(64), HOPPER) == BwdVariant(32, 128, 4, 3)
-    own_dq = BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_m=128)
+    own_dq = BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_streamed=128)
     assert bwd_pointer_twin(own_dq, _fa3_problem(64), HOPPER) == BwdVariant(32, 128, 4, 3)
 
 
 def test_the_gluon_dq_kernel_streams_its_own_tile() -> None:
-    """dq_block_m reaches the dQ kernel's template, TMA tiles and the shared-memory rule, and
+    """dq_block_streamed reaches the dQ kernel's template, TMA tiles and the shared-memory rule, and
     nothing else: the Triton dK/dV kernel of the "dq" mode renders as without it."""
     problem = _fa3_problem(64)
-    own, follows = (BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_m=m) for m in (128, 0))
+    own, follows = (BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_streamed=m) for m in (128, 0))
     assert (own.streamed("dq"), own.streamed("dkdv")) == (128, 32)
-    assert (follows.streamed("dq"), BwdVariant(32, 128, 4, 3, dq_block_m=64).streamed("dq")) \
-        == (32, 32)  # 0 follows block_m; a Triton dQ kernel ignores the knob
+    triton_dq = BwdVariant(32, 128, 4, 3, dq_block_streamed=64)
+    # 0 follows block_streamed; a Triton dQ kernel ignores the knob
+    assert (follows.streamed("dq"), triton_dq.streamed("dq")) == (32, 32)
     assert fa3_tile_rows("dq", own) == (64, 128, 128, 64, 64)
     assert fa3_tile_rows("dkdv", own) == (32, 64, 64, 32, 64, 64)
     assert "BLOCK_N: gl.constexpr = 128" in render_bwd("dq", own, problem)
     assert render_bwd("dkdv", own, problem) == render_bwd("dkdv", follows, problem)
     assert bwd_shared_memory_bytes(own, problem) > bwd_shared_memory_bytes(follows, problem)
-    assert "fa3-dq dq-m128" in str(own) and "dq-m" not in str(follows)
-    # The dQ kernel's keys bound its tile, as block_m's are bounded.
+    assert "fa3-dq dq-x128" in str(own) and "dq-x" not in str(follows)
+    # The dQ kernel's keys bound its tile, as block_streamed's are bounded.
     short = flashgen.Problem(1, 2, 2, 100, 40, 64, "fp16", False)
-    assert "dq_block_m 128 is longer" in (why_invalid_bwd(own, short, HOPPER) or "")
-    assert BwdVariant.from_json('{"block_m": 32, "fa3": "dq"}').dq_block_m == 0
+    assert "dq_block_streamed 128 is longer" in (why_invalid_bwd(own, short, HOPPER) or "")
+    assert BwdVariant.from_json('{"block_streamed": 32, "fa3": "dq"}').dq_block_streamed == 0
+
+
+def test_a_renamed_knob_is_named_with_its_new_name() -> None:
+    """block_m/block_n swapped meaning between the dK/dV and dQ kernels, and the forward's
+    persistent meant programs per SM in fa2 but a flag in fa3; each old name now says what
+    it is called."""
+    for cls, old, new in ((BwdVariant, "block_m", "block_streamed"),
+                          (BwdVariant, "dq_block_m", "dq_block_streamed"),
+                          (flashgen.Variant, "persistent", "programs_per_sm")):
+        with pytest.raises(ValueError, match=f"'{old}' is now called '{new}'"):
+            cls.from_dict({old: 64})
 
 
 def test_fa3_backward_renders_gluon_for_its_kernels_only() -> None:
@@ -393,7 +405,7 @@ def test_fa3_backward_renders_gluon_for_its_kernels_only() -> None:
         source = render_bwd(kernel, variant, problem)  # type: ignore[arg-type]
         assert "gl.warp_specialize" in source and f"def attn_bwd_{kernel}(" in source
         ast.parse(source)
-    # The owned tile is block_n in both kernels: 128 keys in dK/dV, 128 query rows in dQ.
+    # The owned tile is block_owned in both kernels: 128 keys in dK/dV, 128 query rows in dQ.
     assert "BLOCK_N: gl.constexpr = 128" in render_bwd("dkdv", both, problem)
     assert "BLOCK_M: gl.constexpr = 128" in render_bwd("dq", both, problem)
     assert "BLOCK_N: gl.constexpr = 32" in render_bwd("dq", dq_only, problem)
@@ -405,11 +417,11 @@ def test_fa3_backward_renders_gluon_for_its_kernels_only() -> None:
      ("dkdv", BwdVariant(64, 128, 4, 3, fa3="both"), 64, "bf16", False),
      ("dkdv", BwdVariant(64, 64, 4, 2, fa3="both"), 128, "bf16", False),
      ("dkdv", BwdVariant(128, 128, 4, 2, fa3="both"), 64, "fp16", True),
-     ("dkdv", BwdVariant(128, 128, 4, 2, fa3="both", dq_block_m=64), 64, "bf16", False),
+     ("dkdv", BwdVariant(128, 128, 4, 2, fa3="both", dq_block_streamed=64), 64, "bf16", False),
      ("dq", BwdVariant(32, 128, 4, 3, fa3="dq"), 64, "bf16", True),
      ("dq", BwdVariant(64, 128, 4, 2, fa3="both"), 128, "bf16", False),
      ("dq", BwdVariant(128, 128, 4, 2, fa3="dq"), 128, "bf16", True),
-     ("dq", BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_m=128), 64, "bf16", False)],
+     ("dq", BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_streamed=128), 64, "bf16", False)],
 )
 def test_fa3_backward_compiles_for_hopper(kernel: str, variant: BwdVariant, d: int,
                                           dtype: str, causal: bool) -> None:
@@ -422,7 +434,7 @@ def test_fa3_backward_compiles_for_hopper(kernel: str, variant: BwdVariant, d: i
     assert found["setmaxnreg"]  # the producer warp hands its registers to the consumers
     assert found["wait_one"]  # exponentials while the second score product runs
     assert found["shared"] <= HOPPER.shared_memory
-    if kernel == "dkdv" and variant.block_m == 128:
+    if kernel == "dkdv" and variant.block_streamed == 128:
         # The 128-row step issues S^T alone; with S^T and dP^T in flight together this
         # kernel spilled 428-952 bytes (sm_90a, Triton 3.6), with S^T alone 8 in fp16 and
         # 84-96 in bf16 (452-496 before bf16's P was rounded by packed conversions).
@@ -511,7 +523,7 @@ def test_gpu_search_space_sample() -> None:
 FA3_BWD_POINTS = [*(pick.variant for pick in HOPPER_BWD_PORTFOLIO),
                   BwdVariant(32, 64, 4, 2, fa3="both"),
                   BwdVariant(128, 64, 4, 3, fa3="dq"), BwdVariant(32, 128, 4, 4, fa3="dq"),
-                  BwdVariant(64, 128, 4, 2, fa3="both", dq_block_m=128)]
+                  BwdVariant(64, 128, 4, 2, fa3="both", dq_block_streamed=128)]
 
 
 @gpu

@@ -352,11 +352,11 @@ HOPPER = DeviceInfo("NVIDIA H100 80GB HBM3", (9, 0), 132, 232448)
 #: Gluon dQ kernel on its own tile, the three-consumer fa3 kernel, and a CPU run's tiny TFLOP/s.
 LONG_ROWS: list[tuple[Problem, str, Any, float]] = [
     (Problem(32, 64, 8, 512, 512, 128, "bf16", True), "fwd",
-     Variant("fa3", 128, 128, 4, 2, persistent=1, pingpong=True), 612.3),
+     Variant("fa3", 128, 128, 4, 2, programs_per_sm=1, pingpong=True), 612.3),
     (Problem(1, 32, 32, 16384, 16384, 64, "fp16", False), "fwd",
-     Variant("fa3", 192, 128, 4, 3, persistent=1, pingpong=True), 655.55),
+     Variant("fa3", 192, 128, 4, 3, programs_per_sm=1, pingpong=True), 655.55),
     (Problem(32, 64, 8, 512, 2048, 128, "bf16", True), "bwd",
-     BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_m=128), 312.25),
+     BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_streamed=128), 312.25),
     (Problem(1, 2, 1, 32, 48, 16, "fp32", False), "bwd", BwdVariant(32, 16, 2, 1, "atomic"),
      1.234e-05),
 ]
@@ -376,7 +376,8 @@ def test_tune_tables_fit_80_columns() -> None:
     _lines_fit(text, len(results))
     for expected in ("bf16 c D128 g8 512 B32 H64", "fp16 f D64 16k B1 H32",
                      "bf16 c D128 g8 512/2k B32 H64", "fa3 m192 n128 w4 s3 p1 pp",
-                     "m32 n128 w4 s3 fa3-dq dq-m128", "atomic m32 n16 w2 s1", "612", "656",
+                     "own128x32 w4 s3 fa3-dq dq-x128", "atomic own16x32 w2 s1",
+                     "612", "656",
                      "312", "1.2e-05", "1.11x", "none passed"):
         assert expected in text, (expected, text)
 
@@ -421,6 +422,6 @@ def test_show_tables_fit_80_columns(tmp_path: Path) -> None:
     text = result.stdout.split("\n", 1)[1]  # after the line naming the database
     _lines_fit(text, 2 * len(LONG_ROWS) + 1)
     assert "db · NVIDIA H100 80GB HBM3 · sm90 · forward" in text and "stale" in text
-    assert "m32 n128 w4 s3 fa3-dq dq-m128" in text and "1.2e-05" in text
+    assert "own128x32 w4 s3 fa3-dq dq-x128" in text and "1.2e-05" in text
     wide = runner.invoke(app, ["show", "--db", str(db_path), "--wide"], env={"COLUMNS": "80"})
     assert "B32 Hq64 Hkv8 Nq512 Nk2048" in wide.stdout and "…" not in wide.stdout

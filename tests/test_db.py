@@ -277,6 +277,12 @@ def test_a_run_records_its_provenance_and_what_it_wrote(db: TuningDB) -> None:
 # ---- re-keying by kernel hash (migration m006) -----------------------------------------
 
 
+def _stored_before_m009(variant: Variant | BwdVariant) -> str:
+    """A variant's JSON under the knob names it had before m009_knob_names."""
+    old = {new: name for name, new in type(variant).renamed.items()}
+    return json.dumps({old.get(k, k): v for k, v in variant.to_dict().items()}, sort_keys=True)
+
+
 def _old_row(mode: str, template_hash: str, variant: Variant | BwdVariant,
              problem: Problem = PROBLEM, **extra: object) -> dict[str, object]:
     """A trial row as the schema before m006 stored it: the template hash in the key."""
@@ -284,7 +290,7 @@ def _old_row(mode: str, template_hash: str, variant: Variant | BwdVariant,
     return {"key_id": f"{key.id}|{template_hash}", **key.to_columns(),
             "template_hash": template_hash, **problem.to_dict(),
             "problem_json": json.dumps(problem.to_dict(), sort_keys=True),
-            "variant_json": variant.to_json(), "status": "ok", "median_ms": 1.0,
+            "variant_json": _stored_before_m009(variant), "status": "ok", "median_ms": 1.0,
             "p20_ms": 1.0, "p80_ms": 1.0, "reps": 10, "tflops": 1.0,
             "created_at": "2026-01-01", **extra}
 
@@ -343,6 +349,40 @@ def test_an_unmigrated_file_read_only_is_judged_as_the_migration_would(tmp_path:
         assert all(w.kernel_hash.startswith(LEGACY) for w in ro.all_winners())
     assert current == {Variant(block_m=128): True, Variant(block_m=32): False,
                        BwdVariant(32, 64, 4, 2): True, BwdVariant(): False}
+
+
+def test_m009_renames_stored_knobs_and_keeps_every_row_current(tmp_path: Path) -> None:
+    path = tmp_path / "m008.db"
+    old = sqlite_utils.Database(path)
+    migrations.apply(old, stop_before="m009_knob_names")
+    fwd, bwd = Variant("fa2", 64, 64, 4, 2, programs_per_sm=2), BwdVariant(32, 128, 4, 3)
+    keys = {}
+    for mode, variant, hashed in (("fwd", fwd, kernel_hash), ("bwd", bwd, bwd_kernel_hash)):
+        keys[mode] = key = TuningKey.for_problem(PROBLEM, H100, mode, VERSIONS)
+        row = {"key_id": key.id, **key.to_columns(), **PROBLEM.to_dict(),
+               "problem_json": json.dumps(PROBLEM.to_dict(), sort_keys=True),
+               "variant_json": _stored_before_m009(variant),
+               "block_m": 32 if mode == "bwd" else 64, "block_n": 128 if mode == "bwd" else 64,
+               "status": "ok", "median_ms": 1.0, "p20_ms": 1.0, "p80_ms": 1.0, "reps": 10,
+               "kernel_hash": hashed(variant, PROBLEM), "created_at": "x"}
+        trial_id = old["trials"].insert(row).last_pk
+        winner = {c: v for c, v in row.items() if c in old["winners"].columns_dict}
+        old["winners"].insert({**winner, "trial_id": trial_id, "updated_at": "x"})
+    old["claims"].insert({"key_id": keys["bwd"].id, "problem_json": row["problem_json"],
+                          "variant_json": _stored_before_m009(bwd), "owner": "o", "host": "h",
+                          "pid": 1, "claimed_at": 0.0})
+    old.close()
+    with TuningDB(path) as db:
+        assert db.schema_version == SCHEMA_VERSION
+        winners = {w.key.mode: w for w in db.all_winners()}
+        assert (winners["fwd"].variant, winners["bwd"].variant) == (fwd, bwd)
+        assert all(row_is_current(w) for w in winners.values())
+        assert set(db.measured(keys["bwd"], PROBLEM)) == {bwd.to_json()}
+        columns = "block_m, block_n, block_owned, block_streamed"
+        assert {r["mode"]: tuple(r.values())[1:] for r in db.db.query(
+            f"SELECT mode, {columns} FROM trials")} == {"fwd": (64, 64, None, None),
+                                                        "bwd": (None, None, 128, 32)}
+        assert [r["variant_json"] for r in db.db["claims"].rows] == [bwd.to_json()]
 
 
 # ---- read-only -------------------------------------------------------------------------

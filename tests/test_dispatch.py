@@ -71,8 +71,8 @@ def test_whole_heads_winner_is_passed_over_for_a_small_batch(tmp_path: Path) -> 
     # would keep 8 busy where pairs keep 16, so dispatch takes the next valid winner.
     hopper = DeviceInfo("H-test", (9, 0), 132, 232448)
     big = flashgen.Problem(32, 32, 32, 512, 512, 64, "fp16", True)
-    heads = flashgen.Variant("fa3", 128, 128, 4, 3, persistent=1, head_units=True)
-    pairs = flashgen.Variant("fa3", 128, 128, 4, 3, persistent=1)
+    heads = flashgen.Variant("fa3", 128, 128, 4, 3, programs_per_sm=1, head_units=True)
+    pairs = flashgen.Variant("fa3", 128, 128, 4, 3, programs_per_sm=1)
     db = tmp_path / "t.db"
     with TuningDB(db) as store:
         for problem, variant in ((big, heads), (big.with_(seq_q=1024, seq_k=1024), pairs)):

@@ -44,9 +44,9 @@ def test_exact_nearest_and_fallback(tmp_path: Path) -> None:
     assert (exact.variant, exact.how) == (WINNER, "exact") and str(db) in exact.source
     nearest = d.choose_bwd(P64.with_(seq_q=100, seq_k=120), INTERPRETER)
     assert (nearest.variant, nearest.how) == (WINNER, "nearest")
-    short = P64.with_(seq_q=9, seq_k=9)  # block_m 32 is longer than 9 queries need
+    short = P64.with_(seq_q=9, seq_k=9)  # block_streamed 32 is longer than 9 queries need
     fallback = d.choose_bwd(short, INTERPRETER)
-    assert fallback.how == "fallback" and "block_m 32" in fallback.reason
+    assert fallback.how == "fallback" and "block_streamed 32" in fallback.reason
     assert fallback.variant == default_bwd_variant(short, INTERPRETER)
     assert d.choose_bwd(P64.with_(causal=False), INTERPRETER).how == "fallback"
     # Backward winners are not forward ones, and the other way round.

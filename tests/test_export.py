@@ -340,12 +340,12 @@ def test_a_persistent_fa3_winner_names_its_twins_own_grid(tmp_path: Path) -> Non
     # The twin of a persistent 192-row fa3 winner is a plain 128-row fa2 kernel: the runtime
     # must size its grid from the twin, not from the winner (one program per tile).
     db = tmp_path / "h200.db"
-    winner = flashgen.Variant("fa3", 192, 128, 4, 2, persistent=1, pingpong=True)
+    winner = flashgen.Variant("fa3", 192, 128, 4, 2, programs_per_sm=1, pingpong=True)
     _store(db, P_FA3, winner, H200)
     _export("--db", str(db), "--out", str(tmp_path), "--name", "fgk_p")
     table = json.loads((tmp_path / "fgk_p" / "table.json").read_text())
     (entry,) = table["gpus"]["NVIDIA H200"]["fwd"]
-    assert entry["twin"]["persistent"] == 0 and entry["twin"]["block_m"] == 128
+    assert entry["twin"]["programs_per_sm"] == 0 and entry["twin"]["block_m"] == 128
 
 
 @pytest.mark.interpreter
@@ -354,7 +354,7 @@ def test_exported_fa3_winner_runs_its_twin_on_the_twins_grid(tmp_path: Path) -> 
     twin, one program per Q tile: sized from the winner's persistent grid instead, it left
     every tile after the first unwritten (the interpreter counts as one SM)."""
     problem = flashgen.Problem(1, 2, 2, 300, 300, 16, "fp16", False)  # three 128-row tiles
-    _store(tmp_path / "t.db", problem, flashgen.Variant("fa3", 128, 64, 4, 2, persistent=1),
+    _store(tmp_path / "t.db", problem, flashgen.Variant("fa3", 128, 64, 4, 2, programs_per_sm=1),
            INTERPRETER)
     package = _export_and_import(tmp_path, "fgk_twin_grid")
     q, k, v = make_inputs(1, 2, 2, 300, 300, 16, torch.float16, seed=3)
@@ -558,7 +558,7 @@ def test_gpu_aot_cubin_through_the_driver_api(tmp_path: Path, dtype: str, d: int
 GPU_EXPORTED = [flashgen.Variant("fa2", 128, 32, 4, 2),
                 flashgen.Variant("fa2", 128, 64, 4, 3, use_tma=True),
                 flashgen.Variant("fa3", 128, 128, 4, 3),
-                flashgen.Variant("fa3", 128, 128, 4, 2, persistent=1)]
+                flashgen.Variant("fa3", 128, 128, 4, 2, programs_per_sm=1)]
 
 
 @pytest.mark.gpu
@@ -587,13 +587,13 @@ def test_gpu_python_export_hit_miss_and_training(tmp_path: Path,
 
 @pytest.mark.gpu
 def test_gpu_exported_gluon_dq_on_its_own_tiles_trains(tmp_path: Path) -> None:
-    """A backward winner whose Gluon dQ kernel streams its own tile (dq_block_m) runs from
+    """A backward winner whose Gluon dQ kernel streams its own tile (dq_block_streamed) runs from
     the exported package with that tile's TMA descriptors, aligned and not."""
     dev = flashgen.device_info("cuda")
     if not dev.is_hopper:
         pytest.skip("the Gluon backward kernels need Hopper")
     problem = flashgen.Problem(2, 8, 2, 1024, 1024, 64, "fp16", True)
-    winner = BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_m=128)
+    winner = BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_streamed=128)
     _store(tmp_path / "t.db", problem, winner, dev, mode="bwd")
     fgk = _export_and_import(tmp_path, "fgk_gpu_dq")
     for n, pad in ((1000, 0), (700, 3)):  # pad 3: rows TMA cannot address, the twin runs
@@ -609,11 +609,11 @@ def test_gpu_exported_gluon_dq_on_its_own_tiles_trains(tmp_path: Path) -> None:
         assert grads.ok, (n, grads.reason)
 
 
-GLUON_BWD_WINNERS = [BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_m=128),
-                     BwdVariant(64, 128, 4, 2, fa3="both", dq_block_m=128),
+GLUON_BWD_WINNERS = [BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_streamed=128),
+                     BwdVariant(64, 128, 4, 2, fa3="both", dq_block_streamed=128),
                      BwdVariant(64, 128, 4, 3, fa3="both"),
                      # the D64 shipped winners' 128-row dK/dV step, dQ on 64-key tiles
-                     BwdVariant(128, 128, 4, 2, fa3="both", dq_block_m=64)]
+                     BwdVariant(128, 128, 4, 2, fa3="both", dq_block_streamed=64)]
 
 
 @pytest.mark.parametrize("winner", GLUON_BWD_WINNERS, ids=str)
@@ -621,7 +621,7 @@ def test_exported_gluon_backward_uses_the_winners_tiles(tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch,
                                                         winner: BwdVariant) -> None:
     """An exported Gluon backward winner reaches its kernels with the TMA tiles its knobs
-    give (dq_block_m included): 64 rows per owned tensor, the kernel's streamed tile
+    give (dq_block_streamed included): 64 rows per owned tensor, the kernel's streamed tile
     (`BwdVariant.streamed`) per streamed one. Checked without a GPU: the package's table is
     served with its device name faked, and descriptors and launches are recorded."""
     _store(tmp_path / "t.db", P_FA3, winner, H200, mode="bwd")

@@ -54,21 +54,21 @@ def test_fa3_is_a_hopper_16bit_variant_with_its_own_tiles() -> None:
 
 
 def test_fa3_persistent_is_one_program_per_sm_with_its_own_o_buffer() -> None:
-    persistent = flashgen.Variant("fa3", 128, 128, 4, 2, persistent=1)
+    persistent = flashgen.Variant("fa3", 128, 128, 4, 2, programs_per_sm=1)
     assert flashgen.why_invalid(persistent, _problem(), HOPPER) is None
     assert "fa3 persistent" in flashgen.why_invalid(
-        flashgen.Variant("fa3", 128, 128, 4, 2, persistent=2), _problem(), HOPPER)
+        flashgen.Variant("fa3", 128, 128, 4, 2, programs_per_sm=2), _problem(), HOPPER)
     # A second Q buffer and O's own cost two Q tiles of shared memory: three D128 stages of
     # 128-key tiles fit the one-tile kernel, not the persistent one.
     assert flashgen.why_invalid(flashgen.Variant("fa3", 128, 128, 4, 3), _problem(), HOPPER) is None
     assert "shared memory" in flashgen.why_invalid(
-        flashgen.Variant("fa3", 128, 128, 4, 3, persistent=1), _problem(), HOPPER)
+        flashgen.Variant("fa3", 128, 128, 4, 3, programs_per_sm=1), _problem(), HOPPER)
     assert render_template_name(persistent) == "attn_fwd_fa3_persistent.py.jinja"
-    assert render_template_name(replace(persistent, persistent=0)) == "attn_fwd_fa3.py.jinja"
+    assert render_template_name(replace(persistent, programs_per_sm=0)) == "attn_fwd_fa3.py.jinja"
     # One program per SM, at most one per tile; the kernel is told B * H_Q to walk the tiles.
     sm = device_info("cpu").sm_count
     assert fa3_grid(persistent, 1000, 48, torch.device("cpu")) == ((min(8 * 48, sm),), (48,))
-    assert fa3_grid(replace(persistent, persistent=0), 1000, 48, torch.device("cpu")) == (
+    assert fa3_grid(replace(persistent, programs_per_sm=0), 1000, 48, torch.device("cpu")) == (
         (8, 48), ())
 
 
@@ -78,7 +78,7 @@ def test_persistent_causal_kernels_alone_take_the_row_bound_mask() -> None:
     # before the row-bound mask and its tuned rows stay current (same kernel hash).
     # Partitions follow the consumer count: one `_consume` each, then the producer.
     for m, consumers in ((128, 2), (192, 3)):
-        v = flashgen.Variant("fa3", m, 128, 4, 2, persistent=1)
+        v = flashgen.Variant("fa3", m, 128, 4, 2, programs_per_sm=1)
         assert (v.fa3_rows, v.fa3_consumers) == (64, consumers)
         # The code alone: the template's header comment names both masks.
         causal = normalised(render(v, _problem(64, causal=True)))
@@ -128,7 +128,7 @@ def test_persistent_causal_tile_order_covers_every_tile_once(
     # Under the mask a program walks tile pairs (the longest of a head with its shortest)
     # or, with head_units, whole heads: their pairs in turn, so each tile after the first
     # reads K/V that program has just read. Either way every tile runs once.
-    variant = flashgen.Variant("fa3", 128, 128, 4, 3, persistent=1, head_units=heads)
+    variant = flashgen.Variant("fa3", 128, 128, 4, 3, programs_per_sm=1, head_units=heads)
     problem = flashgen.Problem(*shape, "fp16", True)
     order = _tile_order(variant, problem, programs)
     num_m = -(-problem.seq_q // 128)
@@ -147,12 +147,12 @@ def test_persistent_causal_tile_order_covers_every_tile_once(
 
 
 def test_head_units_is_a_causal_knob_of_persistent_fa3() -> None:
-    heads = flashgen.Variant("fa3", 128, 128, 4, 3, persistent=1, head_units=True)
+    heads = flashgen.Variant("fa3", 128, 128, 4, 3, programs_per_sm=1, head_units=True)
     bench = flashgen.Problem(32, 32, 32, 512, 512, 64, "fp16", True)  # fa-bench's cell
     assert str(heads) == "fa3 m128 n128 w4 s3 p1 heads"
     assert flashgen.why_invalid(heads, bench, HOPPER) is None
     assert "causal" in flashgen.why_invalid(heads, replace(bench, causal=False), HOPPER)
-    assert "persistent grid" in flashgen.why_invalid(replace(heads, persistent=0), bench,
+    assert "persistent grid" in flashgen.why_invalid(replace(heads, programs_per_sm=0), bench,
                                                      HOPPER)
     assert not heads.pointer_twin().head_units
     # Dispatch serves it only with heads enough to keep every program as busy as pairs
@@ -185,7 +185,7 @@ def test_portfolio_and_default_lead_with_fa3_on_hopper() -> None:
     # Without the mask, D64 takes three consumers from 2k keys; under it they spill, so the
     # portfolio leaves them out there.
     three = default_variant(replace(short, causal=False), HOPPER)
-    assert (three.loop_order, three.block_m, three.persistent, three.pingpong) == (
+    assert (three.loop_order, three.block_m, three.programs_per_sm, three.pingpong) == (
         "fa3", 192, 1, True)
     assert default_variant(replace(short, seq_q=1024, seq_k=1024, causal=False),
                            HOPPER).loop_order == "fa2"
@@ -204,11 +204,11 @@ def test_pingpong_is_a_knob_of_persistent_fa3_with_consumers_to_take_turns() -> 
     def reason(v: flashgen.Variant) -> str | None:
         return flashgen.why_invalid(v, _problem(), HOPPER)
 
-    pp = flashgen.Variant("fa3", 128, 128, 4, 2, persistent=1, pingpong=True)
+    pp = flashgen.Variant("fa3", 128, 128, 4, 2, programs_per_sm=1, pingpong=True)
     assert reason(pp) is None and str(pp).endswith(" pp")
     three = replace(pp, block_m=192, num_stages=3)
     assert flashgen.why_invalid(three, _problem(64), HOPPER) is None
-    assert "persistent grid" in reason(replace(pp, persistent=0))
+    assert "persistent grid" in reason(replace(pp, programs_per_sm=0))
     assert "two or three" in reason(replace(pp, block_m=64))  # one 64-row consumer
     assert "two or three" in reason(replace(pp, num_warps=8))  # one 128-row consumer
     assert "pingpong" in reason(flashgen.Variant("fa2", 128, 64, 4, 3, pingpong=True))
@@ -228,16 +228,17 @@ def test_pointer_twin_keeps_the_tiles_and_drops_tma() -> None:
     tma = flashgen.Variant("fa2", 128, 64, 8, 3, use_tma=True)
     assert tma.pointer_twin() == flashgen.Variant("fa2", 128, 64, 8, 3)
     # fa3's persistent grid is its own schedule; the twin runs fa2's one program per tile.
-    assert flashgen.Variant("fa3", 128, 64, 4, 3, persistent=1).pointer_twin() == v.pointer_twin()
+    persistent = flashgen.Variant("fa3", 128, 64, 4, 3, programs_per_sm=1)
+    assert persistent.pointer_twin() == v.pointer_twin()
     # fa2 has no 192-row tile (its ranges are powers of two): the twin takes 128 rows.
-    assert flashgen.Variant("fa3", 192, 128, 4, 3, persistent=1).pointer_twin() == (
+    assert flashgen.Variant("fa3", 192, 128, 4, 3, programs_per_sm=1).pointer_twin() == (
         flashgen.Variant("fa2", 128, 128, 4, 3))
-    fa2_persistent = flashgen.Variant("fa2", 128, 64, 8, 3, use_tma=True, persistent=1)
-    assert fa2_persistent.pointer_twin().persistent == 1
+    fa2_persistent = flashgen.Variant("fa2", 128, 64, 8, 3, use_tma=True, programs_per_sm=1)
+    assert fa2_persistent.pointer_twin().programs_per_sm == 1
 
 
 @pytest.mark.parametrize(
-    ("block_m", "block_n", "warps", "stages", "d", "causal", "persistent", "pingpong"),
+    ("block_m", "block_n", "warps", "stages", "d", "causal", "programs_per_sm", "pingpong"),
     [(128, 128, 4, 3, 128, False, 0, False), (128, 64, 4, 4, 128, True, 0, False),
      (128, 128, 8, 2, 64, True, 0, False), (64, 128, 4, 2, 64, False, 0, False),
      (128, 64, 4, 3, 128, True, 1, False), (128, 128, 4, 2, 64, True, 1, False),
@@ -246,19 +247,19 @@ def test_pointer_twin_keeps_the_tiles_and_drops_tma() -> None:
      (128, 128, 4, 2, 128, False, 1, True), (128, 64, 4, 3, 64, True, 1, True)],
 )
 def test_fa3_compiles_for_hopper_with_its_machinery(
-    block_m: int, block_n: int, warps: int, stages: int, d: int, causal: bool, persistent: int,
-    pingpong: bool,
+    block_m: int, block_n: int, warps: int, stages: int, d: int, causal: bool,
+    programs_per_sm: int, pingpong: bool,
 ) -> None:
     pytest.importorskip("triton.experimental.gluon")
-    variant = flashgen.Variant("fa3", block_m, block_n, warps, stages, persistent=persistent,
-                               pingpong=pingpong)
+    variant = flashgen.Variant("fa3", block_m, block_n, warps, stages,
+                               programs_per_sm=programs_per_sm, pingpong=pingpong)
     problem = _problem(d, "bf16", causal)
     assert flashgen.why_invalid(variant, problem, HOPPER) is None
     found = report_in_subprocess(variant, problem)
     assert found["wgmma"] and found["tma"]  # warpgroup MMA; TMA loads and the O store
     assert found["setmaxnreg"]  # the producer warp hands its registers to the consumers
     assert found["wait_one"]  # the softmax runs while the P V product is in flight
-    if not persistent:
+    if not programs_per_sm:
         # ... in the machine code too: ptxas had moved the P V wait ahead of the softmax
         # until _hold_softmax pinned it (the persistent kernel runs faster without the pin).
         assert found["exp_under_pv"] and all(found["exp_under_pv"]), found["exp_under_pv"]
@@ -273,18 +274,18 @@ def test_fa3_compiles_for_hopper_with_its_machinery(
 FA3_POINTS = [flashgen.Variant("fa3", 128, 128, 4, 3), flashgen.Variant("fa3", 128, 64, 4, 2),
               flashgen.Variant("fa3", 128, 128, 8, 2), flashgen.Variant("fa3", 64, 64, 4, 4),
               # persistent grid: two consumers, one consumer, 8-warp consumers, three
-              flashgen.Variant("fa3", 128, 128, 4, 2, persistent=1),
-              flashgen.Variant("fa3", 64, 64, 4, 3, persistent=1),
-              flashgen.Variant("fa3", 128, 64, 8, 2, persistent=1),
-              flashgen.Variant("fa3", 192, 128, 4, 2, persistent=1),
-              flashgen.Variant("fa3", 192, 64, 4, 2, persistent=1),
+              flashgen.Variant("fa3", 128, 128, 4, 2, programs_per_sm=1),
+              flashgen.Variant("fa3", 64, 64, 4, 3, programs_per_sm=1),
+              flashgen.Variant("fa3", 128, 64, 8, 2, programs_per_sm=1),
+              flashgen.Variant("fa3", 192, 128, 4, 2, programs_per_sm=1),
+              flashgen.Variant("fa3", 192, 64, 4, 2, programs_per_sm=1),
               # consumers taking turns: two, two on 64-key tiles (empty turns for the tiles
               # the first consumer skips under the mask), three
-              flashgen.Variant("fa3", 128, 128, 4, 2, persistent=1, pingpong=True),
-              flashgen.Variant("fa3", 128, 64, 4, 3, persistent=1, pingpong=True),
-              flashgen.Variant("fa3", 192, 128, 4, 3, persistent=1, pingpong=True),
+              flashgen.Variant("fa3", 128, 128, 4, 2, programs_per_sm=1, pingpong=True),
+              flashgen.Variant("fa3", 128, 64, 4, 3, programs_per_sm=1, pingpong=True),
+              flashgen.Variant("fa3", 192, 128, 4, 3, programs_per_sm=1, pingpong=True),
               # whole heads per unit under the causal mask (pairs without it)
-              flashgen.Variant("fa3", 128, 128, 4, 3, persistent=1, head_units=True)]
+              flashgen.Variant("fa3", 128, 128, 4, 3, programs_per_sm=1, head_units=True)]
 
 
 @pytest.mark.gpu
@@ -329,7 +330,7 @@ def test_fa3_strided_and_unaligned_inputs_on_gpu() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [p for p in FA3_POINTS if p.persistent], ids=str)
+@pytest.mark.parametrize("variant", [p for p in FA3_POINTS if p.programs_per_sm], ids=str)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_fa3_persistent_chains_many_tiles_per_program_on_gpu(
@@ -363,7 +364,7 @@ def test_fa3_persistent_whole_heads_on_gpu(
     # whole-heads winner on (the tests above run it on a few heads); GQA, a ragged tile.
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("needs a Hopper GPU")
-    variant = flashgen.Variant("fa3", 128, 128, 4, 3 if d == 64 else 2, persistent=1,
+    variant = flashgen.Variant("fa3", 128, 128, 4, 3 if d == 64 else 2, programs_per_sm=1,
                                head_units=True)
     q, k, v = make_inputs(*shape, d, dtype, "cuda", seed=d + shape[3])
     problem = flashgen.Problem.from_tensors(q, k, v, causal=True)

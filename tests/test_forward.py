@@ -30,8 +30,8 @@ CPU_VARIANTS = {
         flashgen.Variant("fa2", 32, 16, 4, 3, warp_specialize=True),
         flashgen.Variant("fa2", 16, 32, 2, 2, use_tma=True),
         flashgen.Variant("fa2", 32, 16, 4, 2, split_mask=False, use_tma=True),
-        flashgen.Variant("fa2", 16, 16, 2, 2, persistent=1),
-        flashgen.Variant("fa2", 16, 32, 2, 1, use_tma=True, persistent=2),
+        flashgen.Variant("fa2", 16, 16, 2, 2, programs_per_sm=1),
+        flashgen.Variant("fa2", 16, 32, 2, 1, use_tma=True, programs_per_sm=2),
     ],
     "fa1": [
         flashgen.Variant("fa1", 16, 16, 2, 1),
@@ -220,9 +220,9 @@ def test_gpu_odd_head_dims(d: int, dtype: torch.dtype) -> None:
         flashgen.Variant("fa2", 128, 64, 8, 3, use_tma=True),
         flashgen.Variant("fa2", 128, 64, 8, 3, warp_specialize=True, use_tma=True),
         flashgen.Variant("fa2", 64, 128, 4, 2, split_mask=False, use_tma=True),
-        flashgen.Variant("fa2", 128, 64, 8, 3, persistent=1),
+        flashgen.Variant("fa2", 128, 64, 8, 3, programs_per_sm=1),
         flashgen.Variant("fa2", 128, 128, 8, 2, warp_specialize=True, use_tma=True,
-                         persistent=2),
+                         programs_per_sm=2),
     ],
     ids=str,
 )
@@ -258,12 +258,12 @@ def test_persistent_grid_caps_programs() -> None:
     cpu = torch.device("cpu")  # the interpreter counts as one SM
     plain = flashgen.Variant("fa2", 16, 16, 2, 1)
     assert fa2_grid(plain, 100, 6, cpu) == (7, 6)
-    assert fa2_grid(replace(plain, persistent=1), 100, 6, cpu) == (1, 6)
+    assert fa2_grid(replace(plain, programs_per_sm=1), 100, 6, cpu) == (1, 6)
     # Every program walks its head's tiles; the result is the same as one program per tile.
     q, k, v = make_inputs(1, 3, 1, 70, 90, 32, torch.float32, seed=5)
     for causal in (False, True):
         want = flashgen.attention(q, k, v, causal=causal, variant=plain)
-        got = flashgen.attention(q, k, v, causal=causal, variant=replace(plain, persistent=2))
+        got = flashgen.attention(q, k, v, causal=causal, variant=replace(plain, programs_per_sm=2))
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
@@ -285,3 +285,66 @@ def test_tma_needs_aligned_rows() -> None:
     problem = flashgen.Problem.from_tensors(q, k, v)
     out, _ = prepare_forward(tma, problem, strict=False)(shifted, k, v, 40**-0.5)
     assert compare(out, q, k, v).ok
+
+
+#: Compiles fa2 variants (JSON lines on stdin) for sm90 with Triton's own compiler, no GPU and
+#: no interpreter, printing "ok" or "crash" for each.
+_SM90_COMPILE = """
+import importlib.util, sys, tempfile
+from pathlib import Path
+import triton
+from triton.backends.compiler import GPUTarget
+import flashgen
+from flashgen.export.aot import arg_names, signature
+from flashgen.kernels.render import render
+problem = flashgen.Problem.from_dict(__import__("json").loads(sys.argv[1]))
+for line in sys.stdin:
+    v = flashgen.Variant.from_json(line)
+    src = render(v, problem)
+    path = Path(tempfile.mkdtemp()) / "k.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location("k", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fn = module.attn_fwd
+    sig, consts, divisible = signature(arg_names(src), problem.dtype, problem.head_dim)
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+    target = GPUTarget("cuda", 90, 32)
+    options = triton.compiler.make_backend(target).parse_options(
+        {"num_warps": v.num_warps, "num_stages": v.num_stages})
+    try:
+        triton.compile(triton.compiler.ASTSource(fn, sig, consts, attrs), target=target,
+                       options=options.__dict__)
+        print("ok", flush=True)
+    except Exception:
+        print("crash", flush=True)
+"""
+
+
+def test_the_warp_specialize_rule_matches_what_triton_crashes_on() -> None:
+    """The rule `warp_specialize_crashes_with_4_warps` excludes exactly the points Triton's
+    warp-specialization pass crashes on, among neighbours that differ in one knob (compiled
+    for sm90 on the CPU). If a Triton release fixes the pass, this fails: drop the rule."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from flashgen.kernels.fwd_space import warp_specialize_crashes_with_4_warps
+    from flashgen.kernels.hardware import DeviceInfo
+
+    pytest.importorskip("triton.backends.nvidia")
+    problem = flashgen.Problem(2, 4, 2, 777, 777, 64, "bf16", True)
+    crashing = flashgen.Variant("fa2", 64, 64, 4, 2, warp_specialize=True)
+    points = [crashing, replace(crashing, num_warps=8), replace(crashing, block_m=32),
+              replace(crashing, split_mask=False), replace(crashing, block_m=128, num_stages=3)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _SM90_COMPILE, json.dumps(problem.to_dict())],
+                         input="\n".join(v.to_json() for v in points), env=env,
+                         capture_output=True, text=True, timeout=300)
+    outcomes = [line for line in run.stdout.split() if line in ("ok", "crash")]
+    hopper = DeviceInfo("NVIDIA H100 80GB HBM3", (9, 0), 132, 232448)
+    ruled = ["crash" if warp_specialize_crashes_with_4_warps(v, problem, hopper) else "ok"
+             for v in points]
+    assert outcomes == ruled, (json.dumps([str(v) for v in points]), run.stderr[-2000:])
+    assert ruled == ["crash", "ok", "ok", "ok", "crash"]

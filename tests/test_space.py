@@ -253,57 +253,62 @@ FWD_PORTFOLIO_PINNED = {
 
 BWD_PORTFOLIO_PINNED = {
     64: [
-        "bwd-separate m64 n128 w4 s2 fa3", "bwd-separate m64 n128 w4 s3 fa3",
-        "bwd-separate m32 n128 w4 s3 fa3-dq dq-m64", "bwd-separate m32 n128 w4 s3 fa3-dq dq-m128",
-        "bwd-separate m128 n128 w4 s2 fa3", "bwd-separate m128 n128 w4 s2 fa3 dq-m64",
-        "bwd-separate m32 n128 w4 s3",
+        "bwd-separate own128x64 w4 s2 fa3", "bwd-separate own128x64 w4 s3 fa3",
+        "bwd-separate own128x32 w4 s3 fa3-dq dq-x64",
+        "bwd-separate own128x32 w4 s3 fa3-dq dq-x128",
+        "bwd-separate own128x128 w4 s2 fa3", "bwd-separate own128x128 w4 s2 fa3 dq-x64",
+        "bwd-separate own128x32 w4 s3",
     ],
-    128: ["bwd-separate m64 n128 w4 s2 fa3", "bwd-separate m64 n128 w4 s3 fa3",
-          "bwd-separate m64 n128 w8 s2"],
-    96: ["bwd-separate m64 n128 w8 s2"],
-    256: ["bwd-separate m32 n64 w8 s2"],
+    128: ["bwd-separate own128x64 w4 s2 fa3", "bwd-separate own128x64 w4 s3 fa3",
+          "bwd-separate own128x64 w8 s2"],
+    96: ["bwd-separate own128x64 w8 s2"],
+    256: ["bwd-separate own64x32 w8 s2"],
 }
 
 #: (device, head dim, dtype, causal, keys) -> (forward default, backward default, backward
 #: default without Gluon kernels). Every distinct answer and the key-count thresholds.
 DEFAULTS_PINNED = {
     ("H-test", 64, "fp16", False, 1024): (
-        "fa2 m128 n64 w4 s3", "bwd-separate m32 n128 w4 s3 fa3-dq dq-m64",
-        "bwd-separate m32 n128 w4 s3"),
+        "fa2 m128 n64 w4 s3", "bwd-separate own128x32 w4 s3 fa3-dq dq-x64",
+        "bwd-separate own128x32 w4 s3"),
     ("H-test", 64, "fp16", False, 2048): (
-        "fa3 m192 n128 w4 s3 p1 pp", "bwd-separate m32 n128 w4 s3 fa3-dq dq-m64",
-        "bwd-separate m32 n128 w4 s3"),
+        "fa3 m192 n128 w4 s3 p1 pp", "bwd-separate own128x32 w4 s3 fa3-dq dq-x64",
+        "bwd-separate own128x32 w4 s3"),
     ("H-test", 64, "bf16", True, 2048): (
-        "fa2 m128 n64 w4 s3", "bwd-separate m32 n128 w4 s3 fa3-dq dq-m64",
-        "bwd-separate m32 n128 w4 s3"),
+        "fa2 m128 n64 w4 s3", "bwd-separate own128x32 w4 s3 fa3-dq dq-x64",
+        "bwd-separate own128x32 w4 s3"),
     ("H-test", 64, "bf16", True, 4096): (
-        "fa3 m128 n128 w4 s2 p1", "bwd-separate m32 n128 w4 s3 fa3-dq dq-m64",
-        "bwd-separate m32 n128 w4 s3"),
+        "fa3 m128 n128 w4 s2 p1", "bwd-separate own128x32 w4 s3 fa3-dq dq-x64",
+        "bwd-separate own128x32 w4 s3"),
     ("H-test", 40, "fp16", False, 4096): (
-        "fa2 m128 n64 w4 s3", "bwd-separate m32 n128 w4 s3", "bwd-separate m32 n128 w4 s3"),
+        "fa2 m128 n64 w4 s3", "bwd-separate own128x32 w4 s3",
+        "bwd-separate own128x32 w4 s3"),
     ("H-test", 128, "bf16", False, 512): (
-        "fa3 m128 n128 w4 s2 p1 pp", "bwd-separate m64 n128 w4 s2 fa3",
-        "bwd-separate m64 n128 w8 s2"),
+        "fa3 m128 n128 w4 s2 p1 pp", "bwd-separate own128x64 w4 s2 fa3",
+        "bwd-separate own128x64 w8 s2"),
     ("H-test", 96, "fp16", True, 512): (
-        "fa2 m128 n64 w8 s3", "bwd-separate m64 n128 w8 s2", "bwd-separate m64 n128 w8 s2"),
+        "fa2 m128 n64 w8 s3", "bwd-separate own128x64 w8 s2",
+        "bwd-separate own128x64 w8 s2"),
     ("H-test", 256, "fp16", False, 512): (
-        "fa2 m128 n32 w8 s2", "bwd-separate m32 n64 w8 s2", "bwd-separate m32 n64 w8 s2"),
+        "fa2 m128 n32 w8 s2", "bwd-separate own64x32 w8 s2", "bwd-separate own64x32 w8 s2"),
     ("H-test", 40, "fp32", False, 512): (
-        "fa2 m128 n64 w4 s3", "bwd-separate m32 n64 w4 s1", "bwd-separate m32 n64 w4 s1"),
+        "fa2 m128 n64 w4 s3", "bwd-separate own64x32 w4 s1", "bwd-separate own64x32 w4 s1"),
     ("H-test", 96, "fp32", False, 512): (
-        "fa2 m128 n32 w8 s2", "bwd-separate m16 n32 w4 s1", "bwd-separate m16 n32 w4 s1"),
+        "fa2 m128 n32 w8 s2", "bwd-separate own32x16 w4 s1", "bwd-separate own32x16 w4 s1"),
     ("H-test", 256, "fp32", True, 512): (
-        "fa2 m64 n32 w4 s2", "bwd-separate m16 n32 w4 s1", "bwd-separate m16 n32 w4 s1"),
+        "fa2 m64 n32 w4 s2", "bwd-separate own32x16 w4 s1", "bwd-separate own32x16 w4 s1"),
     ("small-gpu", 64, "fp16", False, 16384): (
-        "fa2 m128 n64 w4 s2", "bwd-separate m32 n128 w4 s2", "bwd-separate m32 n128 w4 s2"),
+        "fa2 m128 n64 w4 s2", "bwd-separate own128x32 w4 s2",
+        "bwd-separate own128x32 w4 s2"),
     ("small-gpu", 128, "bf16", True, 4096): (
-        "fa2 m128 n64 w8 s2", "bwd-separate m32 n64 w4 s2", "bwd-separate m32 n64 w4 s2"),
+        "fa2 m128 n64 w8 s2", "bwd-separate own64x32 w4 s2", "bwd-separate own64x32 w4 s2"),
     ("small-gpu", 256, "fp16", False, 512): (
-        "fa2 m64 n32 w4 s2", "bwd-separate m32 n32 w4 s1", "bwd-separate m32 n32 w4 s1"),
+        "fa2 m64 n32 w4 s2", "bwd-separate own32x32 w4 s1", "bwd-separate own32x32 w4 s1"),
     ("small-gpu", 256, "fp32", False, 512): (
-        "fa2 m32 n16 w2 s1", "bwd-separate m16 n32 w4 s1", "bwd-separate m16 n32 w4 s1"),
+        "fa2 m32 n16 w2 s1", "bwd-separate own32x16 w4 s1", "bwd-separate own32x16 w4 s1"),
     ("cpu-interpreter", 64, "fp16", True, 4096): (
-        "fa2 m128 n64 w4 s2", "bwd-separate m32 n128 w4 s2", "bwd-separate m32 n128 w4 s2"),
+        "fa2 m128 n64 w4 s2", "bwd-separate own128x32 w4 s2",
+        "bwd-separate own128x32 w4 s2"),
 }
 
 

@@ -28,7 +28,7 @@ VERSIONS = Versions("3.6.0", "2.13.0")
 
 def made_up_ms(v: BwdVariant) -> float:
     """Deterministic, tie-free; the optimum is atomic m32 n128 w8 s2."""
-    return (1.0 + abs(v.block_m - 32) / 32 + abs(v.block_n - 128) / 61
+    return (1.0 + abs(v.block_streamed - 32) / 32 + abs(v.block_owned - 128) / 61
             + (v.dq_mode == "separate") * 0.37 + abs(v.num_stages - 2) * 0.01
             + v.num_stages * 1e-4 + abs(v.num_warps - 8) * 0.001)
 

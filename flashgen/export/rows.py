@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flashgen.kernels.bwd_space import (
-    block_m_longer_than_needed,
-    block_n_longer_than_needed,
+    block_owned_longer_than_needed,
+    block_streamed_longer_than_needed,
     default_bwd_variant,
 )
 from flashgen.kernels.bwd_variant import BwdVariant
@@ -53,7 +53,7 @@ SHARED_MEMORY: dict[tuple[int, int], int] = {
 #: at any length on the GPU it was tuned on.
 LENGTH_RULES = {
     "fwd": (block_m_longer_than_queries, block_n_longer_than_keys),
-    "bwd": (block_m_longer_than_needed, block_n_longer_than_needed),
+    "bwd": (block_streamed_longer_than_needed, block_owned_longer_than_needed),
 }
 
 Family = tuple[str, bool, int]  # dtype, causal, head dim: what a kernel's source depends on

@@ -48,7 +48,7 @@ def bwd_render_context(kernel: BwdKernel, variant: BwdVariant, problem: Problem)
     if variant.gluon(kernel):
         # Gluon kernels (Hopper, fp16/bf16 only): no precision or atomic switch; both keep
         # the owned tile as block_n's and the streamed one as block_m's in their own terms.
-        owned, streamed = variant.block_n, variant.streamed(kernel)
+        owned, streamed = variant.block_owned, variant.streamed(kernel)
         if kernel == "dkdv":
             context.update(block_n=owned, block_m=streamed)
         else:
@@ -58,13 +58,13 @@ def bwd_render_context(kernel: BwdKernel, variant: BwdVariant, problem: Problem)
     # fp32 inputs get true fp32 products: tf32 would lose ~3 decimal digits.
     context["dot_precision"] = "ieee" if problem.dtype == "fp32" else "tf32"
     if kernel == "dkdv":
-        context["block_m"] = variant.block_m
-        context["block_n"] = variant.block_n
+        context["block_m"] = variant.block_streamed
+        context["block_n"] = variant.block_owned
         context["atomic_dq"] = variant.dq_mode == "atomic"
     elif kernel == "dq":
         # The owned tile is block_n in both kernels (see BwdVariant), so the pair swaps here.
-        context["block_m"] = variant.block_n
-        context["block_n"] = variant.block_m
+        context["block_m"] = variant.block_owned
+        context["block_n"] = variant.block_streamed
     else:
         raise ValueError(f"unknown backward kernel {kernel!r}; use one of {BWD_KERNELS}")
     return context

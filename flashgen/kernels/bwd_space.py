@@ -26,44 +26,46 @@ from flashgen.kernels.problem import Problem
 BWD_BLOCK_SIZES = (16, 32, 64, 128)
 BWD_WARPS = (2, 4, 8)
 BWD_STAGES = (1, 2, 3, 4)
-#: The Gluon dQ kernel's own streamed tile (`BwdVariant.dq_block_m`); 0 follows block_m. Its
-#: 32-key tiles were the slow ones, so only the longer two are offered.
+#: The Gluon dQ kernel's own streamed tile (`BwdVariant.dq_block_streamed`); 0 follows
+#: block_streamed. Its 32-key tiles were the slow ones, so only the longer two are offered.
 DQ_BLOCK_SIZES = (0, 64, 128)
 
 
 def bwd_shared_memory_bytes(v: BwdVariant, p: Problem) -> int:
     """Estimate the shared memory of the bigger backward kernel.
 
-    Both kernels stage the owned pair of tiles (K and V, or Q and dO: 2 x block_n x D), the
-    streamed pair per pipeline stage (2 x block_m x D each), and one block_n x block_m
-    probability tile on its way into a dot, so one formula covers dK/dV and dQ.
+    Both kernels stage the owned pair of tiles (K and V, or Q and dO: 2 x block_owned x D),
+    the streamed pair per pipeline stage (2 x block_streamed x D each), and one
+    block_owned x block_streamed probability tile on its way into a dot, so one formula
+    covers dK/dV and dQ.
     """
     elem = 4 if p.dtype == "fp32" else 2
     d = p.padded_head_dim
     stages = max(1, v.num_stages)
     streamed = max(v.streamed("dkdv"), v.streamed("dq"))
-    return elem * (d * (2 * v.block_n + 2 * streamed * stages) + v.block_n * streamed)
+    return elem * (d * (2 * v.block_owned + 2 * streamed * stages) + v.block_owned * streamed)
 
 
 BwdRule = Callable[[BwdVariant, Problem, DeviceInfo], str | None]
 
 
-def block_m_longer_than_needed(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:
-    # block_m steps over queries in dK/dV and over keys in the separate dQ kernel.
-    reason = longer_than_needed("block_m", v.block_m, p.seq_q, "queries")
+def block_streamed_longer_than_needed(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:
+    # block_streamed steps over queries in dK/dV and over keys in the separate dQ kernel.
+    reason = longer_than_needed("block_streamed", v.block_streamed, p.seq_q, "queries")
     if reason or v.dq_mode != "separate":
         return reason
     keys = v.streamed("dq")
-    knob = "dq_block_m" if keys != v.block_m else "block_m"
+    knob = "dq_block_streamed" if keys != v.block_streamed else "block_streamed"
     return longer_than_needed(knob, keys, p.seq_k, "keys", whose="the dQ kernel's")
 
 
-def block_n_longer_than_needed(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:
-    # block_n is the owned tile: keys in dK/dV, queries in the separate dQ kernel.
-    reason = longer_than_needed("block_n", v.block_n, p.seq_k, "keys")
+def block_owned_longer_than_needed(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:
+    # block_owned is the owned tile: keys in dK/dV, queries in the separate dQ kernel.
+    reason = longer_than_needed("block_owned", v.block_owned, p.seq_k, "keys")
     if reason or v.dq_mode != "separate":
         return reason
-    return longer_than_needed("block_n", v.block_n, p.seq_q, "queries", whose="the dQ kernel's")
+    return longer_than_needed("block_owned", v.block_owned, p.seq_q, "queries",
+                              whose="the dQ kernel's")
 
 
 def shared_memory_overflow(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:
@@ -71,13 +73,15 @@ def shared_memory_overflow(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | 
 
 
 def dq_tile_unused(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:
-    # dq_block_m is the Gluon dQ kernel's alone; anywhere else it would only repeat a point.
-    if v.dq_block_m not in DQ_BLOCK_SIZES:
-        return f"dq_block_m must be among {DQ_BLOCK_SIZES} (0: block_m), not {v.dq_block_m}"
-    if v.dq_block_m and not v.gluon("dq"):
-        return "dq_block_m sets the Gluon dQ kernel's tile: it needs fa3 'dq' or 'both'"
-    if v.dq_block_m == v.block_m:
-        return f"dq_block_m {v.dq_block_m} repeats block_m: leave it 0"
+    # dq_block_streamed is the Gluon dQ kernel's alone; anywhere else it would only repeat a
+    # point.
+    if v.dq_block_streamed not in DQ_BLOCK_SIZES:
+        return (f"dq_block_streamed must be among {DQ_BLOCK_SIZES} (0: block_streamed), "
+                f"not {v.dq_block_streamed}")
+    if v.dq_block_streamed and not v.gluon("dq"):
+        return "dq_block_streamed sets the Gluon dQ kernel's tile: it needs fa3 'dq' or 'both'"
+    if v.dq_block_streamed == v.block_streamed:
+        return f"dq_block_streamed {v.dq_block_streamed} repeats block_streamed: leave it 0"
     return None
 
 
@@ -95,27 +99,30 @@ def fa3_unavailable(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:
         return "fa3 backward kernels leave dQ to the dQ kernel: dq_mode must be 'separate'"
     if v.num_warps != 4:
         return f"fa3 backward kernels run 4-warp consumers, not num_warps {v.num_warps}"
-    if v.block_n not in (64, 128):
-        return f"fa3 backward kernels own 64 rows per consumer: block_n 64 or 128, not {v.block_n}"
-    if v.block_m < 32:
-        return f"fa3 backward kernels stream tiles of 32 rows or more, not {v.block_m}"
-    if v.gluon("dkdv") and p.head_dim == 128 and v.block_m > 64:
+    if v.block_owned not in (64, 128):
+        return ("fa3 backward kernels own 64 rows per consumer: block_owned 64 or 128, "
+                f"not {v.block_owned}")
+    if v.block_streamed < 32:
+        return f"fa3 backward kernels stream tiles of 32 rows or more, not {v.block_streamed}"
+    if v.gluon("dkdv") and p.head_dim == 128 and v.block_streamed > 64:
         # dK and dV of a consumer's 64 keys take 128 of its 240 registers at D128.
-        return f"fa3 dK/dV at head_dim 128 spills with block_m {v.block_m} (at most 64)"
+        return (f"fa3 dK/dV at head_dim 128 spills with block_streamed {v.block_streamed} "
+                "(at most 64)")
     return None
 
 
 def accumulators_too_large(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:
     if v.gluon("dkdv"):
         return None  # one consumer per 64 keys; fa3_unavailable bounds its tiles
-    # dK/dV is the heavier kernel: dK and dV (2 x block_n x D fp32) plus two live
-    # block_n x block_m score tiles (P and dP, then dS) sit in registers across its threads.
+    # dK/dV is the heavier kernel: dK and dV (2 x block_owned x D fp32) plus two live
+    # block_owned x block_streamed score tiles (P and dP, then dS) sit in registers across its
+    # threads.
     threads = 32 * v.num_warps
-    per_thread = 2 * v.block_n * (p.padded_head_dim + v.block_m) // threads
+    per_thread = 2 * v.block_owned * (p.padded_head_dim + v.block_streamed) // threads
     if per_thread > 2 * MAX_ACC_PER_THREAD:
         return (
             f"{per_thread} accumulator registers per thread "
-            "(2 x block_n x (D + block_m) too big for the warps)"
+            "(2 x block_owned x (D + block_streamed) too big for the warps)"
         )
     return None
 
@@ -124,16 +131,16 @@ def too_many_warps(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:
     # fa3's num_warps is always 4 (per consumer); fa3_unavailable checks it.
     # The owned tile's rows are split across warps, at least 16 rows per warp's matrix
     # instructions; more warps than that leave some idle or duplicate work.
-    if v.num_warps > max(1, v.block_n // 16) * 2:
-        return f"{v.num_warps} warps for a {v.block_n}-row owned tile"
+    if v.num_warps > max(1, v.block_owned // 16) * 2:
+        return f"{v.num_warps} warps for a {v.block_owned}-row owned tile"
     return None
 
 
 BWD_RULES: tuple[BwdRule, ...] = (
     dq_tile_unused,
     fa3_unavailable,
-    block_m_longer_than_needed,
-    block_n_longer_than_needed,
+    block_streamed_longer_than_needed,
+    block_owned_longer_than_needed,
     shared_memory_overflow,
     accumulators_too_large,
     too_many_warps,
@@ -149,7 +156,8 @@ def why_invalid_bwd(
         return f"unknown dq_mode {v.dq_mode!r}; use one of {DQ_MODES}"
     if v.fa3 not in FA3_KERNELS:
         return f"unknown fa3 {v.fa3!r}; use one of {FA3_KERNELS}"
-    return tile_reason(v, BWD_BLOCK_SIZES, BWD_WARPS) or first_broken(BWD_RULES, v, p, dev)
+    return (tile_reason(v, (v.block_streamed, v.block_owned), BWD_BLOCK_SIZES, BWD_WARPS)
+            or first_broken(BWD_RULES, v, p, dev))
 
 
 def all_bwd_points() -> list[BwdVariant]:
@@ -181,7 +189,7 @@ _16BIT = ("fp16", "bf16")
 BWD_DEFAULTS: tuple[Pick[BwdVariant], ...] = (
     Pick(BwdVariant(64, 128, 4, 2, fa3="both"), "both Gluon kernels: won every D128 fa-bench "
          "key on H100 and H200", min_d=128),
-    Pick(BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_m=64), "Triton dK/dV with the Gluon "
+    Pick(BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_streamed=64), "Triton dK/dV, Gluon "
          "dQ on 64-key tiles: won most D64 keys", max_d=64, hopper=True),
     # fp32 dots run exactly on CUDA cores, unrolled per thread: big tiles compile for
     # minutes, and fp32 is the exactness path, so compile time decides.
@@ -231,13 +239,13 @@ HOPPER_BWD_PORTFOLIO: tuple[Pick[BwdVariant], ...] = (
     Pick(BwdVariant(64, 128, 4, 2, fa3="both"), "both Gluon kernels, 64-query steps: the "
          "D128 winner"),
     Pick(BwdVariant(64, 128, 4, 3, fa3="both"), "the same on a 3-stage ring"),
-    Pick(BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_m=64), "the Triton dK/dV tile that "
+    Pick(BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_streamed=64), "the Triton dK/dV tile that "
          "wins at D64, with the Gluon dQ on 64-key tiles"),
-    Pick(BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_m=128), "the same, dQ on 128-key "
+    Pick(BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_streamed=128), "the same, dQ on 128-key "
          "tiles"),
     Pick(BwdVariant(128, 128, 4, 2, fa3="both"), "D64: the Gluon dK/dV's 128-row step, S^T "
          "issued alone (it spilled with S^T and dP^T together)"),
-    Pick(BwdVariant(128, 128, 4, 2, fa3="both", dq_block_m=64), "the same, dQ on 64-key "
+    Pick(BwdVariant(128, 128, 4, 2, fa3="both", dq_block_streamed=64), "the same, dQ on 64-key "
          "tiles"),
 )
 
@@ -258,7 +266,7 @@ def bwd_pointer_twin(variant: BwdVariant, problem: Problem,
     """The variant with every kernel a Triton one: what runs where the Gluon kernels cannot
     (inputs TMA cannot address), computing the same gradients. The same tiles where the
     Triton kernels take them, else 8 warps, else the Triton default."""
-    twin = replace(variant, fa3="none", dq_block_m=0)
+    twin = replace(variant, fa3="none", dq_block_streamed=0)
     for candidate in (twin, replace(twin, num_warps=8)):
         if why_invalid_bwd(candidate, problem, device) is None:
             return candidate

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from flashgen.kernels.knobs import Knobs
 
@@ -18,15 +18,18 @@ class BwdVariant(Knobs):
     """Everything that tells two generated backward passes apart.
 
     The backward runs up to three kernels: preprocessing (delta = rowsum(dO * O)), dK/dV
-    (each program owns `block_n` keys and streams query blocks of `block_m` rows), and dQ.
+    (each program owns `block_owned` keys and streams query blocks of `block_streamed` rows
+    past them), and dQ (each program owns `block_owned` query rows and streams key blocks of
+    `block_streamed`).
 
-    block_n: the tile a program owns and accumulates in fp32 registers: keys in dK/dV, query
-        rows in the separate dQ kernel. block_m: the tile streamed past it per inner step:
-        query rows in dK/dV, keys in dQ. The dQ kernel takes the pair swapped rather than
-        having its own knobs because in both kernels the owned tile wants to be the big one
-        (it sets how often each streamed load is reused) and the streamed one the small one
-        (it sets the score tiles' register cost); two more independent knobs would square the
-        search space for little gain.
+    block_owned: the tile a program owns and accumulates in fp32 registers (keys in dK/dV,
+        query rows in dQ). block_streamed: the tile streamed past it per inner step (query
+        rows in dK/dV, keys in dQ). The two kernels share the pair rather than having knobs
+        of their own because in both the owned tile wants to be the big one (it sets how
+        often each streamed load is reused) and the streamed one the small one (it sets the
+        score tiles' register cost); two more independent knobs would square the search
+        space for little gain. The templates keep their own terms (BLOCK_M query rows,
+        BLOCK_N keys); `bwd_render` maps the pair onto them.
     num_warps / num_stages: warps per program and pipelining depth of the streamed loads, for
         the dK/dV and dQ kernels alike.
     dq_mode: "separate" runs the dQ kernel (deterministic, recomputes S and dP); "atomic" adds
@@ -34,33 +37,38 @@ class BwdVariant(Knobs):
         but atomic traffic, an fp32 scratch buffer and a run-to-run nondeterministic sum order).
     fa3: which kernels are the Gluon (FlashAttention-3 style, Hopper) ones: "none", "dq" (the
         dQ kernel; dK/dV stays Triton's) or "both". Their consumer warpgroups own 64 rows each
-        (block_n / 64 of them, 4 warps each, num_warps = 4), a producer warp feeds them by TMA.
+        (block_owned / 64 of them, 4 warps each, num_warps = 4), a producer warp feeds them by TMA.
         On an H100 (each kernel alone against the Triton one) the Gluon dK/dV kernel ran
         1.10-1.26x at D128 and 0.82-0.99x at D64, the Gluon dQ kernel 1.06-1.47x with 64- or
         128-key tiles (docs/backward-kernels.md). "dq" pairs the Triton dK/dV kernel with the
         Gluon dQ one.
-    dq_block_m: the keys the Gluon dQ kernel streams per step; 0 takes block_m. Why a knob of
-        its own: the Triton dK/dV kernel does best streaming 32 queries at D64 (block_m 32),
+    dq_block_streamed: the keys the Gluon dQ kernel streams per step; 0 takes block_streamed.
+        Why a knob of its own: the Triton dK/dV kernel does best streaming 32 queries at D64
+        (block_streamed 32),
         while the Gluon dQ kernel ran 1.06-1.19x the Triton one with 64- or 128-key tiles and
-        0.76-0.86x with 32 (H100, each kernel alone). With dQ tied to block_m, "dq" won no
+        0.76-0.86x with 32 (H100, each kernel alone). With dQ tied to block_streamed, "dq" won no
         fa-bench key. Only the Gluon dQ kernel reads it (rule-checked).
     """
 
     kind = "backward variant"
-    block_m: int = 64
-    block_n: int = 128
+    renamed: ClassVar[dict[str, str]] = {"block_m": "block_streamed", "block_n": "block_owned",
+               "dq_block_m": "dq_block_streamed"}
+    block_streamed: int = 64
+    block_owned: int = 128
     num_warps: int = 8
     num_stages: int = 2
     dq_mode: DqMode = "separate"
     fa3: Fa3Kernels = "none"
-    dq_block_m: int = 0
+    dq_block_streamed: int = 0
 
     def __str__(self) -> str:
+        # "own128x32": 128 owned rows crossed with 32-row streamed tiles; "dq-x64": the Gluon
+        # dQ kernel's own streamed tile.
         fa3 = {"none": "", "dq": " fa3-dq", "both": " fa3"}.get(self.fa3, f" fa3={self.fa3}")
         return (
-            f"bwd-{self.dq_mode} m{self.block_m} n{self.block_n} "
+            f"bwd-{self.dq_mode} own{self.block_owned}x{self.block_streamed} "
             f"w{self.num_warps} s{self.num_stages}{fa3}"
-            + (f" dq-m{self.dq_block_m}" if self.dq_block_m else "")
+            + (f" dq-x{self.dq_block_streamed}" if self.dq_block_streamed else "")
         )
 
     def gluon(self, kernel: str) -> bool:
@@ -70,7 +78,7 @@ class BwdVariant(Knobs):
 
     def streamed(self, kernel: str) -> int:
         """Rows of the tile that backward kernel `kernel` streams past its owned one per step:
-        queries in dK/dV, keys in dQ (`dq_block_m` where the Gluon dQ kernel has one set)."""
-        if kernel == "dq" and self.gluon("dq") and self.dq_block_m:
-            return self.dq_block_m
-        return self.block_m
+        queries in dK/dV, keys in dQ (`dq_block_streamed` where the Gluon dQ kernel has one)."""
+        if kernel == "dq" and self.gluon("dq") and self.dq_block_streamed:
+            return self.dq_block_streamed
+        return self.block_streamed

@@ -22,7 +22,7 @@ BLOCK_SIZES = (16, 32, 64, 128, 256)
 WARPS = (2, 4, 8)
 STAGES = (1, 2, 3, 4)
 #: Programs per SM a persistent grid aims for (0: not persistent).
-PERSISTENT = (0, 1, 2)
+PROGRAMS_PER_SM = (0, 1, 2)
 
 #: Accumulator registers a thread may hold (fp32 values) before the compiler starts spilling.
 MAX_ACC_PER_THREAD = 128
@@ -40,9 +40,9 @@ def shared_memory_bytes(v: Variant, p: Problem) -> int:
     stages = max(1, v.num_stages)
     # fa3 stages O through Q's buffer, except on a persistent grid: there Q is double-buffered
     # (the next tile's loads during this one) and O, written while both are in use, has its own.
-    q_and_o = 3 * v.block_m if v.loop_order == "fa3" and v.persistent else v.block_m
+    q_and_o = 3 * v.block_m if v.loop_order == "fa3" and v.programs_per_sm else v.block_m
     # One-tile fa3 also stores each row's running sum (fp32) where nothing reads it.
-    row_sums = 4 * v.block_m if v.loop_order == "fa3" and not v.persistent else 0
+    row_sums = 4 * v.block_m if v.loop_order == "fa3" and not v.programs_per_sm else 0
     return elem * d * (q_and_o + 2 * v.block_n * stages) + row_sums
 
 
@@ -107,9 +107,9 @@ def fa1_pipelining(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
 def fa1_has_no_fa2_knobs(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
     # fa1 masks every step and has no separate main loop: one point per tile shape.
     if v.loop_order == "fa1" and (
-        not v.split_mask or v.warp_specialize or v.use_tma or v.persistent
+        not v.split_mask or v.warp_specialize or v.use_tma or v.programs_per_sm
     ):
-        return "split_mask/warp_specialize/use_tma/persistent are fa2 knobs"
+        return "split_mask/warp_specialize/use_tma/programs_per_sm are fa2 knobs"
     return None
 
 
@@ -119,6 +119,17 @@ def warp_specialize_needs_hopper(v: Variant, p: Problem, dev: DeviceInfo) -> str
     # knob, which lets CPU tests exercise the code path.
     if v.warp_specialize and not (dev.is_hopper or dev.is_interpreter):
         return "warp_specialize needs a Hopper GPU (compute capability 9.x)"
+    return None
+
+
+def warp_specialize_crashes_with_4_warps(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
+    # Triton 3.6's warp-specialization pass (NVGPUWarpSpecialization) aborts on the split-mask
+    # main loop with 4 warps and 64 or more query rows, at every head dim, dtype and mask
+    # tried; 2 or 8 warps, 16 or 32 rows, or one masked loop compile (docs/testing.md).
+    if (v.loop_order == "fa2" and v.warp_specialize and v.split_mask and v.num_warps == 4
+            and v.block_m >= 64):
+        return ("warp_specialize with 4 warps and block_m >= 64 crashes Triton's "
+                "warp-specialization pass")
     return None
 
 
@@ -173,10 +184,10 @@ def fa3_tiles(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
     if not v.split_mask or v.warp_specialize or v.use_tma:
         return ("fa3 has its own warp roles and TMA: split_mask/warp_specialize/use_tma are "
                 "fa2 knobs")
-    if v.persistent not in (0, 1):
+    if v.programs_per_sm not in (0, 1):
         # Its tiles take most of an SM's shared memory: one program per SM is all that fits.
-        return "fa3 persistent is 0 (a program per Q tile) or 1 (a program per SM)"
-    if v.block_m in FA3_EXTRA_BLOCK_M and not v.persistent:
+        return "fa3 programs_per_sm is 0 (a program per Q tile) or 1 (a program per SM)"
+    if v.block_m in FA3_EXTRA_BLOCK_M and not v.programs_per_sm:
         return f"fa3 block_m {v.block_m} (three consumers) runs on the persistent grid only"
     return None
 
@@ -186,7 +197,7 @@ def pingpong_needs_fa3_consumers(v: Variant, p: Problem, dev: DeviceInfo) -> str
     # consumer there is no one to take turns with, and the other kernels have no such roles.
     if not v.pingpong:
         return None
-    if v.loop_order != "fa3" or not v.persistent:
+    if v.loop_order != "fa3" or not v.programs_per_sm:
         return "pingpong is a knob of fa3 on the persistent grid"
     if v.fa3_consumers < 2:
         return "pingpong needs two or three fa3 consumers (block_m / (16 x num_warps) >= 2)"
@@ -199,16 +210,16 @@ def head_units_need_causal_persistent_fa3(v: Variant, p: Problem,
     # them in pairs or (this knob) whole heads; without the mask every tile is its own unit.
     if not v.head_units:
         return None
-    if v.loop_order != "fa3" or not v.persistent:
+    if v.loop_order != "fa3" or not v.programs_per_sm:
         return "head_units is a knob of fa3 on the persistent grid"
     if not p.causal:
         return "head_units is a schedule for the causal mask (without it tiles are equal)"
     return None
 
 
-def persistent_out_of_range(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
-    if v.persistent not in PERSISTENT:
-        return f"persistent must be among {PERSISTENT} (programs per SM; 0 is off)"
+def programs_per_sm_out_of_range(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
+    if v.programs_per_sm not in PROGRAMS_PER_SM:
+        return f"programs_per_sm must be among {PROGRAMS_PER_SM} (0: a program per Q tile)"
     return None
 
 
@@ -226,7 +237,7 @@ def modifiers_need_fa2_pointers(v: Variant, p: Problem, dev: DeviceInfo) -> str 
 
 RULES: tuple[Rule, ...] = (
     modifiers_need_fa2_pointers,
-    persistent_out_of_range,
+    programs_per_sm_out_of_range,
     block_m_longer_than_queries,
     block_n_longer_than_keys,
     shared_memory_overflow,
@@ -235,6 +246,7 @@ RULES: tuple[Rule, ...] = (
     fa1_pipelining,
     fa1_has_no_fa2_knobs,
     warp_specialize_needs_hopper,
+    warp_specialize_crashes_with_4_warps,
     tma_needs_hopper_and_aligned_rows,
     fa3_needs_hopper_and_16bit,
     fa3_tiles,
@@ -249,15 +261,17 @@ def why_invalid(v: Variant, p: Problem, device: DeviceInfo | str | None = None) 
     if v.loop_order not in LOOP_ORDERS:
         return f"unknown loop_order {v.loop_order!r}; use one of {LOOP_ORDERS}"
     extra_m = FA3_EXTRA_BLOCK_M if v.loop_order == "fa3" else ()
-    return tile_reason(v, BLOCK_SIZES, WARPS, extra_m) or first_broken(RULES, v, p, dev)
+    return (tile_reason(v, (v.block_m, v.block_n), BLOCK_SIZES, WARPS, extra_m)
+            or first_broken(RULES, v, p, dev))
 
 
-def tile_reason(v: Variant | BwdVariant, blocks: tuple[int, ...],
-                warps: tuple[int, ...], extra_m: tuple[int, ...] = ()) -> str | None:
-    """Why the tile knobs every variant kind has are outside its grid, or None."""
-    if v.block_m not in blocks + extra_m or v.block_n not in blocks:
+def tile_reason(v: Variant | BwdVariant, tiles: tuple[int, int], blocks: tuple[int, ...],
+                warps: tuple[int, ...], extra_first: tuple[int, ...] = ()) -> str | None:
+    """Why the two tiles (block_m, block_n; backward: streamed, owned), warps or stages that
+    every variant kind has are outside its grid, or None."""
+    if tiles[0] not in blocks + extra_first or tiles[1] not in blocks:
         return f"block sizes must be among {blocks}" + (
-            f" (block_m also {extra_m})" if extra_m else "")
+            f" (block_m also {extra_first})" if extra_first else "")
     if v.num_warps not in warps and v.num_warps != 1:
         return f"num_warps must be among {warps}"
     if v.num_stages < 1:
@@ -281,7 +295,7 @@ def all_points() -> list[Variant]:
         Variant(order, bm, bn, w, s, split, ws, tma, persist, pp, heads)
         for order, bm, bn, w, s, split, ws, tma, persist, pp, heads in itertools.product(
             LOOP_ORDERS, BLOCK_SIZES + FA3_EXTRA_BLOCK_M, BLOCK_SIZES, WARPS, STAGES,
-            (True, False), (False, True), (False, True), PERSISTENT, (False, True),
+            (True, False), (False, True), (False, True), PROGRAMS_PER_SM, (False, True),
             (False, True),
         )
     ]
@@ -293,10 +307,10 @@ def search_space(problem: Problem, device: DeviceInfo | str | None = None) -> li
     return [v for v in all_points() if why_invalid(v, problem, dev) is None]
 
 
-def _fa3(bm: int, bn: int, warps: int, stages: int, *, persistent: int = 0,
+def _fa3(bm: int, bn: int, warps: int, stages: int, *, programs_per_sm: int = 0,
          pingpong: bool = False, heads: bool = False) -> Variant:
-    return Variant("fa3", bm, bn, warps, stages, persistent=persistent, pingpong=pingpong,
-                   head_units=heads)
+    return Variant("fa3", bm, bn, warps, stages, programs_per_sm=programs_per_sm,
+                   pingpong=pingpong, head_units=heads)
 
 
 def _fa2(bm: int, bn: int, warps: int, stages: int, *, ws: bool = False,
@@ -341,21 +355,21 @@ FA3_THREE_CONSUMERS_MIN_KEYS = 2048
 #: first), then the fa2 points that won exhaustive sweeps. Measurements: docs/forward-portfolio.md.
 HOPPER_PORTFOLIO: tuple[Pick[Variant], ...] = (
     # Padded head dim 64 and below.
-    Pick(_fa3(192, 128, 4, 3, persistent=1, pingpong=True), "three consumers taking turns: "
+    Pick(_fa3(192, 128, 4, 3, programs_per_sm=1, pingpong=True), "three consumers taking turns: "
          "the fastest D64 point without the mask from 2k keys", max_d=64, causal=False),
-    Pick(_fa3(192, 128, 4, 3, persistent=1), "three 64-row consumers (FlashAttention 3's "
+    Pick(_fa3(192, 128, 4, 3, programs_per_sm=1), "three 64-row consumers (FlashAttention 3's "
          "D64 tile); spill under the causal mask", max_d=64, causal=False),
-    Pick(_fa3(128, 128, 4, 3, persistent=1), "two consumers, persistent: shipped at D64 "
+    Pick(_fa3(128, 128, 4, 3, programs_per_sm=1), "two consumers, persistent: shipped at D64 "
          "N1k causal", max_d=64),
-    Pick(_fa3(128, 128, 4, 2, persistent=1), "the same on a 2-stage ring (the D64 default "
+    Pick(_fa3(128, 128, 4, 2, programs_per_sm=1), "the same on a 2-stage ring (the D64 default "
          "from 4k keys)", max_d=64),
-    Pick(_fa3(192, 128, 4, 4, persistent=1), "three consumers on a 4-stage ring",
+    Pick(_fa3(192, 128, 4, 4, programs_per_sm=1), "three consumers on a 4-stage ring",
          max_d=64, causal=False),
-    Pick(_fa3(128, 64, 4, 3, persistent=1), "64-key tiles end at each consumer's "
+    Pick(_fa3(128, 64, 4, 3, programs_per_sm=1), "64-key tiles end at each consumer's "
          "diagonal: the D64 N512 causal pair winner", max_d=64),
-    Pick(_fa3(128, 128, 4, 3, persistent=1, heads=True), "whole heads per program: "
+    Pick(_fa3(128, 128, 4, 3, programs_per_sm=1, heads=True), "whole heads per program: "
          "level with cuDNN at D64 N512 causal", max_d=64),
-    Pick(_fa3(128, 128, 4, 2, persistent=1, heads=True), "whole heads on a 2-stage ring",
+    Pick(_fa3(128, 128, 4, 2, programs_per_sm=1, heads=True), "whole heads on a 2-stage ring",
          max_d=64),
     Pick(_fa3(128, 128, 4, 3), "one-tile fa3, the first fa3 kernel's best point", max_d=64),
     Pick(_fa3(128, 128, 4, 4), "one-tile fa3, deeper ring", max_d=64),
@@ -372,16 +386,16 @@ HOPPER_PORTFOLIO: tuple[Pick[Variant], ...] = (
     Pick(_fa2(128, 64, 8, 4, tma=False), "fa2 sweep: fastest at D64 N16k causal", max_d=64),
     Pick(_fa2(64, 64, 4, 3, tma=False), "the last fa2 winner (D64 N512 causal)", max_d=64),
     # Padded head dim 128 and above (80 and 96 pad to 128; fa3 rules drop them there).
-    Pick(_fa3(128, 128, 4, 2, persistent=1, pingpong=True), "two consumers taking turns: "
+    Pick(_fa3(128, 128, 4, 2, programs_per_sm=1, pingpong=True), "two consumers taking turns: "
          "the fastest D128 point from N1k (the D128 default)", min_d=128),
-    Pick(_fa3(128, 128, 4, 2, persistent=1), "K and V released apart: at or above cuDNN "
+    Pick(_fa3(128, 128, 4, 2, programs_per_sm=1), "K and V released apart: at or above cuDNN "
          "without the mask from N512", min_d=128),
-    Pick(_fa3(128, 64, 4, 3, persistent=1), "64-key tiles: the D128 N512 causal winner",
+    Pick(_fa3(128, 64, 4, 3, programs_per_sm=1), "64-key tiles: the D128 N512 causal winner",
          min_d=128),
-    Pick(_fa3(128, 64, 4, 3, persistent=1, pingpong=True), "the same, taking turns",
+    Pick(_fa3(128, 64, 4, 3, programs_per_sm=1, pingpong=True), "the same, taking turns",
          min_d=128),
     Pick(_fa3(128, 128, 4, 3), "one-tile fa3: its best D128 point", min_d=128),
-    Pick(_fa3(128, 64, 4, 4, persistent=1), "64-key tiles, deeper ring: short D128 keys",
+    Pick(_fa3(128, 64, 4, 4, programs_per_sm=1), "64-key tiles, deeper ring: short D128 keys",
          min_d=128),
     Pick(_fa3(128, 64, 4, 3), "one-tile fa3 on 64-key tiles: short causal keys", min_d=128),
     Pick(_fa3(128, 128, 4, 2), "one-tile fa3, shallower ring", min_d=128),
@@ -402,12 +416,12 @@ HOPPER_PORTFOLIO: tuple[Pick[Variant], ...] = (
 #: fastest general choice on recent GPUs down to the smallest tile, which every problem
 #: admits. Measurements: docs/forward-portfolio.md.
 DEFAULTS: tuple[Pick[Variant], ...] = (
-    Pick(Variant("fa3", 192, 128, 4, 3, persistent=1, pingpong=True), "D64 without the "
+    Pick(Variant("fa3", 192, 128, 4, 3, programs_per_sm=1, pingpong=True), "D64 without the "
          "mask: three consumers taking turns", max_d=64, min_keys=FA3_THREE_CONSUMERS_MIN_KEYS,
          causal=False),
-    Pick(Variant("fa3", 128, 128, 4, 2, persistent=1, pingpong=True), "D128: two consumers "
+    Pick(Variant("fa3", 128, 128, 4, 2, programs_per_sm=1, pingpong=True), "D128: two consumers "
          "taking turns, persistent", min_d=128),
-    Pick(Variant("fa3", 128, 128, 4, 2, persistent=1), "D64: fa3 pays from 4k keys; shorter "
+    Pick(Variant("fa3", 128, 128, 4, 2, programs_per_sm=1), "D64: fa3 pays from 4k keys; shorter "
          "programs leave its TMA prologue exposed", max_d=64, min_keys=FA3_DEFAULT_MIN_KEYS_D64),
     Pick(Variant("fa2", 128, 64, 8, 3), "fa2's tuned D128 tile", min_d=128, hopper=True),
     Pick(Variant("fa2", 128, 64, 8, 2), "fa2's D128 tile, 2 stages off Hopper", min_d=128,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, fields
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 K = TypeVar("K", bound="Knobs")
 
@@ -19,6 +19,9 @@ class Knobs:
 
     #: How error messages name this kind of variant.
     kind = "variant"
+    #: Former knob names and their new ones, so a hand-written variant that uses one is told
+    #: what it is called now (stored rows are rewritten by migration m009_knob_names).
+    renamed: ClassVar[dict[str, str]] = {}
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)  # type: ignore[call-overload]
@@ -30,6 +33,10 @@ class Knobs:
     def from_dict(cls: type[K], data: dict[str, Any]) -> K:
         known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
         unknown = set(data) - known
+        old = sorted(unknown & set(cls.renamed))
+        if old:
+            raise ValueError(f"{cls.kind} parameter {old[0]!r} is now called "
+                             f"{cls.renamed[old[0]]!r}")
         if unknown:
             raise ValueError(
                 f"unknown {cls.kind} parameters {sorted(unknown)}; known: {sorted(known)}"

@@ -124,7 +124,7 @@ def render_with(templates: Mapping[str, str], variant: Variant, problem: Problem
 
 def template_name(variant: Variant) -> str:
     # fa3 on a persistent grid is its own kernel (its own tile loop and barriers), not a flag.
-    grid = "_persistent" if variant.loop_order == "fa3" and variant.persistent else ""
+    grid = "_persistent" if variant.loop_order == "fa3" and variant.programs_per_sm else ""
     return f"attn_fwd_{variant.loop_order}{grid}.py.jinja"
 
 

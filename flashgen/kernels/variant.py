@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import ClassVar, Literal
 
 from flashgen.kernels.knobs import Knobs
 
@@ -30,10 +30,11 @@ class Variant(Knobs):
     warp_specialize (fa2, Hopper): Triton's warp specialization of the unmasked main loop.
     use_tma (fa2, Hopper): Q, K, V and O move through TMA tensor descriptors (the bulk tensor
         copy engine) instead of pointer loads; needs 16-byte aligned rows.
-    persistent: 0 launches one program per Q tile; k > 0 caps the grid near k programs per SM,
-        each walking several Q tiles (longest first under a causal mask), which trims the last
-        wave's idle SMs and the per-program setup. fa2: k programs per SM, each walking the
-        tiles of its head. fa3: 1, one program per SM walking tiles of every head, its
+    programs_per_sm: 0 launches one program per Q tile; k > 0 caps the grid near k programs
+        per SM (a persistent grid), each walking several Q tiles (longest first under a causal
+        mask), which trims the last wave's idle SMs and the per-program setup. fa2 takes k in
+        PROGRAMS_PER_SM, each program walking the tiles of its head; fa3 takes 1 only (its
+        tiles fill an SM's shared memory), one program walking tiles of every head, its
         producer loading the next tile's Q and K/V while the consumers finish the current one.
     pingpong (fa3, persistent, two or three consumers): the consumers take turns to issue their
         tensor-core products (FlashAttention 3's ping-pong), so one consumer's products run
@@ -47,6 +48,8 @@ class Variant(Knobs):
         (`runtime.table.head_units_leave_programs_idle`).
     """
 
+    renamed: ClassVar[dict[str, str]] = {"persistent": "programs_per_sm"}
+
     loop_order: LoopOrder = "fa2"
     block_m: int = 64
     block_n: int = 64
@@ -55,7 +58,7 @@ class Variant(Knobs):
     split_mask: bool = True
     warp_specialize: bool = False
     use_tma: bool = False
-    persistent: int = 0
+    programs_per_sm: int = 0
     pingpong: bool = False
     head_units: bool = False
 
@@ -84,7 +87,7 @@ class Variant(Knobs):
             # one-program-per-tile grid on an H100): the twin keeps the plain one.
             # fa3's 192-row tile (three consumers) has no fa2 kernel: fa2 ranges need a power
             # of two, so the twin takes 128 rows.
-            return replace(self, loop_order="fa2", use_tma=False, persistent=0,
+            return replace(self, loop_order="fa2", use_tma=False, programs_per_sm=0,
                            pingpong=False, head_units=False, block_m=min(self.block_m, 128))
         return replace(self, use_tma=False)
 
@@ -92,7 +95,8 @@ class Variant(Knobs):
         flags = "".join(
             name
             for name, on in ((" nosplit", not self.split_mask), (" ws", self.warp_specialize),
-                             (" tma", self.use_tma), (f" p{self.persistent}", self.persistent),
+                             (" tma", self.use_tma),
+                             (f" p{self.programs_per_sm}", self.programs_per_sm),
                              (" pp", self.pingpong), (" heads", self.head_units))
             if on
         )  # fmt: skip

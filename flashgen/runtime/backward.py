@@ -29,9 +29,9 @@ def is_gluon(variant: Any, kernel: str) -> bool:
 def fa3_tile_rows(kernel: str, variant: Any) -> tuple[int, ...]:
     """Rows of the TMA tile of each tensor a Gluon backward kernel takes, in argument order:
     an owned tensor moves 64 rows per consumer warpgroup, a streamed one the kernel's
-    streamed tile (block_m; the Gluon dQ kernel's own dq_block_m where set)."""
-    own = kernel == "dq" and is_gluon(variant, "dq") and variant.dq_block_m
-    rows = variant.dq_block_m if own else variant.block_m
+    streamed tile (block_m; the Gluon dQ kernel's own dq_block_streamed where set)."""
+    own = kernel == "dq" and is_gluon(variant, "dq") and variant.dq_block_streamed
+    rows = variant.dq_block_streamed if own else variant.block_streamed
     if kernel == "dkdv":  # q, k, v, do, dk, dv: K and V owned
         return (rows, 64, 64, rows, 64, 64)
     return (64, rows, rows, 64, 64)  # q, k, v, do, dq: Q and dO owned
@@ -86,17 +86,17 @@ def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
             out, do, delta, *out.stride(), *do.stride(), *delta.stride(), nq, hq
         )
         if ks.gluon["dkdv"]:
-            _launch_gluon("dkdv", ks.dkdv, var, (cdiv(nk, var.block_n), b * hkv),
+            _launch_gluon("dkdv", ks.dkdv, var, (cdiv(nk, var.block_owned), b * hkv),
                           (q, k, v, do, dk, dv), lse, delta, scale, hkv, group)
         else:
             _triton_dkdv(ks, q, k, v, do, lse, delta, dq, dk, dv, scale, group)
         if ks.gluon["dq"]:
-            _launch_gluon("dq", ks.dq, var, (cdiv(nq, var.block_n), b * hq),
+            _launch_gluon("dq", ks.dq, var, (cdiv(nq, var.block_owned), b * hq),
                           (q, k, v, do, dq), lse, delta, scale, hq, group)
         elif ks.dq is not None:
             # The dQ kernel owns block_n query rows per program (the pair swaps; see
             # flashgen's BwdVariant).
-            ks.dq[(cdiv(nq, var.block_n), b * hq)](
+            ks.dq[(cdiv(nq, var.block_owned), b * hq)](
                 q, k, v, do, lse, delta, dq,
                 *q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride(),
                 *delta.stride(), *dq.stride(), scale, nq, nk, hq, group, **ks.launch,
@@ -129,7 +129,7 @@ def _triton_dkdv(ks: _Kernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     # The atomic mode sums dQ shares from every K block, so it needs a zeroed fp32 buffer.
     dq_target = torch.zeros((b, hq, nq, d), device=q.device, dtype=torch.float32) if atomic else dq
     rows = (*lse.stride(), *delta.stride())
-    ks.dkdv[(cdiv(nk, ks.variant.block_n), b * hkv)](
+    ks.dkdv[(cdiv(nk, ks.variant.block_owned), b * hkv)](
         q, k, v, do, lse, delta, dk, dv, dq_target,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *rows,
         *dk.stride(), *dv.stride(), *dq_target.stride(),

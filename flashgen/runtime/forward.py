@@ -91,9 +91,9 @@ def fa2_grid(variant: Any, nq: int, heads: int, device: torch.device) -> tuple[i
     below one per head); its programs then walk several Q tiles each.
     """
     tiles = cdiv(nq, variant.block_m)
-    if not variant.persistent:
+    if not variant.programs_per_sm:
         return tiles, heads
-    return max(1, min(tiles, cdiv(sm_count(device) * variant.persistent, heads))), heads
+    return max(1, min(tiles, cdiv(sm_count(device) * variant.programs_per_sm, heads))), heads
 
 
 def fa3_grid(variant: Any, nq: int, heads: int,
@@ -104,7 +104,7 @@ def fa3_grid(variant: Any, nq: int, heads: int,
     tile), whose kernel takes the number of heads (B * H_Q) to enumerate the tiles itself.
     """
     tiles = cdiv(nq, variant.block_m)
-    if not variant.persistent:
+    if not variant.programs_per_sm:
         return (tiles, heads), ()
     return (min(tiles * heads, sm_count(device)),), (heads,)
 

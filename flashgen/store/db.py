@@ -60,7 +60,8 @@ RunStatus = Literal["running", "ok", "interrupted", "failed"]
 #: A knob that its mode's variant lacks (loop_order of a backward row, dq_mode of a forward
 #: one) stays NULL.
 VARIANT_COLUMNS: tuple[str, ...] = ("loop_order", "block_m", "block_n", "num_warps",
-                                    "num_stages", "split_mask", "warp_specialize", "dq_mode")
+                                    "num_stages", "split_mask", "warp_specialize", "dq_mode",
+                                    "block_owned", "block_streamed")
 PROBLEM_COLUMNS: tuple[str, ...] = ("batch", "heads_q", "heads_kv", "seq_q", "seq_k")
 
 #: Seconds a writer waits for another process's transaction before giving up
@@ -68,6 +69,17 @@ PROBLEM_COLUMNS: tuple[str, ...] = ("batch", "heads_q", "heads_kv", "seq_q", "se
 BUSY_TIMEOUT_S = 60.0
 
 migrations = Migrations("flashgen")
+
+
+def knobs_now(mode: str, variant_json: str) -> dict[str, Any]:
+    """A stored variant's knobs under today's names: a file read without migrating (read-only,
+    or a migration before m009 reading rows) may hold names renamed since."""
+    renamed = space_of(mode).variant_type.renamed
+    return {renamed.get(k, k): v for k, v in json.loads(variant_json).items()}
+
+
+def _variant_now(mode: str, variant_json: str) -> AnyVariant:
+    return space_of(mode).variant_type.from_dict(knobs_now(mode, variant_json))
 
 # Column sets as the first migrations created them. Migrations are history: a later change
 # is a new migration, never an edit of these.
@@ -165,7 +177,7 @@ def m006_kernel_hash(db: sqlite_utils.Database) -> None:
         if row.get("status") == "pruned":
             return key_id, None
         try:
-            variant = space_of(row["mode"]).from_json(row["variant_json"])
+            variant = _variant_now(row["mode"], row["variant_json"])
         except (TypeError, ValueError):
             return key_id, RETIRED + str(row["template_hash"])
         problem = Problem.from_dict(json.loads(row["problem_json"]))
@@ -219,8 +231,39 @@ def m008_claims(db: sqlite_utils.Database) -> None:
     )
 
 
+@migrations()
+def m009_knob_names(db: sqlite_utils.Database) -> None:
+    """Knobs renamed so that each name means one thing (`Variant.renamed`,
+    `BwdVariant.renamed`): the forward's `persistent` is `programs_per_sm`; the backward's
+    `block_m`/`block_n`, which swapped meaning between its dK/dV and dQ kernels, are
+    `block_streamed`/`block_owned`, with columns of their own (a backward row's block_m and
+    block_n columns become NULL). Kernel hashes stay: the kernels are the same."""
+    for table in ("trials", "winners"):
+        db[table].add_column("block_owned", int)
+        db[table].add_column("block_streamed", int)
+        db.execute(f"UPDATE {table} SET block_owned = block_n, block_streamed = block_m, "
+                   "block_m = NULL, block_n = NULL WHERE mode = 'bwd'")
+    renamed = {m: space_of(m).variant_type.renamed for m in ("fwd", "bwd")}
+
+    def now(mode: str, text: str) -> str | None:
+        if not renamed.get(mode, {}).keys() & json.loads(text).keys():
+            return None
+        return json.dumps(knobs_now(mode, text), sort_keys=True)
+
+    for table, pk in (("trials", "id"), ("winners", "key_id")):
+        rows = db.query(f"SELECT {pk}, mode, variant_json FROM {table}")
+        db.conn.executemany(f"UPDATE {table} SET variant_json = ? WHERE {pk} = ?", [
+            (text, row[pk]) for row in list(rows)
+            if (text := now(row["mode"], row["variant_json"])) is not None])
+    # A claim's key id starts with its mode (`TuningKey.id`).
+    claims = list(db.query("SELECT rowid, key_id, variant_json FROM claims"))
+    db.conn.executemany("UPDATE claims SET variant_json = ? WHERE rowid = ?", [
+        (text, row["rowid"]) for row in claims
+        if (text := now(row["key_id"].split("|")[0], row["variant_json"])) is not None])
+
+
 #: The number of migrations above; a test checks that a fresh file reaches it.
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 
 def _migration_names() -> list[str]:
@@ -648,7 +691,7 @@ def _trial_row(row: dict[str, Any]) -> TrialRow:
     return TrialRow(
         id=row["id"], key=TuningKey.from_columns(row),
         problem=Problem.from_dict(json.loads(row["problem_json"])),
-        variant=json.loads(row["variant_json"]), status=row["status"],
+        variant=knobs_now(row["mode"], row["variant_json"]), status=row["status"],
         reason=row["reason"] or "", timing=timing, tflops=row["tflops"], error=row["error"],
         bound=row["bound"], created_at=row["created_at"], kernel_hash=_kernel_hash(row),
     )
@@ -664,7 +707,7 @@ def _kernel_hash(row: dict[str, Any]) -> str | None:
 
 def _winner_row(row: dict[str, Any], strict: bool = True) -> WinnerRow | None:
     try:
-        variant = space_of(row["mode"]).from_json(row["variant_json"])
+        variant = _variant_now(row["mode"], row["variant_json"])
     except (TypeError, ValueError) as exc:
         # A row written by a newer flashgen with knobs this one lacks; its kernel is not
         # one this flashgen renders, so it is never served, but `show` must not crash on it.

@@ -66,7 +66,7 @@ def compile_fa3(variant: Variant, problem: Problem, capability: int = 90) -> Any
         raise ValueError(f"{variant} is not an fa3 variant")
     args = example_args(problem.head_dim, problem.torch_dtype, variant.fa3_rows,
                         variant.block_n)
-    if variant.persistent:
+    if variant.programs_per_sm:
         args.append(8)  # B * H_Q: the persistent kernel enumerates the tiles itself
     return compile_gluon(load_kernel(variant, problem), args, {}, variant.num_warps, capability)
 

@@ -52,7 +52,8 @@ def _table(title: str | None = None) -> Table:
 def variant_label(variant: AnyVariant | None, wide: bool = False) -> str:
     """A winner as the narrow tables print it. A backward variant drops its "bwd-" prefix
     (its table is the backward one) and the usual dQ mode "separate" ("atomic" stays): its
-    full name ("bwd-separate m32 n128 w4 s3 fa3-dq dq-m64") alone took half the width."""
+    full name ("bwd-separate own128x32 w4 s3 fa3-dq dq-x64") alone took half the
+    width."""
     if variant is None:
         return "none passed"
     if wide or not isinstance(variant, BwdVariant):
