@@ -23,6 +23,7 @@ _PUBLIC: dict[str, str] = {
     "Problem": "flashgen.kernels.problem",
     "Variant": "flashgen.kernels.variant",
     "attention": "flashgen.runtime.api",
+    "attention_varlen": "flashgen.runtime.api",
     "default_variant": "flashgen.kernels.fwd_space",
     "device_info": "flashgen.kernels.hardware",
     "explain": "flashgen.runtime.api",
@@ -41,6 +42,7 @@ __all__ = [
     "Problem",
     "Variant",
     "attention",
+    "attention_varlen",
     "default_variant",
     "device_info",
     "explain",
@@ -58,7 +60,7 @@ if TYPE_CHECKING:
     from flashgen.kernels.problem import Problem
     from flashgen.kernels.render import kernel_hash, render
     from flashgen.kernels.variant import Variant
-    from flashgen.runtime.api import attention, explain
+    from flashgen.runtime.api import attention, attention_varlen, explain
     from flashgen.runtime.sdpa import scaled_dot_product_attention
     from flashgen.runtime.table import Choice
     from flashgen.serve import Dispatcher
