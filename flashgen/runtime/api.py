@@ -9,7 +9,7 @@ import torch
 from . import ops
 from .dispatch import Dispatcher, default_dispatcher
 from .inputs import check_inputs, check_options
-from .modifiers import Mods, Varlen, check_packed, check_sinks, check_softcap, check_varlen, check_window
+from .modifiers import Mods, check_packed, check_sinks, check_softcap, check_varlen, check_window
 from .table import Choice
 
 

@@ -141,7 +141,7 @@ def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
         extra = [a for a in extra if a is not mods.sinks]  # the sinks stay in the launcher
         atomic = var.dq_mode == "atomic"
         dq_target = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if atomic else dq
-        s4 = lambda t: strides4(t, packed)  # noqa: E731
+        s4 = lambda t: strides4(t, packed)
         ks.dkdv[(cdiv(nk, var.block_owned), b * hkv)](
             q, k, v, do, lse, delta, dk, dv, dq_target,
             *s4(q), *s4(k), *s4(v), *s4(do), *row_strides, *s4(dk), *s4(dv), *s4(dq_target),

@@ -10,6 +10,7 @@ arguments after their common ones, in this order: CU_Q, CU_K (varlen), WIN_LEFT,
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -164,7 +165,7 @@ def _check_cu(name: str, cu: object, total: int, device: torch.device) -> list[i
     offsets = cu.tolist()  # one host read: the checks below cannot be made on the device
     if offsets[0] != 0:
         raise ValueError(f"{name} must start at 0, got {offsets[0]}")
-    if any(b < a for a, b in zip(offsets, offsets[1:])):
+    if any(b < a for a, b in itertools.pairwise(offsets)):
         raise ValueError(f"{name} must not decrease, got {offsets}")
     if offsets[-1] != total:
         raise ValueError(f"{name} must end at the packed length {total}, got {offsets[-1]}")
@@ -183,7 +184,7 @@ def check_varlen(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: object, cu_seql
                                  ("max_seqlen_k", max_seqlen_k, ck)):
         if isinstance(bound, bool) or not isinstance(bound, int):
             raise TypeError(f"{name} must be an int, got {type(bound).__name__}")
-        longest = max(b - a for a, b in zip(offsets, offsets[1:]))
+        longest = max(b - a for a, b in itertools.pairwise(offsets))
         if bound < longest:
             raise ValueError(f"{name} ({bound}) is smaller than the longest sequence "
                              f"({longest})")
