@@ -53,7 +53,8 @@ def _check(call: Callable[..., tuple[torch.Tensor, torch.Tensor]],
     eager_grads = torch.autograd.grad(eager, eager_leaves, go)
     _bound_ok(out, truth, eager, dtype, "output")
     _bound_ok(lse, truth_lse, eager_lse, torch.float32, "lse")
-    for name, g, t, e in zip(("q", "k", "v", "sinks"), grads, truth_grads, eager_grads, strict=False):
+    names = ("q", "k", "v", "sinks")
+    for name, g, t, e in zip(names, grads, truth_grads, eager_grads, strict=False):
         _bound_ok(g, t, e, dtype, f"d{name}")
 
 

@@ -2,8 +2,11 @@
 
 Call `register()` once; then load or build a model with `attn_implementation="flashgen"`.
 flashgen handles causal and full attention, GQA and KV caches (its causal mask is aligned
-bottom-right, which is what a query chunk at the end of a cache needs). Padding masks are not
-supported: a batch with padding raises an error naming the mask.
+bottom-right, which is what a query chunk at the end of a cache needs). As transformers' own
+flash-attention path does, a padded batch (a 2-D padding mask) is unpadded into packed
+sequences for `flashgen.attention_varlen` and padded back (pad rows give 0), and packed
+documents (batch 1, position ids restarting at 0, or `cu_seq_lens_*` given) run as separate
+sequences. A layer's `sliding_window`, `softcap` and `s_aux` (attention sinks) are honoured.
 """
 
 from __future__ import annotations
@@ -26,21 +29,90 @@ def flashgen_attention_forward(
     dropout: float = 0.0,
     scaling: float | None = None,
     is_causal: bool | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: (B, H, N, D) in, (B, N, H, D) out."""
-    if attention_mask is not None:
-        raise ValueError(
-            "flashgen got an attention_mask (a padded batch or a custom mask); flashgen has no "
-            "dense masks. Use unpadded batches, or attn_implementation='sdpa' for this model."
-        )
     if dropout and module.training:
         raise ValueError(f"attention dropout {dropout} is not supported by flashgen")
-    if kwargs.get("softcap") is not None or kwargs.get("sliding_window") is not None:
-        raise ValueError("flashgen supports neither logit softcapping nor sliding windows")
-    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    out = flashgen.attention(query, key, value, causal=bool(causal), scale=scaling)
-    return out.transpose(1, 2).contiguous(), None
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(
+            f"flashgen got a {attention_mask.dim()}-D attention_mask (a custom mask); it takes "
+            "2-D padding masks only. Use attn_implementation='sdpa' for this model."
+        )
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    window = None
+    if sliding_window is not None and sliding_window < key.shape[2]:
+        # Keys (i - sliding_window, i] for causal layers: transformers' flash-attention
+        # convention (sliding_window - 1 on either side; causal cuts the right one).
+        window = (sliding_window - 1, sliding_window - 1)
+    options = {"causal": causal, "scale": scaling, "window": window, "softcap": softcap,
+               "sinks": s_aux}
+    packed = _packed_lengths(query, attention_mask, kwargs)
+    if attention_mask is not None:
+        out = _padded(query, key, value, attention_mask.bool(), options)
+    elif packed is not None:
+        cu, longest = packed
+        q, k, v = (t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])
+                   for t in (query, key, value))
+        out = flashgen.attention_varlen(q, k, v, cu, cu, longest, longest, **options)
+        out = out.view(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+    else:
+        out = flashgen.attention(query, key, value, **options).transpose(1, 2)
+    return out.contiguous(), None
+
+
+def _packed_lengths(query: torch.Tensor, attention_mask: torch.Tensor | None,
+                    kwargs: dict[str, Any]) -> tuple[torch.Tensor, int] | None:
+    """(cu_seqlens, longest) of packed documents in a batch of one, else None: from
+    `cu_seq_lens_q` / `max_length_q` where the caller gives them (equal for keys: packing
+    is self-attention), or from position ids that restart (a document starts at each 0)."""
+    if attention_mask is not None or query.shape[0] != 1:
+        return None
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is not None:
+        longest = kwargs.get("max_length_q")
+        longest = int(longest) if longest is not None else int(cu.diff().max())
+        return cu.to(torch.int32), longest
+    positions = kwargs.get("position_ids")
+    if positions is None or positions.shape[-1] != query.shape[2] or query.shape[2] == 1:
+        return None
+    positions = positions.reshape(-1)
+    starts = (positions == 0).nonzero().view(-1)
+    if starts.numel() <= 1 and bool((positions.diff() == 1).all()):
+        return None  # one document: the dense kernel
+    if starts.numel() == 0 or int(starts[0]) != 0:
+        return None
+    total = torch.tensor([positions.numel()], device=starts.device)
+    cu = torch.cat([starts, total]).to(torch.int32)
+    return cu, int(cu.diff().max())
+
+
+def _padded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+            options: dict[str, Any]) -> torch.Tensor:
+    """Attention of a padded batch: its real tokens packed (mask (B, Nk), True = token),
+    attended per sequence, scattered back to (B, Nq, Hq, D) with zeros at pad rows. Queries
+    are the last Nq positions of each row (left padding), as transformers assumes."""
+    b, hq, nq, d = query.shape
+    if key.shape[2] > mask.shape[1]:  # a static cache longer than the mask
+        key, value = key[:, :, :mask.shape[1]], value[:, :, :mask.shape[1]]
+    nk = key.shape[2]
+    k_rows = mask.reshape(-1).nonzero().view(-1)
+    k_lens = mask.sum(dim=1, dtype=torch.int32)
+    q_mask = mask[:, -nq:]
+    q_rows = q_mask.reshape(-1).nonzero().view(-1)
+    q_lens = q_mask.sum(dim=1, dtype=torch.int32)
+    cu_k = torch.nn.functional.pad(k_lens.cumsum(0, dtype=torch.int32), (1, 0))
+    cu_q = torch.nn.functional.pad(q_lens.cumsum(0, dtype=torch.int32), (1, 0))
+    pack = lambda t, n, rows: t.transpose(1, 2).reshape(b * n, t.shape[1], d)[rows]
+    out = flashgen.attention_varlen(
+        pack(query, nq, q_rows), pack(key, nk, k_rows), pack(value, nk, k_rows), cu_q, cu_k,
+        max(1, int(q_lens.max())), max(1, int(k_lens.max())), **options)
+    full = out.new_zeros(b * nq, hq, d)
+    full = full.index_copy(0, q_rows, out)  # differentiable scatter back to the padded rows
+    return full.view(b, nq, hq, d)
 
 
 def _mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:
@@ -58,6 +130,27 @@ def register() -> None:
     AttentionInterface.register(NAME, flashgen_attention_forward)
     AttentionMaskInterface.register(NAME, _mask)
     _skip_flash_import_for_our_name()
+    _list_our_name_where_flash_kernels_are_listed()
+
+
+#: Model classes that name the flash implementations they accept (those that handle their
+#: sinks), and would otherwise swap "flashgen", a "flash" name to transformers, for one.
+_LISTING_MODELS = (("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssPreTrainedModel"),)
+
+
+def _list_our_name_where_flash_kernels_are_listed() -> None:
+    """flashgen handles sinks, so it joins those lists (where the installed transformers
+    has the model)."""
+    import importlib
+
+    for module_name, class_name in _LISTING_MODELS:
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError):
+            continue
+        listed = getattr(cls, "_compatible_flash_implementations", None)
+        if listed is not None and NAME not in listed:
+            cls._compatible_flash_implementations = [*listed, NAME]
 
 
 def _skip_flash_import_for_our_name() -> None:
