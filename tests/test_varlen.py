@@ -223,3 +223,14 @@ def test_bad_packed_shapes_are_named_errors() -> None:
         flashgen.attention_varlen(q, q, q, _cu(LENGTHS), _cu([22, 1]), 17, 22)
     with pytest.raises(ValueError, match="softcap"):
         flashgen.attention(q[None], q[None], q[None], softcap=float("inf"))
+
+
+def test_a_package_without_modified_kernels_names_them() -> None:
+    """An exported package's runtime ships plain kernels: asked for a modifier, it says so
+    instead of launching a kernel of the wrong signature."""
+    from flashgen.runtime.dispatch import Dispatcher
+    from flashgen.runtime.modifiers import Mods
+
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(ValueError, match="plain attention kernels only"):
+        Dispatcher().forward(q, q, q, False, None, None, Mods(softcap=1.0))

@@ -71,6 +71,9 @@ class Dispatcher:
     #: dataclasses, which also present table entries in `Choice`s). Empty: a package that runs
     #: its tuned kernels only.
     variant_types: ClassVar[Mapping[str, type]] = {}
+    #: Whether `kernel` can give kernels rendered with modifiers (window, softcap, sinks) and
+    #: for packed sequences. An exported package ships plain kernels only.
+    renders_modifiers: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._tables: dict[torch.device, Table] = {}
@@ -202,6 +205,9 @@ class Dispatcher:
             check_inputs(q, k, v)
             shape = Shape.of(q, k, causal)
         if mods is not None:
+            if not self.renders_modifiers:
+                raise ValueError(f"{PACKAGE} ships plain attention kernels only: window, "
+                                 "softcap, sinks and attention_varlen need flashgen itself")
             window, softcap, sinks, varlen = mods.flags
             shape = shape._replace(window=window, softcap=softcap, sinks=sinks, varlen=varlen)
         table = self.table(q.device)

@@ -168,6 +168,12 @@ class Table:
                       or check(e))
             if reason:
                 skipped.append(f"bucket Nq{got[0]}/Nk{got[1]}: {reason}")
+            elif any(getattr(shape, name) for name in MODIFIERS):
+                # Rows are tuned on plain attention; a valid one's variant serves the call
+                # with the modifiers rendered in (the validity rules judged it with them).
+                return e, "nearest", (f"tuned winner of plain attention, bucket {got}, run "
+                                      "with " + ", ".join(n for n in MODIFIERS
+                                                          if getattr(shape, n)))
             elif got == (want_q, want_k):
                 return e, "exact", f"tuned winner for this bucket {got}"
             else:
