@@ -43,7 +43,8 @@ def _check(call: Callable[..., tuple[torch.Tensor, torch.Tensor]],
     in the leaves' dtype (eager), for one random upstream gradient."""
     dtype = leaves[0].dtype
     out, lse = call(*leaves)
-    go = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    go = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(
+        out.device, dtype)
     grads = torch.autograd.grad(out, leaves, go)
     truth_leaves = [t.detach().double().requires_grad_() for t in leaves]
     truth, truth_lse = ref(*truth_leaves, dtype=torch.float64)
@@ -234,3 +235,36 @@ def test_a_package_without_modified_kernels_names_them() -> None:
     q = torch.randn(1, 2, 8, 16)
     with pytest.raises(ValueError, match="plain attention kernels only"):
         Dispatcher().forward(q, q, q, False, None, None, Mods(softcap=1.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name", ["none", "window", "softcap", "sinks", "all"])
+def test_packed_bf16_on_the_gpu(causal: bool, name: str) -> None:
+    """Real sizes in bf16: twelve sequences of 1 to 700 tokens, self-attention, D128, GQA 4."""
+    dtype = torch.bfloat16
+    mods, extra = _sinks(MODIFIERS.get(name, {}), 8, dtype)
+    lengths = [1, 700, 63, 129, 5, 512, 256, 17, 640, 2, 300, 64]
+    cu = _cu(lengths).cuda()
+    leaves = [t.detach().cuda().requires_grad_()
+              for t in [*_packed(lengths, lengths, 8, 2, 128, dtype), *extra]]
+    _check(lambda q, k, v, *s: flashgen.attention_varlen(
+               q, k, v, cu, cu, max(lengths), max(lengths), causal=causal,
+               sinks=s[0] if s else None, return_lse=True, **mods),
+           lambda q, k, v, *s, dtype: reference.attention_varlen(
+               q, k, v, cu.cpu(), cu.cpu(), causal, None, dtype, sinks=s[0] if s else None,
+               **mods),
+           leaves)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [(256, 0), (100, 37), (-1, 64)])
+def test_window_bf16_on_the_gpu(window: tuple[int, int]) -> None:
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, h, 1500, 128, generator=gen).to("cuda", torch.bfloat16)
+               .requires_grad_() for h in (8, 2, 2))
+    _check(lambda q, k, v: flashgen.attention(q, k, v, window=window, softcap=20.0,
+                                              return_lse=True),
+           lambda q, k, v, dtype: reference.attention(q, k, v, False, None, dtype,
+                                                      window=window, softcap=20.0),
+           [q, k, v])
