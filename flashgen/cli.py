@@ -477,6 +477,12 @@ def bench(
     rep_ms: Annotated[float, typer.Option(
         min=1, help="Milliseconds of timed calls per measurement on a GPU (10 to 200 calls, "
                     "after a quarter of that of warm-up); the median is reported.")] = 100.0,
+    timer: Annotated[str, typer.Option(
+        metavar="wall|gpu",
+        help="wall: calls back to back, L2 cleared, CUDA events, the median (as "
+             "triton.testing.do_bench): a call's host launch cost counts wherever it exceeds "
+             "its GPU work, as in eager PyTorch. gpu: calls queued behind a GPU spin, the "
+             "GPU's work alone.")] = "wall",
     db: DbOption = None,
 ) -> None:
     """Compare flashgen's dispatched kernels with torch SDPA's backends and compiled
@@ -486,6 +492,8 @@ def bench(
     are dispatched from the database (--db), then the one shipped with flashgen."""
     if device not in ("cuda", "cpu"):
         raise _fail(f"--device must be cuda or cpu, got {device!r}")
+    if timer not in ("wall", "gpu"):
+        raise _fail(f"--timer must be wall or gpu, got {timer!r}")
     if device == "cpu":
         _use_interpreter()
         if memory:
@@ -516,7 +524,8 @@ def bench(
     except ValueError as exc:
         raise _fail(str(exc)) from None
     run_bench(problems, modes, target, names, Outputs.under(out, csv_path, plot, no_plot),
-              timing=timing, memory=memory, seed=seed, rep_ms=rep_ms, console=_console(),
+              timing=timing, memory=memory, seed=seed, rep_ms=rep_ms, timer=timer,
+              console=_console(),
               dispatcher=dispatcher)
 
 

@@ -118,6 +118,18 @@ def test_csv_repeats_the_ratio_and_keeps_reasons(tmp_path: Path) -> None:
     assert records[2]["status"] == "n/a" and records[2]["reason"] == "flex n/a"
     assert records[2]["tflops"] == "" and records[0]["tflops"] == "0.5"  # 1e9 FLOP in 2 ms
     assert records[0]["device"] == "test-gpu" and records[0]["causal"] == "true"
+    # The timer is named on every record, the users' "wall" unless told otherwise.
+    assert {r["timer"] for r in records} == {"wall"}
+    write_csv(csv_records(summarize(rows), "test-gpu", "gpu"), path)
+    with path.open() as f:
+        assert {r["timer"] for r in csv.DictReader(f)} == {"gpu"}
+
+
+def test_an_unknown_timer_is_refused_before_any_gpu_work() -> None:
+    from flashgen.tune.timing import time_cuda
+
+    with pytest.raises(ValueError, match="timer must be one of"):
+        time_cuda(lambda: None, torch.device("cuda"), timer="cpu")
 
 
 def test_plot_series_keeps_correct_points_sorted_by_length() -> None:
@@ -296,6 +308,7 @@ runner = CliRunner()
     (["--shape", "1,2,1,8,8,16", "--mode", "train"], "--mode"),
     (["--shape", "1,2,1,8,8,16", "--competitors", "xformers"], "unknown competitor"),
     (["--shape", "1,2,1,8,8,16", "--memory"], "--memory needs a CUDA GPU"),
+    (["--shape", "1,2,1,8,8,16", "--timer", "cpu"], "--timer must be wall or gpu"),
     ([], "--shape or --preset"),
 ])
 def test_bench_arguments_are_explained(args: list[str], message: str) -> None:
@@ -332,6 +345,6 @@ def test_bench_on_the_cpu_interpreter(tmp_path: Path) -> None:
         assert r["mode"] == "both" and r["status"] == "ok", r
         assert float(r["tflops"]) > 0 and float(r["check_error"]) <= float(r["check_bound"])
         assert r["best_competitor"] == "sdpa-math" and float(r["flashgen_vs_best"]) > 0
-        assert r["device"] == "cpu-interpreter"
+        assert r["device"] == "cpu-interpreter" and r["timer"] == "wall"
     flashgen_rows = [r for r in records if r["competitor"] == "flashgen"]
     assert all("fwd " in r["note"] and "bwd " in r["note"] for r in flashgen_rows)

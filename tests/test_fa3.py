@@ -56,7 +56,7 @@ def test_fa3_is_a_hopper_16bit_variant_with_its_own_tiles() -> None:
 def test_fa3_persistent_is_one_program_per_sm_with_its_own_o_buffer() -> None:
     persistent = flashgen.Variant("fa3", 128, 128, 4, 2, programs_per_sm=1)
     assert flashgen.why_invalid(persistent, _problem(), HOPPER) is None
-    assert "fa3 persistent" in flashgen.why_invalid(
+    assert "fa3 programs_per_sm is 0" in flashgen.why_invalid(
         flashgen.Variant("fa3", 128, 128, 4, 2, programs_per_sm=2), _problem(), HOPPER)
     # A second Q buffer and O's own cost two Q tiles of shared memory: three D128 stages of
     # 128-key tiles fit the one-tile kernel, not the persistent one.

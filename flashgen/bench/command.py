@@ -94,12 +94,14 @@ def run_bench(
     memory: bool = False,
     seed: int = 0,
     rep_ms: float = 100.0,
+    timer: str = "wall",
     console: Console | None = None,
     log: Console | None = None,
     dispatcher: Dispatcher | None = None,
 ) -> list[Row]:
     """Time (and with `memory`, measure the peak memory of) the competitors; print and write.
-    `rep_ms`: milliseconds of timed calls per measurement on a GPU (see `default_timer`).
+    `rep_ms`: milliseconds of timed calls per measurement on a GPU and `timer` how they are
+    timed, "wall" or "gpu" (see `default_timer`).
     `dispatcher` chooses flashgen's kernels (default: the one `flashgen.attention` uses).
 
     Tables go to `console`, progress to `log` (stderr by default). The CSV files are
@@ -117,22 +119,23 @@ def run_bench(
 
         def keep(problem: Problem, found: list[Row]) -> None:
             rows.extend(found)
-            write_csv(csv_records(summarize(rows), name), outputs.csv)
+            write_csv(csv_records(summarize(rows), name, timer), outputs.csv)
             done = len({r.problem for r in rows})
             log.print(f"[{done}/{len(problems)}] {_progress_line(problem, found)}",
                       highlight=False, markup=False)
 
         try:
             run_suite(problems, modes, device, competitors, seed=seed,
-                      timer=default_timer(device, rep_ms), on_problem=keep)
+                      timer=default_timer(device, rep_ms, timer), on_problem=keep)
         except KeyboardInterrupt:
             log.print("interrupted: reporting the problems finished so far")
         summaries = summarize(rows)
         for mode in modes:
-            console.print(timing_table(summaries, mode, [c.name for c in competitors], name))
+            console.print(timing_table(summaries, mode, [c.name for c in competitors],
+                                       f"{name}, {timer} timer"))
         for note in unavailable_notes(rows):
             console.print(f"  {note}", highlight=False, markup=False)
-        records = csv_records(summaries, name)
+        records = csv_records(summaries, name, timer)
         write_csv(records, outputs.csv)
         console.print(f"CSV: {outputs.csv}")
         if outputs.plot is not None:

@@ -116,7 +116,8 @@ def unavailable_notes(rows: Iterable[Row], limit: int = 160) -> list[str]:
 
 CSV_FIELDS = (
     "mode", "batch", "heads_q", "heads_kv", "seq_q", "seq_k", "head_dim", "dtype", "causal",
-    "competitor", "status", "tflops", "median_ms", "p20_ms", "p80_ms", "reps", "host_us", "flops",
+    "competitor", "status", "tflops", "median_ms", "p20_ms", "p80_ms", "reps", "timer",
+    "host_us", "flops",
     "best_competitor", "flashgen_vs_best", "check_error", "check_bound", "checked_on",
     "reason", "note", "device",
 )
@@ -126,9 +127,11 @@ def _fmt(value: float | None) -> str:
     return "" if value is None else f"{value:.6g}"
 
 
-def csv_records(summaries: Iterable[Summary], device_name: str) -> list[dict[str, str]]:
+def csv_records(summaries: Iterable[Summary], device_name: str,
+                timer: str = "wall") -> list[dict[str, str]]:
     """One record per row (competitor x problem x mode); the ratio is repeated in every
-    record of its group, so each line stands alone in a spreadsheet filter."""
+    record of its group, so each line stands alone in a spreadsheet filter. `timer`: how
+    the times were taken ("wall" or "gpu", `tune.timing`)."""
     records = []
     for s in summaries:
         for r in s.rows:
@@ -141,7 +144,7 @@ def csv_records(summaries: Iterable[Summary], device_name: str) -> list[dict[str
                 "median_ms": _fmt(None if t is None else t.median_ms),
                 "p20_ms": _fmt(None if t is None else t.p20_ms),
                 "p80_ms": _fmt(None if t is None else t.p80_ms),
-                "reps": "" if t is None else str(t.reps),
+                "reps": "" if t is None else str(t.reps), "timer": timer,
                 "host_us": _fmt(None if t is None or t.host_ms is None else t.host_ms * 1e3),
                 "flops": _fmt(r.flops), "best_competitor": s.best.competitor if s.best else "",
                 "flashgen_vs_best": _fmt(s.ratio), "check_error": _fmt(r.error),

@@ -85,11 +85,13 @@ class Row:
         return None if self.timing is None else tflops(self.flops, self.timing.median_ms)
 
 
-def default_timer(device: torch.device, rep_ms: float = 100.0) -> Timer:
+def default_timer(device: torch.device, rep_ms: float = 100.0, timer: str = "wall") -> Timer:
     """CUDA events with L2 flushed, the median of about `rep_ms` of calls (after a quarter of
-    that of warm-up) on a GPU; wall clock on the CPU."""
+    that of warm-up) on a GPU, by `timer` ("wall" or "gpu", `tune.timing`); wall clock on
+    the CPU."""
     if device.type == "cuda":
-        return lambda fn: time_cuda(fn, device, warmup_ms=rep_ms / 4, rep_ms=rep_ms)
+        return lambda fn: time_cuda(fn, device, warmup_ms=rep_ms / 4, rep_ms=rep_ms,
+                                    timer=timer)
     return lambda fn: time_cpu(fn)
 
 

@@ -1,5 +1,11 @@
 """Timing a kernel launch: CUDA events on a GPU, `time.perf_counter` on the interpreter.
 
+Two timers (`TIMERS`). "gpu" (the tuner's, and `flashgen bench --timer gpu`) measures the GPU's
+work alone, as described below. "wall" (`flashgen bench`'s default) is how peers report
+attention speed (`triton.testing.do_bench`): the same flushed, event-timed calls issued back to
+back with nothing holding the GPU, so a call whose host time exceeds its GPU time is timed at
+its host time, as an eager PyTorch user pays it.
+
 A GPU measurement is the median of many launches, each preceded by a write of a buffer larger
 than L2 so every launch reads its inputs from HBM, as it would inside a model where other
 layers evict them. The spread (20th and 80th percentiles) is kept so a reader can tell a real
@@ -24,6 +30,10 @@ from collections.abc import Callable
 import torch
 
 from flashgen.store.measurement import UNSTEADY_SPREAD, Timing
+
+#: "wall": back-to-back calls, host launch cost included where it exceeds the GPU's work;
+#: "gpu": calls queued behind a GPU spin, the GPU's work alone.
+TIMERS: tuple[str, ...] = ("wall", "gpu")
 
 #: Larger than the L2 cache of every current GPU (H100/H200: 50 MB, B200: 126 MB).
 FLUSH_BYTES = 256 * 1024 * 1024
@@ -81,30 +91,35 @@ def steady(measure: Callable[[], Timing], retries: int = STEADY_RETRIES,
 
 def time_cuda(
     fn: Callable[[], object], device: torch.device, *, warmup_ms: float = 25.0,
-    rep_ms: float = 100.0, min_reps: int = 10, max_reps: int = 200,
+    rep_ms: float = 100.0, min_reps: int = 10, max_reps: int = 200, timer: str = "gpu",
 ) -> Timing:
-    """Median time of `fn` on `device`, with L2 flushed before every launch.
+    """Median time of `fn` on `device`, with L2 flushed before every launch, by `timer`
+    ("gpu" or "wall", see the module's docstring).
 
     The first call (compilation, autotuning caches, allocator growth) is never timed; then
     roughly `warmup_ms` of untimed calls, then enough timed ones to fill `rep_ms`, within
     [min_reps, max_reps]. An unsteady measurement is taken again (`steady`).
     """
-    return steady(lambda: _time_cuda_once(fn, device, warmup_ms, rep_ms, min_reps, max_reps))
+    if timer not in TIMERS:
+        raise ValueError(f"timer must be one of {TIMERS}, not {timer!r}")
+    return steady(lambda: _time_cuda_once(fn, device, warmup_ms, rep_ms, min_reps, max_reps,
+                                          spin=timer == "gpu"))
 
 
 def _time_cuda_once(fn: Callable[[], object], device: torch.device, warmup_ms: float,
-                    rep_ms: float, min_reps: int, max_reps: int) -> Timing:
+                    rep_ms: float, min_reps: int, max_reps: int, spin: bool) -> Timing:
     flush = _flush_buffer(device)
     with torch.cuda.device(device):
         fn()
         torch.cuda.synchronize()
         host_s = _queue_seconds(fn, flush)
-        estimate = _events(fn, flush, 3, host_s)
+        queued = host_s if spin else 0.0
+        estimate = _events(fn, flush, 3, queued)
         per_call = max(statistics.median(estimate), 1e-3)
         for _ in range(max(1, int(warmup_ms / per_call))):
             fn()
         reps = min(max_reps, max(min_reps, int(rep_ms / per_call)))
-        timing = Timing.from_samples(_events(fn, flush, reps, host_s))
+        timing = Timing.from_samples(_events(fn, flush, reps, queued))
         return dataclasses.replace(timing, host_ms=host_s * 1e3)
 
 
@@ -139,6 +154,8 @@ def _queue_seconds(fn: Callable[[], object], flush: torch.Tensor, reps: int = 5)
 
 def _events(fn: Callable[[], object], flush: torch.Tensor, reps: int,
             host_s: float) -> list[float]:
+    """Event times of `reps` flushed calls; with `host_s` > 0 each batch is queued behind a
+    spin sized for that much host time per call (the "gpu" timer), with 0 back to back."""
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     pairs = list(zip(starts, ends, strict=True))
@@ -146,7 +163,8 @@ def _events(fn: Callable[[], object], flush: torch.Tensor, reps: int,
         batch = pairs[first:first + QUEUE_BATCH]
         # Hold the GPU while the host queues the batch: the GPU then runs it back to back,
         # and no timed span includes waiting for Python to issue the call.
-        torch.cuda._sleep(int(SPIN_MARGIN * len(batch) * host_s * SPIN_HZ))
+        if host_s > 0:
+            torch.cuda._sleep(int(SPIN_MARGIN * len(batch) * host_s * SPIN_HZ))
         for start, end in batch:
             flush.zero_()
             start.record()
