@@ -268,3 +268,83 @@ def test_window_bf16_on_the_gpu(window: tuple[int, int]) -> None:
            lambda q, k, v, dtype: reference.attention(q, k, v, False, None, dtype,
                                                       window=window, softcap=20.0),
            [q, k, v])
+
+
+#: Compiles the modified fa2 forward and Triton backward kernels (JSON lines on stdin: kind,
+#: kernel, variant, problem) for sm90 with Triton's own compiler, no GPU and no interpreter:
+#: the interpreter is lenient where the compiler is not (early returns, pointer updates).
+_SM90_COMPILE = """
+import ast, importlib.util, json, sys, tempfile
+from pathlib import Path
+import triton
+from triton.backends.compiler import GPUTarget
+from flashgen.kernels.bwd_render import render_bwd
+from flashgen.kernels.bwd_variant import BwdVariant
+from flashgen.kernels.problem import Problem
+from flashgen.kernels.render import render
+from flashgen.kernels.variant import Variant
+FP32 = {"LSE", "DELTA", "SINKS"}
+for line in sys.stdin:
+    kind, kernel, variant, problem = json.loads(line)
+    p = Problem.from_dict(problem)
+    v = (Variant if kind == "fwd" else BwdVariant).from_dict(variant)
+    src = render(v, p) if kind == "fwd" else render_bwd(kernel, v, p)
+    name = "attn_fwd" if kind == "fwd" else f"attn_bwd_{kernel}"
+    path = Path(tempfile.mkdtemp()) / "k.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location("k", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fn = getattr(module, name)
+    atomic = kind == "bwd" and v.dq_mode == "atomic"
+    sig = {}
+    for arg in fn.arg_names:
+        if arg in FP32 or (arg == "DQ" and atomic):
+            sig[arg] = "*fp32"
+        elif arg in ("CU_Q", "CU_K"):
+            sig[arg] = "*i32"
+        elif arg.isupper() and arg.isalpha() and len(arg) <= 2:
+            sig[arg] = "*" + p.dtype
+        elif arg in ("sm_scale", "SOFTCAP"):
+            sig[arg] = "fp32"
+        else:
+            sig[arg] = "i32"
+    target = GPUTarget("cuda", 90, 32)
+    options = triton.compiler.make_backend(target).parse_options(
+        {"num_warps": v.num_warps, "num_stages": v.num_stages})
+    try:
+        triton.compile(triton.compiler.ASTSource(fn, sig, {}, {}), target=target,
+                       options=options.__dict__)
+        print("ok", flush=True)
+    except Exception as exc:
+        print("fail", type(exc).__name__, str(exc).splitlines()[-1][:200], flush=True)
+"""
+
+
+def test_modified_kernels_compile_for_hopper() -> None:
+    import dataclasses
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    jobs = []
+    for causal in (True, False):
+        p = Problem(2, 8, 2, 1024, 1024, 128, "bf16", causal, window=True, softcap=True,
+                    sinks=True, varlen=True)
+        for v in (Variant("fa2", 128, 64, 8, 3), Variant("fa2", 128, 64, 8, 2,
+                                                         warp_specialize=True),
+                  Variant("fa2", 128, 128, 8, 2, programs_per_sm=2)):
+            jobs.append(["fwd", "fwd", dataclasses.asdict(v), p.to_dict()])
+        for b in (BwdVariant(64, 128, 8, 2), BwdVariant(32, 64, 4, 2, dq_mode="atomic")):
+            for kernel in ("dkdv", "dq") if b.dq_mode == "separate" else ("dkdv",):
+                jobs.append(["bwd", kernel, dataclasses.asdict(b), p.to_dict()])
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, text=True,
+                          input="".join(json.dumps(j) + "\n" for j in jobs),
+                          capture_output=True, timeout=600)
+    results = done.stdout.splitlines()
+    assert len(results) == len(jobs), done.stderr[-2000:]
+    failed = [(j[0], j[1], j[2], r) for j, r in zip(jobs, results, strict=True) if r != "ok"]
+    assert not failed, failed
