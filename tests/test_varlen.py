@@ -330,7 +330,7 @@ def test_modified_kernels_compile_for_hopper() -> None:
 
     pytest.importorskip("triton.backends.nvidia")
     jobs = []
-    for causal in (True, False):
+    for causal in (True,):  # each compile takes a second or two: the causal kind only
         p = Problem(2, 8, 2, 1024, 1024, 128, "bf16", causal, window=True, softcap=True,
                     sinks=True, varlen=True)
         for v in (Variant("fa2", 128, 64, 8, 3), Variant("fa2", 128, 64, 8, 2,
