@@ -137,6 +137,7 @@ def test_modifiers_on_packed_fp16(name: str) -> None:
     Variant("fa2", 16, 16, 1, 1, split_mask=True),
     Variant("fa2", 16, 16, 1, 1, split_mask=False),
     Variant("fa2", 32, 16, 1, 1, split_mask=True, programs_per_sm=2),
+    Variant("fa1", 16, 16, 1, 1),
 ], ids=str)
 @pytest.mark.parametrize("bwd", [BwdVariant(16, 16, 1, 1),
                                  BwdVariant(16, 32, 1, 1, dq_mode="atomic")], ids=str)
@@ -171,10 +172,13 @@ def test_unmodified_calls_render_the_plain_kernel() -> None:
 def test_modifiers_keep_to_triton_kernels() -> None:
     hopper = flashgen.DeviceInfo("H-test", (9, 0), 132, 232448)
     p = Problem(2, 8, 8, 1024, 1024, 128, "bf16", True, window=True)
-    assert "fa2 without use_tma" in why_invalid(Variant("fa3", 128, 128, 8, 2), p, hopper)
-    assert "fa2 without use_tma" in why_invalid(Variant("fa1", 64, 64, 4, 2), p, hopper)
-    assert "fa2 without use_tma" in why_invalid(Variant("fa2", 64, 64, 4, 2, use_tma=True), p,
-                                                hopper)
+    assert "fa1 and fa2 without use_tma" in why_invalid(Variant("fa3", 128, 128, 8, 2), p,
+                                                        hopper)
+    assert "fa1 and fa2 without use_tma" in why_invalid(
+        Variant("fa2", 64, 64, 4, 2, use_tma=True), p, hopper)
+    assert why_invalid(Variant("fa1", 64, 64, 4, 2), p, hopper) is None
+    assert "fa2 only" in why_invalid(Variant("fa1", 64, 64, 4, 2), p.with_(varlen=True),
+                                     hopper)
     assert why_invalid(default_variant(p, hopper), p, hopper) is None
     assert "Triton backward" in why_invalid_bwd(BwdVariant(64, 128, 4, 2, fa3="both"), p,
                                                 hopper)
@@ -347,3 +351,16 @@ def test_modified_kernels_compile_for_hopper() -> None:
     assert len(results) == len(jobs), done.stderr[-2000:]
     failed = [(j[0], j[1], j[2], r) for j, r in zip(jobs, results, strict=True) if r != "ok"]
     assert not failed, failed
+
+
+def test_fa1_takes_the_modifiers() -> None:
+    mods, extra = _sinks(MODIFIERS["all"], 2, torch.float32)
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, h, n, 16, generator=gen).requires_grad_()
+               for h, n in ((2, 29), (1, 40), (1, 40)))
+    fa1 = Variant("fa1", 16, 16, 1, 1)
+    _check(lambda q, k, v, s: flashgen.attention(q, k, v, causal=True, sinks=s, variant=fa1,
+                                                 return_lse=True, **mods),
+           lambda q, k, v, s, dtype: reference.attention(q, k, v, True, None, dtype, sinks=s,
+                                                         **mods),
+           [q, k, v, *extra])

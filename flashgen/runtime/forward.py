@@ -192,8 +192,18 @@ def _prepare_pointers(variant: Any, shape: Shape, kernel: Any) -> Launcher:
             lse = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
             lse_strides = lse.stride()[:2]
         out = torch.empty_like(q)
-        kernel[fa2_grid(variant, nq, b * hq, q.device)](
-            q, k, v, out, lse,
+        args: tuple = (q, k, v, out, lse)
+        if fa1:  # its fp32 scratch, as in `run` (never packed: the rules keep varlen to fa2)
+            args = (*args, torch.zeros((b * hq, nq, padded), device=q.device,
+                                       dtype=torch.float32),
+                    torch.full((b * hq, nq), float("-inf"), device=q.device,
+                               dtype=torch.float32),
+                    torch.zeros((b * hq, nq), device=q.device, dtype=torch.float32))
+            grid: tuple[int, ...] = (b * hq,)
+        else:
+            grid = fa2_grid(variant, nq, b * hq, q.device)
+        kernel[grid](
+            *args,
             *strides4(q, packed), *strides4(k, packed), *strides4(v, packed),
             *strides4(out, packed), *lse_strides,
             scale, nq, nk, hq, group, *mods.kernel_args(shape.causal, nq, nk), **launch,
