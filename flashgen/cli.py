@@ -14,6 +14,7 @@ import sqlite3
 import sys
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -21,14 +22,12 @@ import typer
 from typer.core import TyperGroup
 
 if TYPE_CHECKING:
-    import torch
     from rich.console import Console
     from rich.progress import Progress
 
     from flashgen.kernels.hardware import DeviceInfo
     from flashgen.kernels.problem import Problem
     from flashgen.store.db import TuningDB
-    from flashgen.tune.fwd_bench import Bench
     from flashgen.tune.search import RunOptions, TuneResult
 
 def _explained(invoke: Callable[[typer.Context], Any], ctx: typer.Context) -> Any:
@@ -207,6 +206,25 @@ def tune(
         help="Measure again the variants each problem already has timings for (fastest "
              "stored first; they count toward --trials) before sampling new ones: for "
              "timings a flawed timer took. Old rows stay as history.")] = False,
+    exhaustive: Annotated[bool, typer.Option(
+        "--exhaustive", help="Measure every valid variant of each problem (resumable; no "
+                             "budget needed) instead of sampling: the ground truth the "
+                             "tuner is judged against.")] = False,
+    gpus: Annotated[str | None, typer.Option(
+        metavar="LIST|all",
+        help="Tune on several GPUs: one worker process per listed index (0,1,2,3), or per "
+             "visible GPU (all); an index may repeat (0,0: two workers share GPU 0). "
+             "Workers share each problem's studies and trial budget.")] = None,
+    workers: Annotated[int | None, typer.Option(
+        min=1, help="Worker processes on the one --device (the CPU interpreter, or --gpu), "
+                    "sharing each problem's studies and trial budget.")] = None,
+    storage: Annotated[str | None, typer.Option(
+        metavar="URL",
+        help="Shared Optuna storage for the studies, so workers on several hosts tune "
+             "together: postgresql+psycopg://user:pw@host/db, mysql://..., or a journal "
+             "file path ending in .log on a shared filesystem (needs flashgen[distributed] "
+             "for PostgreSQL). Each worker still writes its --db; `flashgen pull` gathers "
+             "every host's rows.")] = None,
     db: DbOption = None,
     wide: WideOption = False,
 ) -> None:
@@ -221,8 +239,17 @@ def tune(
         _use_interpreter()
     if not shape and not preset:
         raise _fail("give at least one --shape or --preset")
-    if trials is None and timeout is None:
+    if gpus is not None and workers is not None:
+        raise _fail("give --gpus or --workers, not both")
+    if gpus is not None and device == "cpu":
+        raise _fail("--gpus needs --device cuda; use --workers N for CPU workers")
+    distributed = storage is not None or gpus is not None or workers is not None
+    if remeasure and distributed:
+        raise _fail("--remeasure runs in one process: drop --storage, --gpus and --workers")
+    if trials is None and timeout is None and not exhaustive:
         trials = DEFAULT_TRIALS
+    if storage is not None:
+        _check_storage(storage)  # a bad URL fails here, before any GPU work
 
     from flashgen.kernels import presets
 
@@ -233,25 +260,103 @@ def tune(
         raise _fail(str(exc)) from None
     from flashgen.tune.search import RunOptions
 
-    _run_tuning(problems, RunOptions(device, gpu, trials, timeout, seed, compile_workers, db,
-                                     modes, remeasure, wide))
+    run = RunOptions(device, gpu, trials, timeout, seed, compile_workers, db, modes, remeasure,
+                     wide, exhaustive)
+    if distributed:
+        _run_workers(problems, run, _worker_slots(run, gpus, workers), storage)
+    else:
+        _run_tuning(problems, run)
 
 
-def _make_bench(mode: str, problem: Problem, target: torch.device, seed: int,
-                compile_workers: int, db_path: Path) -> Bench:
-    """The bench of one problem and mode. The backward's input comes from the forward that
-    dispatch serves from the database being tuned (then the shipped one), so `--mode both`
-    feeds it the forward just tuned."""
-    if mode == "fwd":
-        from flashgen.tune.fwd_bench import KernelBench
+def _check_storage(url: str) -> None:
+    """Open the storage once, so an unreachable or malformed URL is one error line."""
+    from flashgen.tune.storage import StorageError, open_storage
 
-        return KernelBench(problem, target, seed=seed, compile_workers=compile_workers)
-    from flashgen.serve import Dispatcher
-    from flashgen.store.table import shipped_db_path
-    from flashgen.tune.bwd_bench import BwdKernelBench
+    try:
+        open_storage(url)
+    except StorageError as exc:
+        raise _fail(str(exc)) from None
 
-    return BwdKernelBench(problem, target, seed=seed, compile_workers=compile_workers,
-                          dispatcher=Dispatcher([db_path, shipped_db_path()]))
+
+def _worker_slots(run: RunOptions, gpus: str | None, workers: int | None) -> list[int | None]:
+    """The device of each worker: a GPU index, or None for the CPU interpreter."""
+    if run.device_type == "cpu":
+        return [None] * (workers or 1)
+    import torch
+
+    from flashgen.tune.workers import parse_gpus
+
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    try:
+        if gpus is not None:
+            return list(parse_gpus(gpus, visible))
+        return parse_gpus(",".join([str(run.gpu)] * (workers or 1)), visible)  # type: ignore[return-value]
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+
+
+def _run_workers(problems: list[Problem], run: RunOptions, slots: list[int | None],
+                 storage: str | None) -> None:
+    """Tune `problems` with one worker process per slot, sharing studies through `storage`
+    (default: a journal file in a temporary folder, for this run only); one progress line
+    per worker, then the merged summary."""
+    import tempfile
+    import uuid
+
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from flashgen.kernels.presets import problem_label
+    from flashgen.store.db import TuningDB, default_db_path
+    from flashgen.store.keys import package_version
+    from flashgen.tune.report import progress_columns, results_tables, tflops_text
+    from flashgen.tune.workers import WorkerPlan, run_workers
+
+    run = replace(run, db_path=run.db_path or default_db_path())
+    with tempfile.TemporaryDirectory(prefix="flashgen-studies-") as folder:
+        url = storage or str(Path(folder) / "studies.log")
+        plan = WorkerPlan(tuple(problems), run, url, uuid.uuid4().hex[:12],
+                          package_version("flashgen"))
+        console = _console()
+        with Progress(*progress_columns(run.wide), console=Console(stderr=True)) as progress:
+            where = f"storage {_redacted(storage)}" if storage else "a temporary journal"
+            progress.console.print(
+                f"tuning {len(problems)} problem(s) with {len(slots)} worker(s) through "
+                f"{where} (db: {run.db_path})")
+            tasks = [progress.add_task(
+                f"w{i} {'cpu' if gpu is None else f'gpu{gpu}'}", total=run.trials, best="-",
+                last="") for i, gpu in enumerate(slots)]
+
+            def show(index: int, r: TuneResult) -> None:
+                best = f"{tflops_text(r.best_tflops)} TFLOP/s" if r.best_tflops else "-"
+                gpu = slots[index]
+                progress.update(tasks[index], completed=r.measured, best=best,
+                                last=r.last[:50], description=(
+                                    f"w{index} {'cpu' if gpu is None else f'gpu{gpu}'} "
+                                    f"{r.mode} {problem_label(r.problem)}"))
+
+            try:
+                results, ends = run_workers(plan, slots, show)
+            except KeyboardInterrupt:  # the workers got it too, and stored what they had
+                progress.console.print("interrupted: results so far are in the database")
+                raise typer.Exit(130) from None
+    with TuningDB(run.db_path) as database:
+        for r in results:
+            r.winner = database.winner(r.key)
+    _print_tables(console, results_tables(results, run.wide), run.wide)
+    bad = [e for e in ends if e.status != "ok"]
+    for end in bad:
+        typer.echo(f"worker {end.index} ({'cpu' if end.gpu is None else f'gpu {end.gpu}'}) "
+                   f"{end.status}{': ' + end.message if end.message else ''}; its finished "
+                   f"trials are stored, its running one goes back to the study", err=True)
+    if bad:
+        raise typer.Exit(1)
+
+
+def _redacted(url: str | None) -> str:
+    from flashgen.tune.storage import redact
+
+    return redact(url or "")
 
 
 def _run_tuning(problems: list[Problem], run: RunOptions) -> None:
@@ -266,6 +371,7 @@ def _run_tuning(problems: list[Problem], run: RunOptions) -> None:
     from flashgen.store.db import TuningDB
     from flashgen.tune.report import progress_columns, results_tables, tflops_text
     from flashgen.tune.search import TuneOptions, tune_problem
+    from flashgen.tune.workers import make_bench
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     if run.device_type == "cuda":
@@ -302,10 +408,10 @@ def _run_tuning(problems: list[Problem], run: RunOptions) -> None:
                     best = f"{tflops_text(r.best_tflops)} TFLOP/s" if r.best_tflops else "-"
                     progress.update(task, completed=r.measured, best=best, last=r.last[:50])
 
-                bench = _make_bench(mode, problem, target, run.seed, run.compile_workers,
-                                    database.path)
+                bench = make_bench(mode, problem, target, run.seed, run.compile_workers,
+                                   database.path)
                 options = TuneOptions(mode, run.trials, run.timeout, run.seed, batch,
-                                      run.remeasure)
+                                      run.remeasure, run.exhaustive)
                 results.append(tune_problem(problem, bench, database, info, options,
                                            run_id=run_id, on_progress=show))
             status = "ok"
@@ -342,6 +448,39 @@ def _interrupted(problem: Problem, mode: str, info: DeviceInfo, trials: int | No
     progress.console.print(f"interrupted: {mode} {problem}: {best}; results so far are in "
                            f"the database")
     return result
+
+
+@app.command()
+def pull(
+    storage: Annotated[str, typer.Option(
+        metavar="URL", help="The shared Optuna storage the workers tuned through (as given "
+                            "to `flashgen tune --storage`).")],
+    db: DbOption = None,
+) -> None:
+    """Copy every host's trials (ok, failed and pruned, with reasons) and SDPA baselines
+    from a shared storage into one tuning database, and choose its winners, so `show`,
+    dispatch and `export` use them. Only this flashgen version's studies are read; rows
+    the file already holds are not copied again."""
+    from flashgen.store.db import TuningDB
+    from flashgen.store.keys import package_version
+    from flashgen.tune.pull import pull as pull_rows
+    from flashgen.tune.storage import StorageError, open_storage
+
+    try:
+        shared = open_storage(storage)
+    except StorageError as exc:
+        raise _fail(str(exc)) from None
+    with TuningDB(db) as database:
+        report = pull_rows(shared, database, package_version("flashgen"))
+        typer.echo(f"pulled {report.copied} trial(s) from {report.studies} study(ies) into "
+                   f"{database.path} ({report.present} already there); "
+                   f"{report.winners} winner(s)")
+    if report.other_versions:
+        typer.echo(f"note: {report.other_versions} study(ies) of other flashgen versions "
+                   f"left out", err=True)
+    if report.unreadable:
+        typer.echo(f"note: {report.unreadable} row(s) with variants this flashgen cannot "
+                   f"build left out", err=True)
 
 
 @app.command(epilog=LABELS_HELP)

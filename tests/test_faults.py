@@ -77,7 +77,7 @@ class Bench:
 
 
 class Benches:
-    """Stands in for `flashgen.cli._make_bench`: a `Bench` for each problem, all kept."""
+    """Stands in for `flashgen.tune.workers.make_bench`: a `Bench` for each problem, all kept."""
 
     def __init__(self) -> None:
         self.made: list[Bench] = []
@@ -92,7 +92,7 @@ class Benches:
 def fake_bench(monkeypatch: pytest.MonkeyPatch) -> Benches:
     """`flashgen tune` with `Bench`es: no kernel is compiled or run."""
     benches = Benches()
-    monkeypatch.setattr("flashgen.cli._make_bench", benches)
+    monkeypatch.setattr("flashgen.tune.workers.make_bench", benches)
     return benches
 
 

@@ -58,11 +58,35 @@ def tma_ready(*tensors: torch.Tensor) -> bool:
     return True
 
 
-def descriptor(t: torch.Tensor, rows: int, cols: int) -> object:
-    """A TMA descriptor over the (B, H, N, D) view moving [1, 1, rows, cols] tiles."""
+@functools.cache
+def _tma_descriptor_type() -> type:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, cols])
+    return TensorDescriptor
+
+
+@functools.cache
+def _gluon_descriptor_type() -> type:
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    return TensorDescriptor
+
+
+def _unchecked(cls: type, t: torch.Tensor, block: list[int], **extra: object) -> object:
+    """`cls(t, shape, strides, block, ...)` without its __post_init__ checks, which cost ~8 us
+    a descriptor on every call: `tma_ready` has made them (alignment, unit last stride) and
+    the tiles are fixed per variant. An empty tensor is left to the checked constructor."""
+    if 0 in t.shape:
+        return cls(t, list(t.shape), list(t.stride()), block, **extra)
+    made = object.__new__(cls)
+    made.__dict__.update(base=t, shape=list(t.shape), strides=list(t.stride()),
+                         block_shape=block, padding="zero", **extra)
+    return made
+
+
+def descriptor(t: torch.Tensor, rows: int, cols: int) -> object:
+    """A TMA descriptor over the (B, H, N, D) view moving [1, 1, rows, cols] tiles."""
+    return _unchecked(_tma_descriptor_type(), t, [1, 1, rows, cols])
 
 
 @functools.cache
@@ -76,12 +100,11 @@ def _gluon_tile_layout(rows: int, cols: int, dtype: torch.dtype) -> object:
 
 
 def gluon_descriptor(t: torch.Tensor, rows: int) -> object:
-    """A Gluon TMA descriptor over the (B, H, N, D) view moving [1, 1, rows, D] tiles."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
+    """A Gluon TMA descriptor over the (B, H, N, D) view moving [1, 1, rows, D] tiles (the
+    caller has checked `tma_ready`)."""
     cols = t.shape[-1]
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, cols],
-                            _gluon_tile_layout(rows, cols, t.dtype))
+    return _unchecked(_gluon_descriptor_type(), t, [1, 1, rows, cols],
+                      layout=_gluon_tile_layout(rows, cols, t.dtype))
 
 
 def fa2_grid(variant: Any, nq: int, heads: int, device: torch.device) -> tuple[int, int]:

@@ -466,12 +466,14 @@ class TuningDB:
         reason: str = "", timing: Timing | None = None, tflops: float | None = None,
         error: float | None = None, bound: float | None = None, seed: int | None = None,
         run_id: str | None = None, kernel_hash: str | None = None, once: bool = False,
+        created_at: str | None = None,
     ) -> int:
         """Store one trial and return its id. `kernel_hash`: of the kernel that ran (default:
         `variant`'s rendered now; a pruned trial ran none and stores NULL). `once`: store
         nothing (and return the stored row's id) where this variant already has a row of this
         status for this key and problem; checked inside the write, so tuners running at once
-        cannot both find it missing."""
+        cannot both find it missing. `created_at`: when it was measured, for a row copied
+        from elsewhere (`flashgen pull`); default now."""
         if status not in STATUSES:
             raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
         wanted = space_of(key.mode).variant_type
@@ -493,7 +495,7 @@ class TuningDB:
             "p80_ms": timing.p80_ms if timing else None,
             "reps": timing.reps if timing else None,
             "tflops": tflops, "error": error, "bound": bound, "seed": seed, "run_id": run_id,
-            "created_at": _now(), "kernel_hash": kernel_hash,
+            "created_at": created_at or _now(), "kernel_hash": kernel_hash,
         }
         with self._write():
             if once:

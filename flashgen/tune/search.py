@@ -23,6 +23,7 @@ measuring right now is left to it, and a pruned point already stored is not stor
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
@@ -41,10 +42,12 @@ from flashgen.kernels.hardware import DeviceInfo
 from flashgen.kernels.modes import AnyVariant, ModeSpace, space_of
 from flashgen.kernels.problem import Problem
 from flashgen.store import claims
+from flashgen.store.current import kernel_hash_now
 from flashgen.store.db import TrialRow, TuningDB, WinnerRow
 from flashgen.store.keys import TuningKey, Versions
 from flashgen.tune.baseline import Baseline
 from flashgen.tune.fwd_bench import Bench, Measurement, describe_failure
+from flashgen.tune.storage import ROW_ATTR, Shared, SharedStudy, row_of
 
 
 def knob_choices(points: list[AnyVariant],
@@ -78,6 +81,8 @@ MAX_ENQUEUED_WINNERS = 8
 MAX_ASKS_PER_POINT = 4
 #: Seconds to wait when every variant of a batch is being measured by another tuner.
 CLAIM_POLL_S = 0.2
+#: `MAX_STALE_ASKS` for a study in a shared storage, where every ask is a stored trial.
+SHARED_STALE_ASKS = 4
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,7 @@ class TuneOptions:
     seed: int = 0
     batch: int = 1  # trials asked and compiled together, then measured one by one
     remeasure: bool = False  # time the stored variants again first, fastest first
+    exhaustive: bool = False  # measure every valid variant, in the space's order
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,7 @@ class RunOptions:
     modes: tuple[str, ...] = ("fwd",)
     remeasure: bool = False
     wide: bool = False
+    exhaustive: bool = False
 
 
 @dataclass
@@ -192,11 +199,12 @@ def _variant_of(space: ModeSpace, row: TrialRow) -> AnyVariant | None:
 
 def _resume(study: optuna.Study, result: TuneResult, rows: dict[str, TrialRow],
             problem: Problem, device: DeviceInfo, knobs: dict[str, tuple[Any, ...]],
-            space: ModeSpace) -> None:
+            space: ModeSpace, add: bool = True) -> None:
     """Tell the study what earlier runs measured, so it is neither measured nor sampled
     blindly again. Rows of variants this code cannot build or no longer allows (the
     validity rules may have changed since) are left out. A row stored before a knob existed
-    counts as that knob's default, as it loads: it is the same kernel."""
+    counts as that knob's default, as it loads: it is the same kernel. `add=False` only
+    notes them: a shared study that another worker created holds its own copy."""
     latest: dict[str, tuple[AnyVariant, TrialRow]] = {}
     for row in sorted(rows.values(), key=lambda r: r.id):
         variant = _variant_of(space, row)
@@ -211,6 +219,8 @@ def _resume(study: optuna.Study, result: TuneResult, rows: dict[str, TrialRow],
         result.note(variant_json, outcome)
         result.resumed += 1
         params = variant.to_dict()
+        if not add:
+            continue
         if set(params) != set(knobs) or any(params[k] not in knobs[k] for k in knobs):
             continue  # stored under an older grid: kept as a known outcome only
         state = TrialState.COMPLETE if outcome.status == "ok" else TrialState.FAIL
@@ -253,6 +263,7 @@ def tune_problem(
     run_id: str | None = None,
     on_progress: Callable[[TuneResult], None] | None = None,
     clock: Callable[[], float] = time.monotonic,
+    shared: Shared | None = None,
 ) -> TuneResult:
     """Search `options.mode`'s variants of `problem` on `device`; every trial goes to `db`.
 
@@ -267,11 +278,20 @@ def tune_problem(
     stored first, before anything new is sampled (they count toward `trials`). For timings
     taken by a flawed timer: the old rows stay as history, and the winner is still the best
     row, which a flaw that only ever added time (as the host-gap one did) cannot spoil.
+
+    `exhaustive`: every valid variant is enqueued, in the space's order, and measured (no
+    budget needed; a re-run resumes where it stopped).
+
+    `shared`: the study lives in a shared Optuna storage (`tune.storage`) with the other
+    workers of this problem: they share `trials` (per campaign), see each other's trials,
+    never measure a variant twice, and each trial carries its row for `tune.pull`.
     """
     mode, trials, timeout = options.mode, options.trials, options.timeout
     seed, batch, remeasure = options.seed, options.batch, options.remeasure
-    if trials is None and timeout is None:
+    if trials is None and timeout is None and not options.exhaustive:
         raise ValueError("give a budget: trials, timeout, or both")
+    if remeasure and shared is not None:
+        raise ValueError("remeasure runs in one process: it cannot share a storage")
     if trials is not None and trials < 0:
         raise ValueError(f"trials must be >= 0, got {trials}")
     space = space_of(mode)
@@ -280,8 +300,10 @@ def tune_problem(
     key = TuningKey.for_problem(problem, device, mode, versions)
     result = TuneResult(problem, key, trials)
     start = clock()
-    study = optuna.create_study(direction="minimize", sampler=make_sampler(seed),
-                                study_name=key.id)
+    together = shared.study(key, problem, make_sampler(seed)) if shared else None
+    study = together.study if together else optuna.create_study(
+        direction="minimize", sampler=make_sampler(seed), study_name=key.id)
+    leader = together is None or together.created  # who fills the study's history and queue
     valid = {v.to_json(): v for v in space.points(problem, device)}
     knobs = knob_choices(list(valid.values()), space.variant_type)
     stored = db.measured(key, problem)
@@ -291,15 +313,21 @@ def tune_problem(
                        key=lambda r: r.timing.median_ms if r.timing else math.inf)
         again = [v for v in (_variant_of(space, r) for r in timed) if v is not None]
         stored = {j: r for j, r in stored.items() if r.status != "ok"}
-    _resume(study, result, stored, problem, device, knobs, space)
+    _resume(study, result, stored, problem, device, knobs, space, add=leader)
+    if together is not None:
+        _learn(together, result, valid)
     resumed = set(result.outcomes)
     if on_progress and result.resumed:
         on_progress(result)  # the resumed best, before anything is measured (or interrupted)
-    for variant in dict.fromkeys([*again, *_seeds(problem, device, db, versions, space)]):
+    seeds = [*again, *_seeds(problem, device, db, versions, space)]
+    if options.exhaustive:
+        seeds += list(valid.values())
+    for variant in dict.fromkeys(seeds) if leader else ():
         if variant.to_json() not in result.outcomes and space.why_invalid(
                 variant, problem, device) is None:
             study.enqueue_trial(variant.to_dict())
     rng = random.Random(seed)
+    over = False  # the campaign's shared budget is spent
 
     def budget_left() -> bool:
         if trials is not None and result.measured >= trials:
@@ -315,21 +343,48 @@ def tune_problem(
         return clock() - start < (timeout if passed else OVERTIME * timeout)
 
     def record(variant: AnyVariant, outcome: Outcome, m: Measurement | None = None,
-               once: bool = False) -> None:
+               once: bool = False, asked: list[Trial] | None = None) -> None:
         db.record_trial(key, problem, variant, outcome.status, reason=outcome.reason,
                         timing=m.timing if m else None, tflops=outcome.tflops,
                         error=m.error if m else None, bound=m.bound if m else None,
                         seed=seed, run_id=run_id, once=once)
+        if together is not None and asked:
+            kernel = None if outcome.status == "pruned" else kernel_hash_now(mode, variant,
+                                                                             problem)
+            asked[0].set_user_attr(ROW_ATTR, row_of(
+                variant.to_dict(), outcome.status, reason=outcome.reason,
+                timing=m.timing if m else None, tflops=outcome.tflops,
+                error=m.error if m else None, bound=m.bound if m else None, seed=seed,
+                run_id=run_id, kernel_hash=kernel))
+
+    def tell(trial: Trial, outcome: Outcome) -> None:
+        if together is None:
+            _tell(study, trial, outcome)
+            return
+        # A worker slower than the grace period may find its trial failed as stale (and
+        # enqueued again): the claims still keep its variant from being measured twice.
+        with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
+            _tell(study, trial, outcome)
+        together.told(trial)
 
     grid = math.prod(map(len, knobs.values()))
     stale, asks = 0, 0
     elsewhere: set[str] = set()  # variants other tuners were measuring when last asked
     max_asks = MAX_ASKS_PER_POINT * grid + (MAX_STALE_ASKS + 1) * len(valid)
-    while budget_left() and not valid.keys() <= result.outcomes.keys() and asks < max_asks:
+    if options.exhaustive:
+        max_asks += len(valid)  # every point is enqueued on top of the sampled asks
+    # Every ask of a shared study is a stored trial: give up on a stuck sampler sooner.
+    max_stale = MAX_STALE_ASKS if together is None else SHARED_STALE_ASKS
+    while (budget_left() and not over and not valid.keys() <= result.outcomes.keys()
+           and asks < max_asks):
+        if together is not None:
+            _learn(together, result, valid)  # what the other workers measured meanwhile
+            if valid.keys() <= result.outcomes.keys():
+                break
         want = max(1, min(batch, trials - result.measured if trials is not None else batch))
         pending: dict[str, tuple[AnyVariant, list[Trial]]] = {}
-        while len(pending) < want and stale < MAX_STALE_ASKS and asks < max_asks:
-            trial = study.ask()
+        while len(pending) < want and stale < max_stale and asks < max_asks:
+            trial = together.ask() if together else study.ask()
             asks += 1
             variant = space.variant_type(**{name: trial.suggest_categorical(name, choices)
                                             for name, choices in knobs.items()})
@@ -338,14 +393,15 @@ def tune_problem(
                 pending[variant_json][1].append(trial)
                 stale += 1
             elif variant_json in result.outcomes:
-                _tell(study, trial, result.outcomes[variant_json])
+                tell(trial, result.outcomes[variant_json])
                 stale += 1
             elif reason := space.why_invalid(variant, problem, device):
                 outcome = Outcome("pruned", reason=reason)
-                record(variant, outcome, once=True)  # a pruned point is stored once per key
+                # A pruned point is stored once per key.
+                record(variant, outcome, once=True, asked=[trial])
                 result.note(variant_json, outcome)
                 result.pruned += 1
-                _tell(study, trial, outcome)
+                tell(trial, outcome)
                 stale += 1
             else:
                 pending[variant_json] = (variant, [trial])
@@ -355,19 +411,30 @@ def tune_problem(
                 # The sampler is stuck on known points: hand it one it has not measured.
                 unmeasured = [v for j, v in valid.items() if j not in result.outcomes]
                 free = [v for v in unmeasured if v.to_json() not in elsewhere]
+                if together is not None and not free:
+                    time.sleep(CLAIM_POLL_S)  # the rest is being measured by others
                 study.enqueue_trial(rng.choice(free or unmeasured).to_dict())
                 stale = 0
             continue
+        held: dict[str, int] = {}  # shared claims of this batch: variant JSON -> claim id
         try:
             if not remeasure:
-                _take_claims(pending, db, key, problem, run_id, study, result, elsewhere)
+                _take_claims(pending, db, key, problem, run_id, tell, result, elsewhere)
+                if together is not None:
+                    budget = None if options.exhaustive else trials
+                    over = _take_shared_claims(pending, together, budget, tell, result,
+                                               elsewhere, held)
                 if not pending:
-                    time.sleep(CLAIM_POLL_S)  # all of it is being measured by other tuners
+                    if not over:
+                        time.sleep(CLAIM_POLL_S)  # all of it is being measured by others
                     continue
-            _measure_batch(pending, bench, study, result, record, budget_left, on_progress)
+            _measure_batch(pending, bench, tell, result, record, budget_left, on_progress,
+                           together, held)
         finally:
             if not remeasure:
                 claims.release(db, key, run_id)
+            if together is not None:
+                together.release_all()
         if any(j in result.outcomes and result.outcomes[j].status == "ok" for j in pending):
             # Stored as it goes, so an interrupted run still leaves its best behind.
             result.winner = db.update_winner(key)
@@ -376,6 +443,11 @@ def tune_problem(
     if result.baseline is not None:
         db.record_baseline(device.key, problem, result.baseline.backend,
                            result.baseline.timing, versions.torch, mode)
+        if together is not None:
+            timing = result.baseline.timing
+            together.set_baseline({"backend": result.baseline.backend,
+                                   "median_ms": timing.median_ms, "p20_ms": timing.p20_ms,
+                                   "p80_ms": timing.p80_ms, "reps": timing.reps})
     result.winner = db.update_winner(key)
     result.seconds = clock() - start
     if on_progress:
@@ -385,8 +457,8 @@ def tune_problem(
 
 def _take_claims(
     pending: dict[str, tuple[AnyVariant, list[Trial]]], db: TuningDB, key: TuningKey,
-    problem: Problem, run_id: str, study: optuna.Study, result: TuneResult,
-    elsewhere: set[str],
+    problem: Problem, run_id: str, tell: Callable[[Trial, Outcome], None],
+    result: TuneResult, elsewhere: set[str],
 ) -> None:
     """Keep in `pending` only the variants this run may measure, each claimed for it.
 
@@ -408,13 +480,60 @@ def _take_claims(
         result.note(variant_json, outcome)
         result.resumed += 1
         for trial in asked:
-            _tell(study, trial, outcome)
+            tell(trial, outcome)
+
+
+#: How a trial another worker holds, or one over the budget, is told: FAIL, which TPE leaves
+#: out of its model (a shared study cannot leave it running: its heartbeat stops).
+_SKIPPED = Outcome("failed", reason="measured by another worker")
+
+
+def _learn(together: SharedStudy, result: TuneResult, valid: dict[str, AnyVariant]) -> None:
+    """Note the outcomes other workers stored since this one last looked."""
+    for variant_json, known in together.measured().items():
+        if variant_json in valid and variant_json not in result.outcomes:
+            result.note(variant_json, Outcome(**known))
+            result.resumed += 1
+
+
+def _take_shared_claims(
+    pending: dict[str, tuple[AnyVariant, list[Trial]]], together: SharedStudy,
+    budget: int | None, tell: Callable[[Trial, Outcome], None], result: TuneResult,
+    elsewhere: set[str], held: dict[str, int],
+) -> bool:
+    """`_take_claims` through the shared storage; claim ids go to `held`. True when the
+    campaign's budget is spent (the batch's unclaimed variants are dropped)."""
+    over = False
+    for variant_json, (_, asked) in list(pending.items()):
+        taken = together.claim(variant_json, budget) if not over else None
+        if taken is not None and taken.kind == "ours" and taken.trial_id is not None:
+            held[variant_json] = taken.trial_id
+            elsewhere.discard(variant_json)
+            continue
+        del pending[variant_json]
+        outcome = _SKIPPED
+        if taken is None:
+            pass
+        elif taken.kind == "done" and taken.outcome is not None:
+            outcome = Outcome(**taken.outcome)
+            result.note(variant_json, outcome)
+            result.resumed += 1
+            elsewhere.discard(variant_json)
+        elif taken.kind == "held":
+            elsewhere.add(variant_json)
+        else:
+            over = True
+        for trial in asked:
+            tell(trial, outcome)
+    return over
 
 
 def _measure_batch(
-    pending: dict[str, tuple[AnyVariant, list[Trial]]], bench: Bench, study: optuna.Study,
-    result: TuneResult, record: Callable[[AnyVariant, Outcome, Measurement | None], None],
-    budget_left: Callable[[], bool], on_progress: Callable[[TuneResult], None] | None,
+    pending: dict[str, tuple[AnyVariant, list[Trial]]], bench: Bench,
+    tell: Callable[[Trial, Outcome], None], result: TuneResult,
+    record: Callable[..., None], budget_left: Callable[[], bool],
+    on_progress: Callable[[TuneResult], None] | None,
+    together: SharedStudy | None = None, held: dict[str, int] | None = None,
 ) -> None:
     variants = [v for v, _ in pending.values()]
     try:
@@ -424,6 +543,13 @@ def _measure_batch(
     for variant_json, (variant, asked) in pending.items():
         if not budget_left():
             return  # the rest stay unmeasured (and untold): the next run samples afresh
+        claim = (held or {}).get(variant_json)
+        if together is not None and claim is not None and not together.still_ours(
+                claim, variant_json):
+            together.release(claim)
+            for trial in asked:
+                tell(trial, _SKIPPED)
+            continue
         if variant in failures:
             m = Measurement.failed(f"compile: {failures[variant]}")
         else:
@@ -435,12 +561,14 @@ def _measure_batch(
                           m.reason)
         if outcome.status == "ok" and outcome.median_ms is None:
             outcome = Outcome("failed", reason="bench returned ok without a timing")
-        record(variant, outcome, m)
+        record(variant, outcome, m, asked=asked)
         result.note(variant_json, outcome)
         result.measured += 1
         result.failed += outcome.status == "failed"
+        if together is not None and claim is not None:
+            together.complete(claim, vars(outcome))
         for trial in asked:
-            _tell(study, trial, outcome)
+            tell(trial, outcome)
         result.last = (f"{variant}: {outcome.tflops:.3g} TFLOP/s" if outcome.status == "ok"
                        else f"{variant}: failed ({outcome.reason[:60]})")
         if on_progress:

@@ -1,0 +1,430 @@
+"""Studies in a shared Optuna storage, so tuners on many GPUs and hosts search together.
+
+One study per (flashgen version, tuning key, exact problem): the key holds the mode, the GPU
+model and the Triton and torch versions, so nothing of another GPU kind or version is ever
+mixed in, and every worker's TPE sees every trial of its problem. Beside each study is a
+claims study, the storage's equivalent of `store.claims`: a worker creates a claim trial
+carrying the variant (creation is one atomic write, and trial ids grow in write order), and
+of the live claims of one variant the lowest id holds it. A claim stays RUNNING while its
+variant is measured, then COMPLETE with the outcome (so later workers take it instead of
+measuring) or FAIL when given back. The same ordering shares a run's trial budget: of the
+live or complete claims of one campaign (`flashgen tune` invocation), only the first
+`budget` count.
+
+A worker that dies stops beating: Optuna's heartbeat (`heartbeat_interval`, `grace_period`,
+`fail_stale_trials`) turns its RUNNING trials and claims into FAIL, and the stale trial is
+enqueued again (`RetryFailedTrialCallback`), so it is measured by another worker. RDB
+storages beat natively; the journal file gets the same contract from `_HeartbeatJournal`.
+
+What flashgen's trials table needs rides on each measured or pruned trial as the user
+attribute `ROW_ATTR`, and the study's key and problem as study user attributes, so that
+`tune.pull` can rebuild every host's rows in one SQLite file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import optuna
+import sqlalchemy.exc
+from optuna.exceptions import DuplicatedStudyError, UpdateFinishedTrialError
+from optuna.storages import BaseStorage, JournalStorage, RDBStorage
+from optuna.storages._heartbeat import BaseHeartbeat  # the contract RDBStorage implements
+from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
+from optuna.trial import FrozenTrial, TrialState
+
+from flashgen.kernels.problem import Problem
+from flashgen.store.keys import TuningKey
+
+#: Seconds between heartbeats of a running trial or claim.
+HEARTBEAT_S = 5
+#: Seconds without a heartbeat after which a running trial counts as its worker's death.
+GRACE_S = 30
+#: Times a dead worker's trial is enqueued again.
+MAX_RETRY = 3
+#: The trial user attribute holding a flashgen trial row (see `row_of`).
+ROW_ATTR = "flashgen_row"
+#: The study user attribute saying what a study is (see `StudyInfo`).
+INFO_ATTR = "flashgen"
+#: The study user attribute holding the latest SDPA baseline a worker timed.
+BASELINE_ATTR = "flashgen_baseline"
+#: Suffix of a claims study's name.
+CLAIMS_SUFFIX = " claims"
+#: The system attribute of a journal trial holding its latest heartbeat (seconds since epoch).
+_BEAT_ATTR = "flashgen_heartbeat"
+
+_RDB_DIALECTS = ("postgresql", "mysql", "sqlite")
+#: Tries at opening an RDB storage whose tables another worker is creating right then.
+_CREATE_TRIES = 5
+
+
+class StorageError(ValueError):
+    """A storage URL that is malformed, or names a storage that cannot be reached."""
+
+
+def redact(url: str) -> str:
+    """`url` without its password, for messages."""
+    if "://" in url and "@" in url.split("://", 1)[1]:
+        scheme, rest = url.split("://", 1)
+        creds, host = rest.rsplit("@", 1)
+        if ":" in creds:
+            return f"{scheme}://{creds.split(':', 1)[0]}:***@{host}"
+    return url
+
+
+def open_storage(url: str, *, heartbeat_s: int = HEARTBEAT_S,
+                 grace_s: int = GRACE_S) -> BaseStorage:
+    """The storage `url` names, reached and ready, or a one-line `StorageError`.
+
+    A path ending in `.log` is a journal file (Optuna's `JournalFileBackend`, with the
+    open-lock that works on NFS); anything else must be an SQLAlchemy URL of PostgreSQL
+    (`postgresql+psycopg://user:pw@host/db`), MySQL or SQLite. Connecting happens here, so
+    a bad URL fails before any GPU work."""
+    if not url:
+        raise StorageError("--storage is empty")
+    if url.endswith(".log") and "://" not in url:
+        path = Path(url).expanduser()
+        if not path.parent.is_dir():
+            raise StorageError(f"--storage {url}: folder {path.parent} does not exist")
+        try:
+            backend = JournalFileBackend(str(path), lock_obj=JournalFileOpenLock(str(path)))
+            return _HeartbeatJournal(backend, heartbeat_s, grace_s)
+        except OSError as exc:
+            raise StorageError(f"--storage {url}: {exc.strerror or exc}") from None
+    scheme = url.split("://", 1)[0] if "://" in url else ""
+    if scheme.split("+", 1)[0] not in _RDB_DIALECTS:
+        raise StorageError(
+            f"--storage {redact(url)!r} is neither a journal file path ending in .log nor a "
+            f"postgresql://, mysql:// or sqlite:// URL")
+    engine: dict[str, Any] = {}
+    if scheme.startswith("postgresql"):
+        engine = {"connect_args": {"connect_timeout": 10}}
+    try:
+        for attempt in range(_CREATE_TRIES):
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                    return RDBStorage(url, engine_kwargs=engine,
+                                      heartbeat_interval=heartbeat_s, grace_period=grace_s,
+                                      heartbeat_stale_trial_callback=_retry_stale)
+            except sqlalchemy.exc.IntegrityError:
+                # Workers opening an empty database at once race to create Optuna's tables;
+                # the loser's CREATE fails on what the winner made, and a retry finds them.
+                if attempt == _CREATE_TRIES - 1:
+                    raise
+                time.sleep(0.2 * (attempt + 1))
+        raise AssertionError("unreachable")
+    except ModuleNotFoundError as exc:
+        raise StorageError(f"--storage {redact(url)}: driver {exc.name!r} is not installed "
+                           f"(pip install 'flashgen[distributed]')") from None
+    except Exception as exc:  # SQLAlchemy's errors: unreachable host, bad login, bad URL
+        first = (str(getattr(exc, "orig", None) or exc).strip().splitlines() or [""])[0]
+        raise StorageError(f"--storage {redact(url)}: cannot connect: "
+                           f"{type(exc).__name__}: {first}") from None
+
+
+def _retry_stale(study: optuna.Study, trial: FrozenTrial) -> None:
+    """Enqueue a dead worker's trial again; a dead claim is simply gone (FAIL)."""
+    if not study.study_name.endswith(CLAIMS_SUFFIX):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            _RETRY(max_retry=MAX_RETRY)(study, trial)
+
+
+#: Optuna 4.9 renamed the callback that enqueues a stale trial again.
+_RETRY = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback",
+                 getattr(optuna.storages, "RetryFailedTrialCallback", None))
+
+
+class _HeartbeatJournal(JournalStorage, BaseHeartbeat):
+    """A journal storage with Optuna's heartbeat contract, which the journal lacks: a beat is
+    a system attribute of the trial (the writer's clock; hosts must agree within the grace
+    period), a RUNNING trial without one dates from its start."""
+
+    def __init__(self, backend: JournalFileBackend, heartbeat_s: int, grace_s: int) -> None:
+        super().__init__(backend)
+        self._heartbeat_s, self._grace_s = heartbeat_s, grace_s
+
+    def record_heartbeat(self, trial_id: int) -> None:
+        with contextlib.suppress(UpdateFinishedTrialError, KeyError):
+            self.set_trial_system_attr(trial_id, _BEAT_ATTR, time.time())
+
+    def _get_stale_trial_ids(self, study_id: int) -> list[int]:
+        now = time.time()
+        stale = []
+        for trial in self.get_all_trials(study_id, deepcopy=False,
+                                         states=(TrialState.RUNNING,)):
+            start = trial.datetime_start.timestamp() if trial.datetime_start else now
+            if now - trial.system_attrs.get(_BEAT_ATTR, start) > self._grace_s:
+                stale.append(trial._trial_id)
+        return stale
+
+    def get_heartbeat_interval(self) -> int | None:
+        return self._heartbeat_s
+
+    def get_heartbeat_stale_trial_callback(
+            self) -> Callable[[optuna.Study, FrozenTrial], None] | None:
+        return _retry_stale
+
+
+def fail_stale(study: optuna.Study) -> None:
+    """Turn the RUNNING trials of dead workers in `study` into FAIL (and retry them)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
+
+
+class Beater:
+    """One thread beating for every trial and claim this worker holds, every interval."""
+
+    def __init__(self, storage: BaseStorage) -> None:
+        self.storage = storage
+        self._held: set[int] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._interval = (storage.get_heartbeat_interval()
+                          if isinstance(storage, BaseHeartbeat) else None)
+        self._thread: threading.Thread | None = None
+        if self._interval:
+            self._thread = threading.Thread(target=self._run, name="flashgen-heartbeat",
+                                            daemon=True)
+            self._thread.start()
+
+    def hold(self, trial_id: int) -> None:
+        """Beat for `trial_id` now (a fresh trial must never look stale) and from now on."""
+        if self._interval:
+            self.storage.record_heartbeat(trial_id)  # type: ignore[attr-defined]
+        with self._lock:
+            self._held.add(trial_id)
+
+    def drop(self, trial_id: int) -> None:
+        with self._lock:
+            self._held.discard(trial_id)
+
+    def _run(self) -> None:
+        assert self._interval is not None
+        while not self._stop.wait(self._interval):
+            with self._lock:
+                held = list(self._held)
+            for trial_id in held:
+                with contextlib.suppress(Exception):  # a beat lost is retried next interval
+                    self.storage.record_heartbeat(trial_id)  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+def study_name(key: TuningKey, problem: Problem, version: str) -> str:
+    """The study of `problem` under `key` for flashgen `version`: every part that must never
+    mix is in the name."""
+    shape = ",".join(str(getattr(problem, f)) for f in ("batch", "heads_q", "heads_kv",
+                                                         "seq_q", "seq_k"))
+    return f"flashgen {version}|{key.id}|{shape}"
+
+
+@dataclass(frozen=True)
+class StudyInfo:
+    """What a flashgen study is about (its `INFO_ATTR`), so `pull` can rebuild rows."""
+
+    version: str
+    key: TuningKey
+    problem: Problem
+
+    def to_attr(self) -> dict[str, Any]:
+        return {"version": self.version, "key": self.key.to_columns(),
+                "problem": self.problem.to_dict()}
+
+    @classmethod
+    def from_attr(cls, attr: dict[str, Any]) -> StudyInfo:
+        return cls(attr["version"], TuningKey.from_columns(attr["key"]),
+                   Problem.from_dict(attr["problem"]))
+
+
+@dataclass(frozen=True)
+class SharedClaim:
+    """The answer to a claim: `kind` is "ours" (measure it), "done" (`outcome` holds what
+    another worker measured), "held" (another live worker is measuring it) or "over" (this
+    campaign's budget is spent)."""
+
+    kind: str
+    trial_id: int | None = None
+    outcome: dict[str, Any] | None = None
+
+
+class Shared:
+    """A worker's handle on the shared storage: which storage, which flashgen version its
+    studies belong to, and which campaign (the `flashgen tune` invocation whose workers share
+    each problem's trial budget)."""
+
+    def __init__(self, storage: BaseStorage, version: str, campaign: str,
+                 worker: str) -> None:
+        self.storage, self.version, self.campaign, self.worker = (storage, version, campaign,
+                                                                  worker)
+        self.beater = Beater(storage)
+
+    def close(self) -> None:
+        self.beater.close()
+
+    def study(self, key: TuningKey, problem: Problem,
+              sampler: optuna.samplers.BaseSampler) -> SharedStudy:
+        return SharedStudy(self, key, problem, sampler)
+
+
+class SharedStudy:
+    """One problem's study and claims study in the shared storage."""
+
+    def __init__(self, shared: Shared, key: TuningKey, problem: Problem,
+                 sampler: optuna.samplers.BaseSampler) -> None:
+        self.shared = shared
+        name = study_name(key, problem, shared.version)
+        info = StudyInfo(shared.version, key, problem).to_attr()
+        self.created = True
+        try:
+            self.study = optuna.create_study(storage=shared.storage, study_name=name,
+                                             direction="minimize", sampler=sampler)
+            self.study.set_user_attr(INFO_ATTR, info)
+        except DuplicatedStudyError:
+            self.created = False
+            self.study = optuna.load_study(study_name=name, storage=shared.storage,
+                                           sampler=sampler)
+        self.claims = optuna.create_study(storage=shared.storage,
+                                          study_name=name + CLAIMS_SUFFIX,
+                                          direction="minimize", load_if_exists=True)
+        self._open: set[int] = set()
+
+    # ---- trials --------------------------------------------------------------------------
+
+    def ask(self) -> optuna.Trial:
+        """A trial of the study, beaten for until told. Dead workers' trials fail first, so
+        their retries are among those `ask` can pop."""
+        fail_stale(self.study)
+        with warnings.catch_warnings():
+            # Optuna warns that heartbeats are meant for `optimize`: we beat ourselves.
+            warnings.simplefilter("ignore", UserWarning)
+            trial = self.study.ask()
+        self.shared.beater.hold(trial._trial_id)
+        return trial
+
+    def told(self, trial: optuna.Trial) -> None:
+        self.shared.beater.drop(trial._trial_id)
+
+    def measured(self) -> dict[str, dict[str, Any]]:
+        """Every variant some worker has measured, by variant JSON, with its outcome."""
+        done: dict[str, dict[str, Any]] = {}
+        for trial in self.claims.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            attrs = trial.user_attrs
+            if "outcome" in attrs:
+                done.setdefault(attrs["variant"], attrs["outcome"])
+        return done
+
+    # ---- claims --------------------------------------------------------------------------
+
+    def _live(self) -> list[FrozenTrial]:
+        fail_stale(self.claims)
+        return sorted(self.claims.get_trials(
+            deepcopy=False, states=(TrialState.RUNNING, TrialState.COMPLETE)),
+            key=lambda t: t._trial_id)
+
+    def claim(self, variant_json: str, budget: int | None) -> SharedClaim:
+        """Claim `variant_json` for this worker (see the module docstring)."""
+        for trial in self._live():
+            if trial.state == TrialState.COMPLETE and trial.user_attrs.get(
+                    "variant") == variant_json and "outcome" in trial.user_attrs:
+                return SharedClaim("done", outcome=trial.user_attrs["outcome"])
+        template = optuna.trial.create_trial(
+            state=TrialState.RUNNING,
+            user_attrs={"variant": variant_json, "campaign": self.shared.campaign,
+                        "worker": self.shared.worker})
+        trial_id = self.shared.storage.create_new_trial(self.claims._study_id,
+                                                        template_trial=template)
+        self.shared.beater.hold(trial_id)
+        self._open.add(trial_id)
+        kind = self._standing(trial_id, variant_json, budget)
+        if kind != "ours":
+            self.release(trial_id)
+        return SharedClaim(kind, trial_id if kind == "ours" else None)
+
+    def _standing(self, trial_id: int, variant_json: str, budget: int | None) -> str:
+        live = self._live()
+        first = next((t for t in live if t.user_attrs.get("variant") == variant_json), None)
+        if first is None or first._trial_id != trial_id:
+            return "held"  # an earlier live claim (complete ones were taken above)
+        if budget is not None:
+            ours = [t._trial_id for t in live
+                    if t.user_attrs.get("campaign") == self.shared.campaign]
+            if trial_id not in ours[:budget]:
+                return "over"
+        return "ours"
+
+    def still_ours(self, trial_id: int, variant_json: str) -> bool:
+        """Whether the claim still holds, checked again just before measuring: a database
+        may make an earlier-numbered claim visible a moment after a later one."""
+        return self._standing(trial_id, variant_json, None) == "ours"
+
+    def complete(self, trial_id: int, outcome: dict[str, Any]) -> None:
+        storage = self.shared.storage
+        with contextlib.suppress(UpdateFinishedTrialError):
+            storage.set_trial_user_attr(trial_id, "outcome", outcome)
+            storage.set_trial_state_values(trial_id, TrialState.COMPLETE, [0.0])
+        self._forget(trial_id)
+
+    def release(self, trial_id: int) -> None:
+        with contextlib.suppress(UpdateFinishedTrialError):
+            self.shared.storage.set_trial_state_values(trial_id, TrialState.FAIL)
+        self._forget(trial_id)
+
+    def release_all(self) -> None:
+        """Give back every claim still open (budget or time ran out before measuring)."""
+        for trial_id in list(self._open):
+            with contextlib.suppress(Exception):  # best effort: a stale claim expires anyway
+                self.release(trial_id)
+
+    def _forget(self, trial_id: int) -> None:
+        self._open.discard(trial_id)
+        self.shared.beater.drop(trial_id)
+
+    def set_baseline(self, attrs: dict[str, Any]) -> None:
+        self.study.set_user_attr(BASELINE_ATTR, attrs)
+
+
+def row_of(variant: dict[str, Any], status: str, *, reason: str = "",
+           timing: Any = None, tflops: float | None = None, error: float | None = None,
+           bound: float | None = None, seed: int | None = None, run_id: str | None = None,
+           kernel_hash: str | None = None) -> dict[str, Any]:
+    """A trial row as a JSON-able trial attribute: what `pull` needs to store it as the
+    worker stored it."""
+    return {"variant": variant, "status": status, "reason": reason,
+            "median_ms": timing.median_ms if timing else None,
+            "p20_ms": timing.p20_ms if timing else None,
+            "p80_ms": timing.p80_ms if timing else None,
+            "reps": timing.reps if timing else None, "tflops": tflops, "error": error,
+            "bound": bound, "seed": seed, "run_id": run_id, "kernel_hash": kernel_hash,
+            "created_at": _now()}
+
+
+def flashgen_studies(storage: BaseStorage) -> Iterator[tuple[optuna.study.StudySummary | Any,
+                                                             StudyInfo]]:
+    """Every flashgen trials study in `storage` (any version), with what it is about."""
+    for frozen in storage.get_all_studies():
+        attr = frozen.user_attrs.get(INFO_ATTR)
+        if attr and not frozen.study_name.endswith(CLAIMS_SUFFIX):
+            yield frozen, StudyInfo.from_attr(attr)
+
+
+def dumps(value: Any) -> str:
+    return json.dumps(value, sort_keys=True)

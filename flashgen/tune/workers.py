@@ -1,0 +1,230 @@
+"""Worker processes: `flashgen tune --gpus 0,1` (one per GPU) or `--workers N` (N on one
+device), all tuning the same problems through studies in one shared Optuna storage.
+
+Every worker goes through the problems in the same order and joins each problem's shared
+study (`tune.storage`): the campaign's trial budget is shared, TPE on each worker sees every
+trial, and claims keep any variant from being measured twice. Each worker writes its trials,
+winners and a `runs` row into the same `--db` (SQLite queues the writers), and reports its
+progress to the parent through a queue, which shows one line per worker. A worker killed
+with `kill -9` loses the trial it was measuring: its heartbeat stops, and another worker
+measures that variant again.
+
+Processes are spawned, not forked: each imports torch and triton (or selects the
+interpreter, from the inherited TRITON_INTERPRET) on its own, and opens its own storage and
+database connections.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue as queue_module
+import socket
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import optuna
+
+from flashgen.kernels.problem import Problem
+from flashgen.store.db import TuningDB
+from flashgen.tune.fwd_bench import Bench
+from flashgen.tune.search import RunOptions, TuneOptions, TuneResult, tune_problem
+from flashgen.tune.storage import GRACE_S, HEARTBEAT_S, Shared, open_storage
+
+#: Makes the bench of one (mode, problem, device, seed, compile threads, db path).
+BenchFactory = Callable[[str, Problem, Any, int, int, Path], Bench]
+
+
+def parse_gpus(text: str, visible: int) -> list[int]:
+    """GPU indices from `--gpus`: "all", or a comma-separated list (an index may repeat:
+    "0,0" runs two workers on GPU 0). A GPU that is not visible is a ValueError."""
+    if text.strip() == "all":
+        if visible == 0:
+            raise ValueError("--gpus all: no CUDA GPU is visible")
+        return list(range(visible))
+    try:
+        gpus = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--gpus {text!r}: give 'all' or GPU indices such as 0,1") from None
+    if not gpus or any(g < 0 for g in gpus):
+        raise ValueError(f"--gpus {text!r}: give 'all' or GPU indices such as 0,1")
+    missing = sorted({g for g in gpus if g >= visible})
+    if missing:
+        raise ValueError(f"--gpus {text}: no GPU {', '.join(map(str, missing))} "
+                         f"({visible} visible)")
+    return gpus
+
+
+def make_bench(mode: str, problem: Problem, target: Any, seed: int, compile_workers: int,
+               db_path: Path) -> Bench:
+    """The bench of one problem and mode. The backward's input comes from the forward that
+    dispatch serves from the database being tuned (then the shipped one), so `--mode both`
+    feeds it the forward just tuned."""
+    if mode == "fwd":
+        from flashgen.tune.fwd_bench import KernelBench
+
+        return KernelBench(problem, target, seed=seed, compile_workers=compile_workers)
+    from flashgen.serve import Dispatcher
+    from flashgen.store.table import shipped_db_path
+    from flashgen.tune.bwd_bench import BwdKernelBench
+
+    return BwdKernelBench(problem, target, seed=seed, compile_workers=compile_workers,
+                          dispatcher=Dispatcher([db_path, shipped_db_path()]))
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """What every worker of one `flashgen tune` invocation does (pickled to each)."""
+
+    problems: tuple[Problem, ...]
+    run: RunOptions
+    storage_url: str
+    campaign: str  # shared by the workers: each problem's trial budget is the campaign's
+    version: str  # flashgen's: part of every study name
+    heartbeat_s: int = HEARTBEAT_S
+    grace_s: int = GRACE_S
+    bench_factory: BenchFactory = make_bench
+
+
+def worker_main(index: int, gpu: int | None, plan: WorkerPlan, report: Any) -> None:
+    """One worker: tune every problem of `plan` on `gpu` (None: the CPU interpreter),
+    sending ("progress", index, TuneResult), ("result", index, TuneResult) and finally
+    ("done", index, status, message) to `report`."""
+    status, message = "failed", ""
+    try:
+        status = _work(index, gpu, plan, report)
+    except KeyboardInterrupt:
+        status = "interrupted"
+    except Exception as exc:
+        message = f"{type(exc).__name__}: {exc}"
+        traceback.print_exc()
+    finally:
+        report.put(("done", index, status, message))
+
+
+def _work(index: int, gpu: int | None, plan: WorkerPlan, report: Any) -> str:
+    import torch
+
+    from flashgen.kernels.hardware import device_info
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    run = plan.run
+    if gpu is None:
+        target = torch.device("cpu")
+    else:
+        torch.cuda.set_device(gpu)
+        target = torch.device("cuda", gpu)
+    info = device_info(target)
+    batch = run.compile_workers if gpu is not None else 1
+    storage = open_storage(plan.storage_url, heartbeat_s=plan.heartbeat_s,
+                           grace_s=plan.grace_s)
+    shared = Shared(storage, plan.version, plan.campaign,
+                    worker=f"{socket.gethostname()}:{os.getpid()}")
+    run_id = f"{plan.campaign}-w{index}"
+    status = "failed"
+    with TuningDB(run.db_path) as database:
+        database.start_run(run_id, info)
+        try:
+            for problem in plan.problems:
+                for mode in run.modes:
+                    bench = plan.bench_factory(mode, problem, target, run.seed + index,
+                                               run.compile_workers, database.path)
+                    options = TuneOptions(mode, run.trials, run.timeout, run.seed + index,
+                                          batch, exhaustive=run.exhaustive)
+                    result = tune_problem(
+                        problem, bench, database, info, options, run_id=run_id,
+                        on_progress=lambda r: report.put(("progress", index, _light(r))),
+                        shared=shared)
+                    report.put(("result", index, _light(result)))
+            status = "ok"
+        except KeyboardInterrupt:
+            status = "interrupted"
+            raise
+        finally:
+            database.finish_run(run_id, status)
+            shared.close()
+    return status
+
+
+def _light(result: TuneResult) -> TuneResult:
+    """`result` without its per-variant outcomes, which the parent does not need."""
+    return replace(result, outcomes={})
+
+
+@dataclass
+class WorkerEnd:
+    """How a worker ended: its status ("ok", "failed", "interrupted", or "killed" for a
+    process that died without a word), exit code and message."""
+
+    index: int
+    gpu: int | None
+    status: str
+    exitcode: int | None
+    message: str = ""
+
+
+def run_workers(plan: WorkerPlan, gpus: list[int | None],
+                on_progress: Callable[[int, TuneResult], None] | None = None,
+                ) -> tuple[list[TuneResult], list[WorkerEnd]]:
+    """Run one worker per entry of `gpus` until all end; return every (problem, mode)
+    result, merged over the workers, and how each worker ended."""
+    context = multiprocessing.get_context("spawn")
+    report = context.Queue()
+    processes = [context.Process(target=worker_main, args=(i, gpu, plan, report),
+                                 name=f"flashgen-worker-{i}")
+                 for i, gpu in enumerate(gpus)]
+    for process in processes:
+        process.start()
+    results: list[TuneResult] = []
+    said: dict[int, tuple[str, str]] = {}
+    try:
+        while True:
+            try:
+                message = report.get(timeout=0.2)
+            except queue_module.Empty:
+                if all(not p.is_alive() for p in processes):
+                    break
+                continue
+            kind, index = message[0], message[1]
+            if kind == "progress" and on_progress:
+                on_progress(index, message[2])
+            elif kind == "result":
+                results.append(message[2])
+                if on_progress:
+                    on_progress(index, message[2])
+            elif kind == "done":
+                said[index] = (message[2], message[3])
+    finally:
+        for process in processes:
+            process.join()
+    ends = []
+    for i, (process, gpu) in enumerate(zip(processes, gpus, strict=True)):
+        status, text = said.get(i, ("killed", ""))
+        if i not in said:
+            text = f"exit code {process.exitcode}"
+        ends.append(WorkerEnd(i, gpu, status, process.exitcode, text))
+    return merge_results(results), ends
+
+
+def merge_results(results: list[TuneResult]) -> list[TuneResult]:
+    """One result per (problem, mode): counts summed over the workers, the best kept, the
+    longest time; in the order the problems were first reported."""
+    merged: dict[tuple[Problem, str], TuneResult] = {}
+    for r in results:
+        held = merged.get((r.problem, r.mode))
+        if held is None:
+            merged[(r.problem, r.mode)] = replace(r)
+            continue
+        held.measured += r.measured
+        held.failed += r.failed
+        held.pruned += r.pruned
+        held.resumed = max(held.resumed, r.resumed)
+        held.seconds = max(held.seconds, r.seconds)
+        if r.best_ms is not None and (held.best_ms is None or r.best_ms < held.best_ms):
+            held.best, held.best_ms, held.best_tflops = r.best, r.best_ms, r.best_tflops
+        held.baseline = held.baseline or r.baseline
+        held.winner = r.winner or held.winner
+    return list(merged.values())

@@ -1,0 +1,269 @@
+"""How close does the tuner get to the best variant of a space, and how fast? (GPU)
+
+For each problem: an exhaustive sweep (`tune_problem(..., exhaustive=True)`: every valid
+variant checked and timed, as `flashgen tune --exhaustive` does) into OUT/sweep.db, timing
+each variant's share of its batch's compile and its own check-and-time. Then the tuner is
+replayed on the sweep's measurements (a bench that answers from the sweep, so no device
+time): for each seed, a fresh database (no earlier winners: a new problem), the default and
+the device's portfolio first, then TPE, `--trials` trials in batches of `--compile-workers`.
+Reported per problem, the median over seeds of:
+
+* ratio: the tuner's best time / the sweep's best time (1.000: it found the best);
+* trials to 2%: measured trials until one within 2% of the sweep's best;
+* seconds to 2%: the sweep's cost of those trials (compile share + check-and-time), an
+  estimate of a live run's time to 2% with a warm process;
+* and the sweep's own wall time.
+
+The spaces hold thousands of valid variants (about 3,300 to 4,400 on an H100 for these
+problems), more than a few minutes of device time can sweep, so `--limit N` sweeps a seeded
+uniform sample of N valid variants plus the default and portfolio, and the tuner searches the
+same sample (the mode's space is narrowed to it while the script runs); `--limit 0` sweeps the
+whole space. The docs say which was used (docs/search-quality.md).
+
+    python scripts/search_quality.py --out results/search-quality --problems 4 --limit 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import dataclasses
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import optuna
+import torch
+
+from flashgen.kernels import modes
+from flashgen.kernels.hardware import DeviceInfo, device_info
+from flashgen.kernels.problem import Problem
+from flashgen.kernels.variant import Variant
+from flashgen.store.db import TuningDB
+from flashgen.store.keys import TuningKey
+from flashgen.tune.fwd_bench import KernelBench, Measurement
+from flashgen.tune.search import TuneOptions, tune_problem
+
+#: (head dim, causal, sequence length), in the order `--problems N` takes them: the first
+#: four cover D64 and D128, causal and not, 2k and 8k.
+GRID: tuple[tuple[int, bool, int], ...] = (
+    (64, False, 2048), (128, True, 2048), (64, True, 8192), (128, False, 8192),
+    (128, False, 2048), (64, True, 2048), (128, True, 8192), (64, False, 8192),
+)
+#: Within this factor of the sweep's best counts as found.
+WITHIN = 1.02
+
+
+def problems(count: int, dtype: str) -> list[Problem]:
+    """FlashAttention's benchmark shapes: batch x length = 16k tokens, heads x dim = 2048."""
+    return [Problem(16384 // n, 2048 // d, 2048 // d, n, n, d, dtype, causal)
+            for d, causal, n in GRID[:count]]
+
+
+def sample(problem: Problem, device: DeviceInfo, limit: int, seed: int) -> list[Variant]:
+    """The variants swept: all valid ones, or `limit` of them (seeded) plus the default and
+    the portfolio, which the tuner measures first."""
+    space = modes.space_of("fwd")
+    valid = space.points(problem, device)
+    if not limit or limit >= len(valid):
+        return valid
+    keep = [space.default(problem, device), *space.portfolio(problem, device)]
+    rest = [v for v in valid if v not in set(keep)]
+    picked = random.Random(seed).sample(rest, max(0, limit - len(keep)))
+    return list(dict.fromkeys([*keep, *picked]))
+
+
+@contextlib.contextmanager
+def narrowed(points: list[Variant]) -> Iterator[None]:
+    """The forward space, narrowed to `points` while the block runs: the sweep and the
+    tuner then search the same set."""
+    original = modes.SPACES["fwd"]
+    allowed = set(points)
+
+    def why_invalid(v: Variant, problem: Problem, device: DeviceInfo) -> str | None:
+        reason = original.why_invalid(v, problem, device)
+        return reason or (None if v in allowed else "outside the swept sample")
+
+    modes.SPACES["fwd"] = dataclasses.replace(
+        original, points=lambda problem, device: list(points), why_invalid=why_invalid)
+    try:
+        yield
+    finally:
+        modes.SPACES["fwd"] = original
+
+
+class TimedBench:
+    """A bench that notes what each variant cost: its share of its batch's compile wall
+    time, and its own check and timing."""
+
+    def __init__(self, bench: KernelBench) -> None:
+        self.bench = bench
+        self.cost: dict[Variant, float] = {}
+
+    def compile(self, variants: Sequence[Variant]) -> dict[Variant, str]:
+        start = time.perf_counter()
+        failures = self.bench.compile(variants)
+        share = (time.perf_counter() - start) / max(1, len(variants))
+        for v in variants:
+            self.cost[v] = share
+        return failures
+
+    def measure(self, variant: Variant) -> Measurement:
+        start = time.perf_counter()
+        try:
+            return self.bench.measure(variant)
+        finally:
+            self.cost[variant] = self.cost.get(variant, 0.0) + time.perf_counter() - start
+
+    def baseline(self) -> Any:
+        return self.bench.baseline()
+
+
+class ReplayBench:
+    """Answers from the sweep: the stored measurement of each variant, in the order asked."""
+
+    def __init__(self, rows: dict[Variant, Measurement]) -> None:
+        self.rows = rows
+        self.order: list[Variant] = []
+
+    def compile(self, variants: Sequence[Variant]) -> dict[Variant, str]:
+        return {}
+
+    def measure(self, variant: Variant) -> Measurement:
+        self.order.append(variant)
+        return self.rows.get(variant) or Measurement.failed("not measured by the sweep")
+
+    def baseline(self) -> None:
+        return None
+
+
+def sweep_rows(db: TuningDB, key: TuningKey, problem: Problem) -> dict[Variant, Measurement]:
+    rows = {}
+    for row in db.trials(key, problem):  # oldest first: the latest row of a variant stays
+        if row.status == "pruned":
+            continue
+        variant = Variant.from_dict(row.variant)
+        rows[variant] = (Measurement("ok", timing=row.timing, tflops=row.tflops,
+                                     error=row.error, bound=row.bound)
+                         if row.status == "ok" else Measurement.failed(row.reason))
+    return rows
+
+
+def replay(problem: Problem, device: DeviceInfo, rows: dict[Variant, Measurement],
+           cost: dict[Variant, float], best_ms: float, trials: int, seed: int,
+           batch: int) -> dict[str, Any]:
+    bench = ReplayBench(rows)
+    with tempfile.TemporaryDirectory() as folder, TuningDB(Path(folder) / "t.db") as db:
+        result = tune_problem(problem, bench, db, device,  # type: ignore[arg-type]
+                              TuneOptions(trials=trials, seed=seed, batch=batch))
+    reached, seconds, best = None, 0.0, float("inf")
+    for i, variant in enumerate(bench.order, 1):
+        seconds += cost.get(variant, 0.0)
+        m = rows.get(variant)
+        if m is not None and m.status == "ok" and m.timing is not None:
+            best = min(best, m.timing.median_ms)
+        if reached is None and best <= WITHIN * best_ms:
+            reached = (i, seconds)
+    return {"ratio": (result.best_ms or float("inf")) / best_ms,
+            "trials_to_2pct": reached[0] if reached else None,
+            "seconds_to_2pct": reached[1] if reached else None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for results")
+    parser.add_argument("--problems", type=int, default=4, help=f"first N of {len(GRID)}")
+    parser.add_argument("--dtype", default="bf16")
+    parser.add_argument("--limit", type=int, default=256,
+                        help="variants swept per problem (0: the whole valid space)")
+    parser.add_argument("--trials", type=int, default=50, help="tuner trials per replay")
+    parser.add_argument("--seeds", type=int, default=5, help="replays per problem")
+    parser.add_argument("--compile-workers", type=int, default=16)
+    parser.add_argument("--gpu", type=int, default=0)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    args.out.mkdir(parents=True, exist_ok=True)
+    target = torch.device("cuda", args.gpu)
+    device = device_info(target)
+    lines = []
+    with TuningDB(args.out / "sweep.db") as db:
+        for problem in problems(args.problems, args.dtype):
+            points = sample(problem, device, args.limit, seed=0)
+            with narrowed(points):
+                bench = TimedBench(KernelBench(problem, target,
+                                               compile_workers=args.compile_workers))
+                start = time.perf_counter()
+                tune_problem(problem, bench, db, device,  # type: ignore[arg-type]
+                             TuneOptions(exhaustive=True, batch=args.compile_workers))
+                sweep_s = time.perf_counter() - start
+                key = TuningKey.for_problem(problem, device, "fwd")
+                rows = sweep_rows(db, key, problem)
+                cost_file = args.out / f"cost-{key.id.replace('|', '_')}-{problem.batch}.json"
+                cost = {**{Variant.from_json(k): c for k, c in (json.loads(
+                    cost_file.read_text()) if cost_file.exists() else {}).items()},
+                        **bench.cost}
+                cost_file.write_text(json.dumps({v.to_json(): c for v, c in cost.items()}))
+                ok = [m.timing.median_ms for m in rows.values()
+                      if m.status == "ok" and m.timing is not None]
+                if not ok:
+                    print(f"{problem}: nothing passed", file=sys.stderr)
+                    continue
+                best_ms = min(ok)
+                runs = [replay(problem, device, rows, cost, best_ms, args.trials, seed,
+                               args.compile_workers) for seed in range(args.seeds)]
+            line = {
+                "problem": f"D{problem.head_dim} {'causal' if problem.causal else 'full'} "
+                           f"N{problem.seq_q} B{problem.batch} H{problem.heads_q}",
+                "swept": len(rows), "passed": len(ok), "best_ms": best_ms,
+                "sweep_s": sweep_s,
+                "ratio": statistics.median(r["ratio"] for r in runs),
+                "trials_to_2pct": _median([r["trials_to_2pct"] for r in runs]),
+                "seconds_to_2pct": _median([r["seconds_to_2pct"] for r in runs]),
+                "reached": sum(r["trials_to_2pct"] is not None for r in runs),
+                "seeds": len(runs),
+            }
+            lines.append(line)
+            print(json.dumps(line), flush=True)
+    _write(args.out, lines, device, args)
+    return 0
+
+
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if len(known) * 2 > len(values) else None
+
+
+def _write(out: Path, lines: list[dict[str, Any]], device: DeviceInfo,
+           args: argparse.Namespace) -> None:
+    if not lines:
+        return
+    with (out / "search_quality.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(lines[0]))
+        writer.writeheader()
+        writer.writerows(lines)
+    fmt = lambda v, f: "-" if v is None else format(v, f)
+    table = [f"{device.name}, {args.dtype}, limit {args.limit or 'none'}, {args.trials} "
+             f"trials, {args.seeds} seeds, {args.compile_workers} compile threads", "",
+             "| problem | swept (passed) | sweep s | tuner/best | trials to 2% | s to 2% "
+             "| seeds reaching 2% |", "|---|---|---|---|---|---|---|"]
+    for line in lines:
+        table.append(f"| {line['problem']} | {line['swept']} ({line['passed']}) | "
+                     f"{line['sweep_s']:.0f} | {line['ratio']:.3f} | "
+                     f"{fmt(line['trials_to_2pct'], '.0f')} | "
+                     f"{fmt(line['seconds_to_2pct'], '.1f')} | "
+                     f"{line['reached']}/{line['seeds']} |")
+    (out / "search_quality.md").write_text("\n".join(table) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

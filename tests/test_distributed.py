@@ -1,0 +1,355 @@
+"""Tuning through a shared Optuna storage, against real components: a throwaway PostgreSQL 15
+server (Debian's `postgresql` package; `.ci/run` installs it) and a journal file.
+
+Workers are threads with `FakeBench`es where only the search is under test, spawned
+processes where one must die (kill -9), and `flashgen tune --device cpu --workers 2` where
+the whole command is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+from test_tuner import PROBLEM, SMALL, VERSIONS, FakeBench, fastest_valid, made_up_ms
+from typer.testing import CliRunner
+
+from flashgen.cli import app
+from flashgen.kernels.fwd_space import search_space
+from flashgen.kernels.hardware import INTERPRETER
+from flashgen.kernels.problem import Problem
+from flashgen.kernels.variant import Variant
+from flashgen.store.db import TuningDB
+from flashgen.store.keys import TuningKey
+from flashgen.tune.pull import pull
+from flashgen.tune.search import RunOptions, TuneOptions, TuneResult, tune_problem
+from flashgen.tune.storage import (
+    ROW_ATTR,
+    Shared,
+    StorageError,
+    open_storage,
+    study_name,
+)
+from flashgen.tune.workers import WorkerPlan, parse_gpus, worker_main
+
+PG_BIN = Path("/usr/lib/postgresql/15/bin")
+#: Short heartbeats, so a dead worker's trial fails within the test.
+BEAT_S, GRACE_S = 1, 2
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def postgres() -> Iterator[str]:
+    """A PostgreSQL 15 cluster of its own, initdb'd in a temporary folder and served on a
+    free local port until the module's tests end; yields its SQLAlchemy URL. initdb refuses
+    to run as root, so the server runs as `nobody`, in a folder that user owns (outside
+    pytest's, which only root may enter)."""
+    if not (PG_BIN / "initdb").is_file():
+        pytest.fail(f"no PostgreSQL server binaries in {PG_BIN}: apt-get install postgresql "
+                    f"(.ci/run does)")
+    root = Path(tempfile.mkdtemp(prefix="flashgen-postgres-"))
+    data, log = root / "data", root / "server.log"
+    user: list[str] = []
+    if os.geteuid() == 0:
+        nobody = pwd.getpwnam("nobody")
+        os.chown(root, nobody.pw_uid, nobody.pw_gid)
+        user = ["setpriv", f"--reuid={nobody.pw_uid}", f"--regid={nobody.pw_gid}",
+                "--clear-groups"]
+    def run(*args: str) -> None:
+        done = subprocess.run([*user, *args], capture_output=True, text=True)
+        assert done.returncode == 0, f"{args[0]} failed: {done.stderr}{done.stdout}"
+
+    port = _free_port()
+    try:
+        run(str(PG_BIN / "initdb"), "-D", str(data), "-U", "flashgen", "--auth=trust",
+            "-E", "UTF8", "--no-sync")
+        run(str(PG_BIN / "pg_ctl"), "-D", str(data), "-l", str(log), "-w", "-o",
+            f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c fsync=off", "start")
+        yield f"postgresql+psycopg://flashgen@127.0.0.1:{port}/postgres"
+    finally:
+        subprocess.run([*user, str(PG_BIN / "pg_ctl"), "-D", str(data), "-m", "immediate",
+                        "-w", "stop"], capture_output=True)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+_DATABASES = iter(range(1_000_000))
+
+
+@pytest.fixture(params=["journal", "postgres"])
+def storage_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """An empty shared storage of each kind: a journal file, or a fresh PostgreSQL
+    database on the module's server."""
+    if request.param == "journal":
+        return str(tmp_path / "studies.log")
+    server = request.getfixturevalue("postgres")
+    import psycopg
+
+    name = f"t{next(_DATABASES)}_{os.getpid()}"
+    with psycopg.connect(server.replace("postgresql+psycopg", "postgresql"),
+                         autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    return server.rsplit("/", 1)[0] + "/" + name
+
+
+def _shared(url: str, worker: str, campaign: str = "c", version: str = "0.1.test") -> Shared:
+    return Shared(open_storage(url, heartbeat_s=BEAT_S, grace_s=GRACE_S), version, campaign,
+                  worker)
+
+
+def _tune_together(url: str, db_path: Path, problem: Problem, workers: int,
+                   **options: Any) -> tuple[list[FakeBench], list[TuneResult]]:
+    """`workers` threads tuning `problem` through `url`, each with its FakeBench and its
+    own connections, into one database file."""
+    benches = [FakeBench(problem) for _ in range(workers)]
+    results: list[TuneResult] = []
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        shared = _shared(url, f"w{i}")
+        try:
+            with TuningDB(db_path) as db:
+                results.append(tune_problem(
+                    problem, benches[i], db, INTERPRETER,
+                    TuneOptions(seed=i, batch=2, **options), versions=VERSIONS,
+                    run_id=f"run{i}", shared=shared))
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            shared.close()
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return benches, results
+
+
+def test_workers_share_the_budget_and_never_measure_a_variant_twice(
+        storage_url: str, tmp_path: Path) -> None:
+    benches, _ = _tune_together(storage_url, tmp_path / "tuning.db", PROBLEM, 3, trials=12)
+    measured = [v for b in benches for v in b.measured]
+    assert len(measured) == 12 == len(set(measured))  # the budget is the campaign's
+    assert sum(bool(b.measured) for b in benches) >= 2  # and was spread
+    with TuningDB(tmp_path / "tuning.db") as db:
+        rows = [r for r in db.trials() if r.status != "pruned"]
+        assert len(rows) == 12
+        winner = db.update_winner(rows[0].key)
+        # Fastest of all measured (made_up_ms ties knobs it ignores, so compare times).
+        assert winner is not None
+        assert made_up_ms(winner.variant) == min(map(made_up_ms, measured))
+
+    # Everything the workers stored locally can be rebuilt from the storage alone.
+    with TuningDB(tmp_path / "pulled.db") as pulled:
+        report = pull(open_storage(storage_url), pulled, "0.1.test")
+        again = pull(open_storage(storage_url), pulled, "0.1.test")
+        assert report.studies == 1 and again.copied == 0
+        with TuningDB(tmp_path / "tuning.db") as db:
+            local = sorted((r.variant_json, r.status, r.reason, r.tflops, r.kernel_hash)
+                           for r in db.trials())
+        assert sorted((r.variant_json, r.status, r.reason, r.tflops, r.kernel_hash)
+                      for r in pulled.trials()) == local
+        assert pulled.all_winners()[0].variant == winner.variant
+
+
+def test_an_exhaustive_sweep_by_several_workers_measures_each_variant_once(
+        tmp_path: Path) -> None:
+    # On the journal only: PostgreSQL's claims are tested above, and 98 variants through
+    # it cost the suite 10 s.
+    benches, _ = _tune_together(str(tmp_path / "studies.log"), tmp_path / "tuning.db",
+                                SMALL, 3, exhaustive=True)
+    measured = [v for b in benches for v in b.measured]
+    assert sorted(map(str, measured)) == sorted(map(str, search_space(SMALL, INTERPRETER)))
+    with TuningDB(tmp_path / "tuning.db") as db:
+        winner = db.update_winner(db.trials()[0].key)
+    # The same winner as one process measuring everything (test_tuner's exhaustive run).
+    assert winner is not None and made_up_ms(winner.variant) == made_up_ms(fastest_valid(SMALL))
+
+
+def test_studies_of_another_flashgen_version_are_never_mixed_in(tmp_path: Path) -> None:
+    url = str(tmp_path / "studies.log")
+    first = _shared(url, "a", version="0.1.old")
+    with TuningDB(tmp_path / "old.db") as db:
+        tune_problem(PROBLEM, FakeBench(), db, INTERPRETER, TuneOptions(trials=4),
+                     versions=VERSIONS, shared=first)
+    first.close()
+    second = _shared(url, "b", version="0.1.new")
+    with TuningDB(tmp_path / "new.db") as db:
+        result = tune_problem(PROBLEM, FakeBench(), db, INTERPRETER, TuneOptions(trials=4),
+                              versions=VERSIONS, shared=second)
+    second.close()
+    assert result.resumed == 0 and result.measured == 4  # nothing taken from the old study
+    key = TuningKey.for_problem(PROBLEM, INTERPRETER, "fwd", VERSIONS)
+    names = {s.study_name for s in optuna.get_all_study_summaries(open_storage(url))}
+    assert study_name(key, PROBLEM, "0.1.old") in names
+    assert study_name(key, PROBLEM, "0.1.new") in names
+    with TuningDB(tmp_path / "pulled.db") as pulled:
+        report = pull(open_storage(url), pulled, "0.1.new")
+        assert report.other_versions == 1 and report.studies == 1
+        assert len([r for r in pulled.trials() if r.status == "ok"]) == 4
+
+
+# ---- a worker killed with kill -9 ------------------------------------------------------
+
+
+class _Hangs(FakeBench):
+    """Measures two variants, then hangs in the third, after naming it in $HANG_MARK."""
+
+    def measure(self, variant: Variant) -> Any:
+        if len(self.measured) == 2:
+            Path(os.environ["HANG_MARK"]).write_text(variant.to_json())
+            time.sleep(600)
+        return super().measure(variant)
+
+
+def hanging_bench(mode: str, problem: Problem, *args: Any) -> _Hangs:
+    return _Hangs(problem)
+
+
+def test_a_killed_worker_loses_only_its_running_trial(
+        storage_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import multiprocessing
+
+    mark = tmp_path / "hang"
+    monkeypatch.setenv("HANG_MARK", str(mark))
+    db_path = tmp_path / "tuning.db"
+    run = RunOptions("cpu", trials=10, db_path=db_path)
+    plan = WorkerPlan((PROBLEM,), run, storage_url, "doomed", "0.1.test", BEAT_S, GRACE_S,
+                      hanging_bench)
+    context = multiprocessing.get_context("spawn")
+    report = context.Queue()  # held here: the child unpickles it after start() returns
+    worker = context.Process(target=worker_main, args=(0, None, plan, report))
+    worker.start()
+    deadline = time.monotonic() + 120
+    while not mark.exists() and worker.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert mark.exists(), "the worker never reached its third measurement"
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join()
+    hung = Variant.from_json(mark.read_text())
+    time.sleep(GRACE_S + 1)  # its heartbeat is now stale
+
+    with TuningDB(db_path) as db:
+        before = [Variant.from_dict(r.variant) for r in db.trials() if r.status == "ok"]
+        assert len(before) == 2 and hung not in before  # its finished trials are stored
+        shared = _shared(storage_url, "survivor", campaign="again")
+        bench = FakeBench()
+        tune_problem(PROBLEM, bench, db, INTERPRETER, TuneOptions(trials=3, seed=5),
+                     shared=shared)
+        shared.close()
+    assert bench.measured[0] == hung  # the dead trial, retried, is measured first
+    assert not set(bench.measured) & set(before)  # the finished ones are not
+    storage = open_storage(storage_url)
+    study = optuna.load_study(study_name=next(
+        s.study_name for s in optuna.get_all_study_summaries(storage)
+        if not s.study_name.endswith(" claims")), storage=storage)
+    states = {}
+    for trial in study.get_trials(deepcopy=False):
+        if all(trial.params.get(k) == v for k, v in hung.to_dict().items()):
+            states.setdefault(trial.state, []).append(trial)
+    assert len(states[TrialState.FAIL]) >= 1 and len(states[TrialState.COMPLETE]) == 1
+    assert ROW_ATTR in states[TrialState.COMPLETE][0].user_attrs
+    assert not [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.RUNNING]
+
+
+# ---- the command -----------------------------------------------------------------------
+
+
+def _flashgen(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "flashgen.cli", *args], env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.interpreter
+def test_cpu_workers_tune_through_the_storage_and_pull_gathers_them(
+        postgres: str, tmp_path: Path) -> None:
+    # PostgreSQL only: the journal's workers run as processes in the kill -9 test, and
+    # each run of the command costs the suite about 13 s of interpreter.
+    storage_url = postgres
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["COLUMNS"] = "200"
+    shape = ["--device", "cpu", "--shape", "1,2,1,32,32,16", "--storage", storage_url]
+    tuned = _flashgen("tune", *shape, "--trials", "4", "--workers", "2",
+                      "--db", str(tmp_path / "a.db"), env=env)
+    assert tuned.returncode == 0, tuned.stderr + tuned.stdout
+    assert "w0 cpu" in tuned.stderr and "w1 cpu" in tuned.stderr  # a line per worker
+    with TuningDB(tmp_path / "a.db") as db:
+        measured = [r for r in db.trials() if r.status != "pruned"]
+        assert len(measured) == 4 == len({r.variant_json for r in measured})
+        assert all(r.status == "ok" and r.error <= r.bound for r in measured)
+        assert len({r.kernel_hash for r in measured}) == 4
+        assert len(db.runs()) == 2 and {r.status for r in db.runs()} == {"ok"}
+
+    pulled = _flashgen("pull", "--storage", storage_url, "--db", str(tmp_path / "p.db"),
+                       env=env)
+    assert pulled.returncode == 0, pulled.stderr
+    assert "winner" in pulled.stdout
+    shown = _flashgen("show", "--db", str(tmp_path / "p.db"), "--json", env=env)
+    assert shown.returncode == 0, shown.stderr
+    winners = json.loads(shown.stdout)
+    assert len(winners) == 1 and winners[0]["current"] is True
+    with TuningDB(tmp_path / "a.db") as a, TuningDB(tmp_path / "p.db") as p:
+        assert sorted((r.variant_json, r.status, r.tflops) for r in p.trials()) == sorted(
+            (r.variant_json, r.status, r.tflops) for r in a.trials())
+        assert winners[0]["variant"] == a.all_winners()[0].variant.to_dict()
+
+
+# ---- bad input -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("url", "needle"), [
+    ("postgresql+psycopg://flashgen@127.0.0.1:{port}/nowhere", "cannot connect"),
+    ("redis://localhost/0", "neither a journal file"),
+    ("studies.txt", "neither a journal file"),
+    ("/no/such/folder/studies.log", "does not exist"),
+])
+def test_a_bad_storage_is_one_error_line_before_any_work(
+        url: str, needle: str, tmp_path: Path) -> None:
+    url = url.format(port=_free_port())
+    for command in (["tune", "--device", "cpu", "--shape", "1,2,1,32,32,16", "--storage", url,
+                     "--db", str(tmp_path / "t.db")],
+                    ["pull", "--storage", url, "--db", str(tmp_path / "t.db")]):
+        result = CliRunner().invoke(app, command)
+        assert result.exit_code == 2, result.output
+        lines = result.output.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: --storage") and needle in lines[0]
+    assert not (tmp_path / "t.db").exists()  # nothing was tuned
+    with pytest.raises(StorageError):
+        open_storage(url)
+
+
+def test_a_missing_gpu_is_one_error_line() -> None:
+    assert parse_gpus("all", 2) == [0, 1]
+    assert parse_gpus("0,0", 1) == [0, 0]
+    for text, visible, needle in (("0,3", 2, "no GPU 3 (2 visible)"), ("all", 0, "no CUDA"),
+                                  ("one", 2, "give 'all'")):
+        with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+            parse_gpus(text, visible)
+    if shutil.which("nvidia-smi") is None:  # no GPU here: the command says so in one line
+        result = CliRunner().invoke(app, ["tune", "--shape", "1,2,1,32,32,16",
+                                          "--gpus", "0,1"])
+        assert result.exit_code == 2
+        assert result.output.strip() == "error: --gpus 0,1: no GPU 0, 1 (0 visible)"
