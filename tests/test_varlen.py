@@ -364,3 +364,13 @@ def test_fa1_takes_the_modifiers() -> None:
            lambda q, k, v, s, dtype: reference.attention(q, k, v, True, None, dtype, sinks=s,
                                                          **mods),
            [q, k, v, *extra])
+
+
+def test_a_plain_problem_dict_is_unchanged_by_the_modifiers() -> None:
+    """Rows, claims and baselines are matched by the problem's JSON: a plain problem's must
+    be what it was before the modifiers existed; a modified one round-trips."""
+    p = Problem(1, 2, 1, 64, 64, 16, "fp32", True)
+    assert p.to_dict() == {"batch": 1, "heads_q": 2, "heads_kv": 1, "seq_q": 64, "seq_k": 64,
+                           "head_dim": 16, "dtype": "fp32", "causal": True}
+    q = p.with_(window=True, varlen=True)
+    assert q.to_dict()["window"] and Problem.from_dict(q.to_dict()) == q

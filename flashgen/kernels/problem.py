@@ -94,7 +94,14 @@ class Problem:
         return replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields, leaving out modifiers not asked for: a plain problem's dict (and the
+        `problem_json` rows, claims and baselines are matched by) is what it was before
+        the modifiers existed."""
+        data = asdict(self)
+        for name in MODIFIERS:
+            if not data[name]:
+                del data[name]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Problem:
