@@ -48,6 +48,8 @@ def flashgen_attention_forward(
         # Keys (i - sliding_window, i] for causal layers: transformers' flash-attention
         # convention (sliding_window - 1 on either side; causal cuts the right one).
         window = (sliding_window - 1, sliding_window - 1)
+    if s_aux is not None and s_aux.dtype not in (query.dtype, torch.float32):
+        s_aux = s_aux.float()  # under autocast the sinks keep the parameters' dtype
     options = {"causal": causal, "scale": scaling, "window": window, "softcap": softcap,
                "sinks": s_aux}
     packed = _packed_lengths(query, attention_mask, kwargs)
