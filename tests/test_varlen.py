@@ -374,3 +374,10 @@ def test_a_plain_problem_dict_is_unchanged_by_the_modifiers() -> None:
                            "head_dim": 16, "dtype": "fp32", "causal": True}
     q = p.with_(window=True, varlen=True)
     assert q.to_dict()["window"] and Problem.from_dict(q.to_dict()) == q
+
+
+def test_explain_names_the_modifiers() -> None:
+    q = torch.randn(1, 2, 8, 16)
+    choice = flashgen.explain(q, q, q, causal=True, window=(2, -1), softcap=5.0)
+    assert choice.variant.loop_order in ("fa1", "fa2") and not choice.variant.use_tma
+    assert choice.backward is not None and choice.backward.variant.fa3 == "none"

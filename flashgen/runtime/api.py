@@ -161,13 +161,22 @@ def explain(
     v: torch.Tensor,
     *,
     causal: bool = False,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     variant: Any = None,
     bwd_variant: Any = None,
     dispatcher: Dispatcher | None = None,
 ) -> Choice:
-    """Which variant `attention` would run for these inputs, why (exact hit, nearest bucket,
-    fallback, explicit) and from which database row; its `backward` answers the same for the
-    backward pass. `print()` it for a short answer."""
+    """Which variant `attention` would run for these inputs (and modifiers), why (exact hit,
+    nearest bucket, fallback, explicit) and from which database row; its `backward` answers
+    the same for the backward pass. `print()` it for a short answer."""
     check_options(causal, None)
+    mods = None
+    if window is not None or softcap is not None or sinks is not None:
+        check_inputs(q, k, v)
+        mods = Mods(check_window(window), check_softcap(softcap),
+                    _kernel_sinks(check_sinks(sinks, q.shape[1], q.dtype, q.device)))
+        mods = None if mods.flags == (False, False, False, False) else mods
     return (dispatcher or default_dispatcher()).explain(q, k, v, causal=causal, variant=variant,
-                                                        bwd_variant=bwd_variant)
+                                                        bwd_variant=bwd_variant, mods=mods)

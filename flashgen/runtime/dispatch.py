@@ -366,12 +366,14 @@ class Dispatcher:
         causal: bool = False,
         variant: Any = None,
         bwd_variant: Any = None,
+        mods: Mods | None = None,
     ) -> Choice:
         """Which variant `attention(q, k, v, causal=...)` runs, why, and from which row; its
-        `backward` says the same of the backward pass (`bwd_variant`: an explicit one)."""
-        choice = self._plan(q, k, v, causal, variant).choice
-        return dataclasses.replace(choice,
-                                   backward=self._bwd_plan(q, k, v, causal, bwd_variant).choice)
+        `backward` says the same of the backward pass (`bwd_variant`: an explicit one).
+        `mods`: the call's modifiers (see `forward`)."""
+        choice = self._plan(q, k, v, causal, variant, mods).choice
+        return dataclasses.replace(
+            choice, backward=self._bwd_plan(q, k, v, causal, bwd_variant, mods).choice)
 
 
 # ---- the package's default dispatcher -------------------------------------------------------
