@@ -18,12 +18,14 @@ from flashgen.version import __version__ as __version__
 _PUBLIC: dict[str, str] = {
     "BwdVariant": "flashgen.kernels.bwd_variant",
     "Choice": "flashgen.runtime.table",
+    "DecodeVariant": "flashgen.kernels.decode_variant",
     "DeviceInfo": "flashgen.kernels.hardware",
     "Dispatcher": "flashgen.serve",
     "Problem": "flashgen.kernels.problem",
     "Variant": "flashgen.kernels.variant",
     "attention": "flashgen.runtime.api",
     "attention_varlen": "flashgen.runtime.api",
+    "attention_with_kvcache": "flashgen.runtime.api",
     "default_variant": "flashgen.kernels.fwd_space",
     "device_info": "flashgen.kernels.hardware",
     "explain": "flashgen.runtime.api",
@@ -37,12 +39,14 @@ _PUBLIC: dict[str, str] = {
 __all__ = [
     "BwdVariant",
     "Choice",
+    "DecodeVariant",
     "DeviceInfo",
     "Dispatcher",
     "Problem",
     "Variant",
     "attention",
     "attention_varlen",
+    "attention_with_kvcache",
     "default_variant",
     "device_info",
     "explain",
@@ -55,12 +59,14 @@ __all__ = [
 
 if TYPE_CHECKING:
     from flashgen.kernels.bwd_variant import BwdVariant
+    from flashgen.kernels.decode_variant import DecodeVariant
     from flashgen.kernels.fwd_space import default_variant, search_space, why_invalid
     from flashgen.kernels.hardware import DeviceInfo, device_info
     from flashgen.kernels.problem import Problem
     from flashgen.kernels.render import kernel_hash, render
     from flashgen.kernels.variant import Variant
-    from flashgen.runtime.api import attention, attention_varlen, explain
+    from flashgen.runtime.api import (attention, attention_varlen, attention_with_kvcache,
+                                      explain)
     from flashgen.runtime.sdpa import scaled_dot_product_attention
     from flashgen.runtime.table import Choice
     from flashgen.serve import Dispatcher

@@ -198,10 +198,15 @@ def tune(
         min=1, help="Threads compiling candidates ahead of timing; also how many trials are "
                     "asked of the sampler at once.")] = min(16, os.cpu_count() or 1),
     mode: Annotated[str, typer.Option(
-        metavar="fwd|bwd|both",
+        metavar="fwd|bwd|both|decode",
         help="What to tune: the forward kernel (fwd), the backward kernels (bwd: gradients "
              "checked against the reference, the backward alone timed), or both, forward "
-             "first, for each problem.")] = "fwd",
+             "first, for each problem; decode: the decode family (attention_with_kvcache) "
+             "on caches of each --page-size, with decode presets such as "
+             "llama3-8b-decode.")] = "fwd",
+    page_size: Annotated[str, typer.Option(
+        metavar="LIST", help="--mode decode: comma-separated cache page sizes; 0 is a "
+                             "contiguous cache.")] = "0",
     remeasure: Annotated[bool, typer.Option(
         help="Measure again the variants each problem already has timings for (fastest "
              "stored first; they count toward --trials) before sampling new ones: for "
@@ -225,6 +230,12 @@ def tune(
              "file path ending in .log on a shared filesystem (needs flashgen[distributed] "
              "for PostgreSQL). Each worker still writes its --db; `flashgen pull` gathers "
              "every host's rows.")] = None,
+    deterministic: Annotated[bool, typer.Option(
+        "--deterministic",
+        help="Search only variants whose gradients are bitwise equal run to run: for the "
+             "backward, the separate dQ kernel (no fp32 atomics). What dispatch serves under "
+             "torch.use_deterministic_algorithms(True). The forward is deterministic "
+             "already: every forward variant qualifies.")] = False,
     db: DbOption = None,
     wide: WideOption = False,
 ) -> None:
@@ -232,9 +243,10 @@ def tune(
     time the correct ones, and store all trials and the winners in the database."""
     if device not in ("cuda", "cpu"):
         raise _fail(f"--device must be cuda or cpu, got {device!r}")
-    modes = {"fwd": ("fwd",), "bwd": ("bwd",), "both": ("fwd", "bwd")}.get(mode)
+    modes = {"fwd": ("fwd",), "bwd": ("bwd",), "both": ("fwd", "bwd"),
+             "decode": ("decode",)}.get(mode)
     if modes is None:
-        raise _fail(f"--mode must be fwd, bwd or both, got {mode!r}")
+        raise _fail(f"--mode must be fwd, bwd, both or decode, got {mode!r}")
     if device == "cpu":
         _use_interpreter()
     if not shape and not preset:
@@ -254,14 +266,19 @@ def tune(
     from flashgen.kernels import presets
 
     try:
-        problems = presets.expand(shape or [], preset or [], presets.parse_dtypes(dtype),
-                                  presets.parse_causal(causal))
+        if mode == "decode":
+            problems: list[Problem] = list(presets.decode_problems(
+                shape or [], preset or [], presets.parse_dtypes(dtype),
+                presets.parse_causal(causal), presets.parse_page_sizes(page_size)))
+        else:
+            problems = presets.expand(shape or [], preset or [], presets.parse_dtypes(dtype),
+                                      presets.parse_causal(causal))
     except ValueError as exc:
         raise _fail(str(exc)) from None
     from flashgen.tune.search import RunOptions
 
     run = RunOptions(device, gpu, trials, timeout, seed, compile_workers, db, modes, remeasure,
-                     wide, exhaustive)
+                     wide, exhaustive, deterministic)
     if distributed:
         _run_workers(problems, run, _worker_slots(run, gpus, workers), storage)
     else:
@@ -411,7 +428,7 @@ def _run_tuning(problems: list[Problem], run: RunOptions) -> None:
                 bench = make_bench(mode, problem, target, run.seed, run.compile_workers,
                                    database.path)
                 options = TuneOptions(mode, run.trials, run.timeout, run.seed, batch,
-                                      run.remeasure, run.exhaustive)
+                                      run.remeasure, run.exhaustive, run.deterministic)
                 results.append(tune_problem(problem, bench, database, info, options,
                                            run_id=run_id, on_progress=show))
             status = "ok"
@@ -561,12 +578,12 @@ def list_presets() -> None:
     """List the problem presets that `flashgen tune --preset` accepts."""
     from rich.table import Table
 
-    from flashgen.kernels.presets import PRESETS
+    from flashgen.kernels.presets import DECODE_PRESETS, PRESETS
 
     table = Table(title="flashgen presets")
     for column in ("name", "problems", "description", "(B, Hq, Hkv, Nq, Nk, D)"):
         table.add_column(column)
-    for name, p in PRESETS.items():
+    for name, p in [*PRESETS.items(), *DECODE_PRESETS.items()]:
         shapes = p.shapes()
         table.add_row(name, str(len(shapes)), p.description,
                       " ".join(",".join(map(str, s)) for s in shapes[:2]) + " ...")
@@ -584,9 +601,16 @@ def bench(
     causal: Annotated[str, typer.Option(
         metavar="yes|no|both", help="Masking: yes (causal), no (full), or both.")] = "both",
     mode: Annotated[str, typer.Option(
-        metavar="fwd|bwd|both",
+        metavar="fwd|bwd|both|decode",
         help="What is timed: fwd (forward), bwd (backward alone), both (forward+backward "
-             "in one call); a comma-separated list such as fwd,both times each.")] = "fwd",
+             "in one call); a comma-separated list such as fwd,both times each. decode: "
+             "attention_with_kvcache against SDPA flash, cuDNN and FlexAttention, in us, "
+             "GB/s of K/V read and share of the measured copy rate (decode presets: "
+             "llama3-8b-decode, llama3-70b-decode, qwen2.5-7b-decode, decode-targets; "
+             "--causal defaults to yes).")] = "fwd",
+    page_size: Annotated[str, typer.Option(
+        metavar="LIST", help="--mode decode: comma-separated page sizes of the caches; 0 is "
+                             "a contiguous cache.")] = "0,16",
     competitors: Annotated[str | None, typer.Option(
         metavar="LIST",
         help="Comma-separated: flashgen, sdpa-flash, sdpa-cudnn, sdpa-efficient, sdpa-math, "
@@ -654,6 +678,10 @@ def bench(
         raise _fail("--memory measures dense problems: run it without --window/--varlen")
     if db is not None and not db.is_file():
         raise _fail(f"no tuning database at {db}")
+    if mode == "decode":
+        _bench_decode(shape or [], preset or [], dtype, causal, page_size, device, gpu, out,
+                      csv_path, seed, rep_ms, db)
+        return
 
     from flashgen.bench.command import Outputs, resolve_device, run_bench
     from flashgen.bench.competitors import parse_names, resolve
@@ -681,6 +709,31 @@ def bench(
               timing=timing, memory=memory, seed=seed, rep_ms=rep_ms, timer=timer,
               console=_console(), layout=layout if layout else None,
               dispatcher=dispatcher)
+
+
+def _bench_decode(shapes: list[str], preset_names: list[str], dtype: str | None, causal: str,
+                  page_size: str, device: str, gpu: int, out: Path, csv_path: Path | None,
+                  seed: int, rep_ms: float, db: Path | None) -> None:
+    """`flashgen bench --mode decode`: see `flashgen.bench.decoding`."""
+    from flashgen.bench.command import resolve_device
+    from flashgen.bench.decoding import DECODE_COMPETITORS, run_decode_bench
+    from flashgen.kernels import presets
+    from flashgen.serve import Dispatcher
+    from flashgen.store.table import shipped_db_path
+
+    try:
+        target = resolve_device(device, gpu)
+        dtypes = presets.parse_dtypes(dtype or ("bf16" if device == "cuda" else "fp32"))
+        problems = presets.decode_problems(
+            shapes, preset_names, dtypes,
+            presets.parse_causal("yes" if causal == "both" else causal),
+            presets.parse_page_sizes(page_size))
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    names = DECODE_COMPETITORS if target.type == "cuda" else ("flashgen",)
+    run_decode_bench(problems, target, names, seed=seed, rep_ms=rep_ms,
+                     csv_path=csv_path or out / "decode.csv", console=_console(),
+                     dispatcher=Dispatcher([db, shipped_db_path()]) if db else None)
 
 
 @app.command()

@@ -21,24 +21,38 @@ import torch
 from flashgen.kernels.bwd_render import PREPROCESS_BLOCK_M, load_bwd_kernel
 from flashgen.kernels.bwd_space import default_bwd_variant
 from flashgen.kernels.bwd_variant import BwdVariant
+from flashgen.kernels.decode_render import load_decode_kernel
+from flashgen.kernels.decode_space import default_decode_variant
+from flashgen.kernels.decode_variant import DecodeVariant
 from flashgen.kernels.fwd_space import default_variant
 from flashgen.kernels.hardware import DeviceInfo, device_info
 from flashgen.kernels.modes import space_of
 from flashgen.kernels.presets import tune_command
-from flashgen.kernels.problem import Problem
+from flashgen.kernels.problem import DecodeProblem, Problem
 from flashgen.kernels.render import load_kernel
 from flashgen.kernels.variant import Variant
 from flashgen.runtime import dispatch
 from flashgen.runtime.backward import BwdLauncher, prepare_backward
 from flashgen.runtime.forward import Launcher, default_scale
 from flashgen.runtime.forward import prepare_forward as _prepare_entry
+from flashgen.runtime.kvcache import DecodeLauncher, DecodeShape, prepare_decode
 from flashgen.runtime.table import Choice, Entry, Shape, Table
 from flashgen.store.table import default_paths, device_table, entry, entry_is_current
 
 
 def shape_of(problem: Problem) -> Shape:
     """The runtime's view of `problem` (the same fields, in the same order)."""
+    if isinstance(problem, DecodeProblem):
+        # By name: a DecodeProblem also has the modifier flags, which decode calls never set.
+        return DecodeShape(*(getattr(problem, f) for f in DecodeShape._fields))  # type: ignore[return-value]
     return Shape(*dataclasses.astuple(problem))
+
+
+def problem_of(shape: Shape | DecodeShape) -> Problem:
+    """flashgen's problem of a runtime shape: a `DecodeProblem` for a decode call's."""
+    if isinstance(shape, DecodeShape):
+        return DecodeProblem(**shape._asdict())
+    return Problem(*shape)
 
 
 def load_role(found: Entry, role: str, problem: Problem) -> Any:
@@ -48,6 +62,8 @@ def load_role(found: Entry, role: str, problem: Problem) -> Any:
     knobs = found["twin"] if role.endswith("_plain") else found["variant"]
     if base == "fwd":
         return load_kernel(Variant.from_dict(knobs), problem)
+    if base in ("decode", "decode_combine"):
+        return load_decode_kernel(base, DecodeVariant.from_dict(knobs), problem)  # type: ignore[arg-type]
     return load_bwd_kernel(base, BwdVariant.from_dict(knobs), problem)  # type: ignore[arg-type]
 
 
@@ -59,7 +75,8 @@ class Dispatcher(dispatch.Dispatcher):
     uses one shared default instance.
     """
 
-    variant_types: ClassVar[Mapping[str, type]] = {"fwd": Variant, "bwd": BwdVariant}
+    variant_types: ClassVar[Mapping[str, type]] = {"fwd": Variant, "bwd": BwdVariant,
+                                                    "decode": DecodeVariant}
     renders_modifiers: ClassVar[bool] = True
 
     def __init__(self, db: str | Path | Sequence[str | Path] | None = None) -> None:
@@ -89,7 +106,7 @@ class Dispatcher(dispatch.Dispatcher):
         """The runtime's lookup; where it is about to log how to tune the device, the notice
         is written first, for this call's shape (the table alone knows no problem)."""
         if not table.tuned[mode] and not table.noticed:
-            notices = self._notices(table.device, Problem(*shape), bool(table.tuned["fwd"]))
+            notices = self._notices(table.device, problem_of(shape), bool(table.tuned["fwd"]))
             table.data = {**table.data, "untuned": notices}
         return super().lookup(table, mode, shape)
 
@@ -107,13 +124,14 @@ class Dispatcher(dispatch.Dispatcher):
                     f"{whom}.")
 
         whole = notice("", "both", "this device")
-        return {"fwd": whole, "bwd": notice("backward ", "bwd", "them") if tuned_fwd else whole}
+        return {"fwd": whole, "bwd": notice("backward ", "bwd", "them") if tuned_fwd else whole,
+                "decode": notice("decode ", "decode", "them")}
 
     def kernel(self, entry: Entry, role: str, shape: Shape) -> Any:
-        return load_role(entry, role, Problem(*shape))
+        return load_role(entry, role, problem_of(shape))
 
     def entry(self, mode: str, variant: Any, shape: Shape, table: Table) -> Entry:
-        problem = Problem(*shape)
+        problem = problem_of(shape)
         if variant is None:
             variant = space_of(mode).default(problem, table.device)
         return entry(variant, problem, table.device)
@@ -121,12 +139,14 @@ class Dispatcher(dispatch.Dispatcher):
     def reject(self, mode: str, entry: Entry, shape: Shape, table: Table) -> str | None:
         space = space_of(mode)
         return space.why_invalid(space.variant_type.from_dict(entry["variant"]),
-                                 Problem(*shape), table.device)
+                                 problem_of(shape), table.device)
 
     def portable(self, mode: str, shape: Shape, table: Table) -> Entry | None:
         """flashgen's default without Gluon (fa3) kernels: portable Triton, for a chosen
         kernel that fails to build (see the runtime's `portable`)."""
-        problem = Problem(*shape)
+        problem = problem_of(shape)
+        if mode == "decode":
+            return entry(default_decode_variant(problem, table.device), problem, table.device)
         variant: Variant | BwdVariant = (
             default_variant(problem, table.device, fa3=False) if mode == "fwd"
             else default_bwd_variant(problem, table.device, fa3=False))
@@ -205,3 +225,20 @@ def run_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     its all-Triton twin on inputs TMA cannot address. Inputs are not validated here."""
     scale = default_scale(problem.head_dim) if scale is None else float(scale)
     return _backward(variant, problem, device_info(q.device))(do, q, k, v, out, lse, scale)
+
+
+@functools.lru_cache(maxsize=256)
+def _decode(variant: DecodeVariant, problem: DecodeProblem) -> DecodeLauncher:
+    found = entry(variant, problem, None)
+    return prepare_decode(found, shape_of(problem),  # type: ignore[arg-type]
+                          lambda role: load_role(found, role, problem))
+
+
+def run_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
+               variant: DecodeVariant, problem: DecodeProblem,
+               scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run decode `variant` on a KV cache of `problem`'s kind (see the runtime's
+    `prepare_decode`); returns (output like q, log-sum-exp). Inputs are not validated here."""
+    scale = default_scale(problem.head_dim) if scale is None else float(scale)
+    return _decode(variant, problem)(q, k_cache, v_cache, cache_seqlens, block_table, scale)

@@ -689,3 +689,32 @@ def test_the_runtime_imports_only_torch_triton_and_the_standard_library() -> Non
                 continue
             for name in names:
                 assert name.partition(".")[0] in allowed, f"{path.name} imports {name}"
+
+
+@pytest.mark.interpreter
+def test_decode_winners_ship_and_run(tmp_path: Path) -> None:
+    """A decode winner (paged, 16-key pages) ships with both decode kernels; the package
+    serves it exactly, and a contiguous cache of the same kind from the default grid."""
+    from dataclasses import replace
+
+    from flashgen.kernels.decode_variant import DecodeVariant
+    from flashgen.kernels.problem import DecodeProblem
+    from flashgen.tune.decode_bench import compare_kvcache, make_kvcache
+
+    problem = DecodeProblem(2, 8, 2, 1, 48, 16, "fp32", True, page_size=16)
+    variant = DecodeVariant(16, 16, 3, 1, 1)
+    _store(tmp_path / "t.db", problem, variant, INTERPRETER, mode="decode")
+    pkg = _export_and_import(tmp_path, "fgk_decode")
+    table = json.loads((tmp_path / "fgk_decode" / "table.json").read_text())
+    (tuned,) = table["gpus"]["cpu-interpreter"]["decode"]
+    assert tuned["variant"] == variant.to_dict() and tuned["page_size"] == 16
+    assert set(tuned["kernels"]) == {"decode", "decode_combine"}
+    assert len(table["generic"]["decode_defaults"]) == 3 * 4  # rows x page sizes, one kind
+    dispatcher = pkg.runtime.dispatch.default_dispatcher()
+    for p, how in ((problem, "exact"), (replace(problem, page_size=0), "fallback")):
+        c = make_kvcache(p, seqlens=[48, 21])
+        out, lse = pkg.attention_with_kvcache(c.q, c.k, c.v, c.seqlens,
+                                              block_table=c.block_table, return_lse=True)
+        assert dispatcher.explain_kvcache(c.q, c.k, c.v, c.seqlens, c.block_table).how == how
+        checked = compare_kvcache(out, c, True, lse=lse)
+        assert checked.ok, (p, checked.reason)

@@ -11,13 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from flashgen.kernels import bwd_render, render
+from flashgen.kernels import bwd_render, decode_render, render
 from flashgen.kernels.bwd_space import bwd_portfolio, bwd_search_space, default_bwd_variant
 from flashgen.kernels.bwd_variant import BwdVariant
+from flashgen.kernels.decode_space import decode_search_space, default_decode_variant
+from flashgen.kernels.decode_variant import DecodeVariant
 from flashgen.kernels.fwd_space import default_variant, portfolio, search_space
 from flashgen.kernels.hardware import INTERPRETER, DeviceInfo
 from flashgen.kernels.modes import AnyVariant
-from flashgen.kernels.problem import Problem
+from flashgen.kernels.problem import DecodeProblem, Problem
 from flashgen.kernels.resources import data_dir
 from flashgen.kernels.variant import Variant
 from flashgen.serve import Dispatcher
@@ -33,6 +35,9 @@ HOPPER = DeviceInfo("H-test", (9, 0), 132, 232448)
 PROBLEMS = (Problem(2, 8, 2, 1024, 1024, 64, "bf16", True),
             Problem(2, 8, 8, 1024, 1024, 128, "fp16", False),
             Problem(1, 2, 1, 256, 256, 40, "fp32", True))
+#: The decode family's branches: paged or contiguous, padded D or not, fp32 or 16-bit.
+DECODE_PROBLEMS = (DecodeProblem(2, 8, 2, 1, 1024, 64, "bf16", True, page_size=16),
+                   DecodeProblem(1, 2, 1, 3, 256, 40, "fp32", False))
 
 
 def test_normalised_drops_comments_docstrings_and_blank_lines_only() -> None:
@@ -84,11 +89,18 @@ def _cases() -> Iterator[tuple[AnyVariant, Problem]]:
         for v in dict.fromkeys([*fwd, default_variant(p, HOPPER), *bwd,
                                 default_bwd_variant(p, HOPPER)]):
             yield v, p
+    for p in DECODE_PROBLEMS:
+        for v in dict.fromkeys([*decode_search_space(p, HOPPER)[::50],
+                                default_decode_variant(p, HOPPER)]):
+            yield v, p
 
 
 def _sources(texts: Mapping[str, str], v: AnyVariant, p: Problem) -> list[tuple[str, str]]:
     if isinstance(v, Variant):
         return [("fwd", render.render_with(texts, v, p))]
+    if isinstance(v, DecodeVariant):
+        return [(r, decode_render.render_decode_with(texts, r, v, p))
+                for r in decode_render.decode_roles(v)]
     return [(r, bwd_render.render_bwd_with(texts, r, v, p)) for r in bwd_render.bwd_roles(v)]
 
 
@@ -101,9 +113,13 @@ def test_prose_added_to_every_template_keeps_every_kernel_hash(tmp_path: Path) -
         for role, source in edited:
             ast.parse(source)  # the prose lands where Python allows it
             seen.add(render.template_name(v) if role == "fwd"
+                     else decode_render.decode_template_name(role)  # type: ignore[arg-type]
+                     if isinstance(v, DecodeVariant)
                      else bwd_render.bwd_template_name(role, v))  # type: ignore[arg-type]
         assert [s for _, s in edited] != [s for _, s in _sources(render._templates(), v, p)]
-        kernel = render.kernel_hash if isinstance(v, Variant) else bwd_render.bwd_kernel_hash
+        kernel = (render.kernel_hash if isinstance(v, Variant)
+                  else decode_render.decode_kernel_hash if isinstance(v, DecodeVariant)
+                  else bwd_render.bwd_kernel_hash)
         assert render.sources_hash(edited) == kernel(v, p), (v, p)  # type: ignore[arg-type]
     kernels = {n for n in render._templates() if n.startswith("attn_")}
     assert seen == kernels, kernels - seen  # every kernel template was rendered

@@ -100,7 +100,8 @@ def test_hopper_kernels_are_offered_on_hopper_only(name: str) -> None:
     assert dev.is_hopper == hopper
     for problem in (flashgen.Problem(4, 16, 16, 4096, 4096, 128, "fp16", False),
                     flashgen.Problem(2, 32, 8, 8192, 8192, 64, "bf16", True)):
-        for space in SPACES.values():
+        # The decode family has no Hopper-only kernel: its points are portable everywhere.
+        for space in (SPACES["fwd"], SPACES["bwd"]):
             default = space.default(problem, dev)
             assert _hopper_only(default) == hopper, (space.mode, problem, default)
             picks = space.portfolio(problem, dev)

@@ -56,3 +56,35 @@ def test_llama_on_the_gpu(dtype: torch.dtype) -> None:
         "num_key_value_heads": 2,
     }
     _compare("cuda", dtype, size, seq=200)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generate_runs_the_decode_family(cache: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy `generate()` gives sdpa's tokens, and every new token's attention went through
+    `attention_with_kvcache` (2 layers x 3 steps after the prompt). A static cache hands over
+    all its slots; the valid length comes from the mask."""
+    register()
+    import flashgen.integrations.transformers as integration
+
+    size = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+            "num_key_value_heads": 1}
+    ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(2))
+    calls: list[tuple[int, ...]] = []
+    real = integration.flashgen.attention_with_kvcache
+
+    def counted(q: torch.Tensor, k: torch.Tensor, *args: object, **kw: object) -> object:
+        calls.append((q.shape[2], k.shape[2]))
+        return real(q, k, *args, **kw)
+
+    monkeypatch.setattr(integration.flashgen, "attention_with_kvcache", counted)
+    extra = {"cache_implementation": "static"} if cache == "static" else {}
+    with torch.no_grad():
+        tokens = {attn: _llama(attn, "cpu", torch.float32, size).generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+            **extra) for attn in ("sdpa", "flashgen")}
+    assert torch.equal(tokens["sdpa"], tokens["flashgen"]), calls
+    assert len(calls) == 2 * 3 and all(nq == 1 for nq, _ in calls)
+    if cache == "static":
+        # Every slot of the cache (the last token is never cached), not only the valid keys.
+        assert all(nk == 6 + 4 - 1 for _, nk in calls), calls

@@ -77,7 +77,7 @@ def tune_bwd(bench: FakeBwdBench, db: TuningDB, problem: Problem = PROBLEM,
 
 
 def test_modes_and_spaces_agree() -> None:
-    assert MODES == ("fwd", "bwd") and set(SPACES) == set(MODES)
+    assert MODES == ("fwd", "bwd", "decode") and set(SPACES) == set(MODES)
     knobs = knob_choices(bwd_search_space(PROBLEM, INTERPRETER))
     assert set(knobs) == {f.name for f in fields(BwdVariant)}
     assert set(knobs["dq_mode"]) == {"separate", "atomic"}

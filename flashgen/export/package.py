@@ -9,13 +9,18 @@ byte), which serves the table through `runtime/package.py`. Layout:
     PACKAGE/runtime/*.py     flashgen's runtime, verbatim
     PACKAGE/table.json       per GPU: tuned forward/backward entries and default grids;
                              plus generic defaults for GPUs or Tritons that were not tuned
-    PACKAGE/kernels/*.py     fwd_<hash>.py, bwd_{preprocess,dkdv,dq}_<hash>.py (a use_tma
+                             (a nondeterministic backward winner is followed by its key's
+                             fastest deterministic trial, as in flashgen's own tables)
+    PACKAGE/kernels/*.py     fwd_<hash>.py, bwd_{preprocess,dkdv,dq}_<hash>.py,
+                             decode_<hash>.py and decode_combine_<hash>.py (a use_tma
                              or fa3 forward, or an fa3 backward, also gets its pointer twin,
                              for unaligned inputs; the entry names the twin's variant)
     PACKAGE/README.md        what was exported, from where
 
 Backward winners are exported where the database has them; the default backward grid is
-always exported, so every exported forward kind also trains.
+always exported, so every exported forward kind also trains. Decode winners are exported
+likewise, with a default decode grid (packed rows x page size) for every kind with a decode
+or forward winner, so `attention_with_kvcache` and `attention`'s decode dispatch run.
 """
 
 from __future__ import annotations
@@ -36,16 +41,19 @@ from flashgen.export.rows import (
     GpuWinners,
     Selection,
     Sourced,
+    decode_default_grid,
     default_grid,
     tile_needs,
 )
 from flashgen.kernels.bwd_render import PREPROCESS_BLOCK_M, bwd_roles, render_bwd
 from flashgen.kernels.bwd_variant import BwdVariant
+from flashgen.kernels.decode_render import render_decode
+from flashgen.kernels.decode_variant import DecodeVariant
 from flashgen.kernels.hardware import DeviceInfo
 from flashgen.kernels.problem import Problem
 from flashgen.kernels.render import render, source_hash
 from flashgen.kernels.variant import Variant
-from flashgen.store.table import entry, winner_entry
+from flashgen.store.table import DETERMINISTIC_ROLE, entry, winner_entry
 from flashgen.version import __version__
 
 #: flashgen's runtime, which the package carries verbatim.
@@ -60,14 +68,15 @@ sources, and `table.json` says which of them serves which problem (see README.md
 """
 
 from .runtime import package as _package
-from .runtime.api import attention, explain
+from .runtime.api import attention, attention_with_kvcache, explain
 from .runtime.sdpa import scaled_dot_product_attention
 from .runtime.table import Choice
 
 tuned_gpus = _package.tuned_gpus
 _package.install()
 
-__all__ = ["Choice", "attention", "explain", "scaled_dot_product_attention", "tuned_gpus"]
+__all__ = ["Choice", "attention", "attention_with_kvcache", "explain",
+           "scaled_dot_product_attention", "tuned_gpus"]
 '''
 
 
@@ -96,6 +105,11 @@ class _Kernels:
     def of(self, mode: str, variant: AnyVariant, problem: Problem,
            twin: AnyVariant | None = None) -> dict[str, str]:
         """The kernel modules that run `variant`, by role; `twin`'s as "<role>_plain"."""
+        if mode == "decode":
+            assert isinstance(variant, DecodeVariant)
+            # Both kernels, whatever the splits: the runtime may pick its own count.
+            return {r: self.add(r, render_decode(r, variant, problem))  # type: ignore[arg-type]
+                    for r in ("decode", "decode_combine")}
         if mode == "fwd":
             assert isinstance(variant, Variant)
             kernels = {"fwd": self.add("fwd", render(variant, problem))}
@@ -119,7 +133,8 @@ def _shipped(found: dict[str, Any], kernels: _Kernels, mode: str, variant: AnyVa
     flashgen's renderer and rules: its kernel modules, and the lengths its tiles need."""
     twin = type(variant).from_dict(found["twin"]) if "twin" in found else None
     found["kernels"] = kernels.of(mode, variant, problem, twin)
-    found["need"] = list(tile_needs(mode, variant, problem))
+    if mode != "decode":  # decode tiles are correct at any length (masked), only slower
+        found["need"] = list(tile_needs(mode, variant, problem))
     return found
 
 
@@ -128,12 +143,22 @@ def _entry(kernels: _Kernels, mode: str, variant: AnyVariant, problem: Problem,
     return _shipped(entry(variant, problem, device), kernels, mode, variant, problem)
 
 
-def _tuned(kernels: _Kernels, mode: str, row: Sourced, device: DeviceInfo) -> dict[str, Any]:
+def _tuned(kernels: _Kernels, mode: str, row: Sourced, device: DeviceInfo) -> list[dict[str, Any]]:
+    """The winner's entry, then its deterministic alternate's where it has one (the order
+    the runtime tries them in)."""
     w = row.winner
-    return _shipped(winner_entry(w, row.source(), device), kernels, mode, w.variant, w.problem)
+    entries = [_shipped(winner_entry(w, row.source(), device), kernels, mode, w.variant,
+                        w.problem)]
+    if row.alternate is not None:
+        a = row.alternate
+        found = winner_entry(a, f"{row.source(a)} ({DETERMINISTIC_ROLE})", device,
+                             DETERMINISTIC_ROLE)
+        entries.append(_shipped(found, kernels, mode, a.variant, a.problem))
+    return entries
 
 
-def _defaults(kernels: _Kernels, families: list[Family], device: DeviceInfo) -> dict[str, Any]:
+def _defaults(kernels: _Kernels, families: list[Family], decode_families: list[Family],
+              device: DeviceInfo) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for mode in ("fwd", "bwd"):
         out[f"{mode}_defaults"] = [
@@ -143,31 +168,41 @@ def _defaults(kernels: _Kernels, families: list[Family], device: DeviceInfo) -> 
             for fam in families
             for nq, nk, variant, problem in default_grid(mode, fam, device)
         ]
+    out["decode_defaults"] = [
+        {"dtype": fam[0], "causal": fam[1], "head_dim": fam[2], "rows": rows,
+         "page_size": page, **_entry(kernels, "decode", variant, problem, device)}
+        for fam in decode_families
+        for rows, page, variant, problem in decode_default_grid(fam, device)
+    ]
     return out
 
 
-def _gpu_table(kernels: _Kernels, gpu: GpuWinners, families: list[Family]) -> dict[str, Any]:
+def _gpu_table(kernels: _Kernels, gpu: GpuWinners, families: list[Family],
+               decode_families: list[Family]) -> dict[str, Any]:
     major, minor = gpu.device.capability
     return {
         "capability": f"{major}.{minor}", "sm_count": gpu.device.sm_count,
         "device_key": gpu.device_key, "triton_version": gpu.triton_version,
-        "fwd": [_tuned(kernels, "fwd", s, gpu.device) for s in gpu.fwd],
-        "bwd": [_tuned(kernels, "bwd", s, gpu.device) for s in gpu.bwd],
-        **_defaults(kernels, families, gpu.device),
+        "fwd": [e for s in gpu.fwd for e in _tuned(kernels, "fwd", s, gpu.device)],
+        "bwd": [e for s in gpu.bwd for e in _tuned(kernels, "bwd", s, gpu.device)],
+        "decode": [e for s in gpu.decode for e in _tuned(kernels, "decode", s, gpu.device)],
+        **_defaults(kernels, families, decode_families, gpu.device),
     }
 
 
 def build_table(selection: Selection) -> tuple[dict[str, Any], dict[str, str]]:
     """(table.json's content, kernel module name -> Triton source)."""
     kernels = _Kernels()
-    families = selection.families()
+    families, decode_families = selection.families(), selection.decode_families()
     table = {
         "format": TABLE_FORMAT,
         "flashgen_version": __version__,
         "preprocess_block_m": PREPROCESS_BLOCK_M,
         "lengths": list(LENGTHS),
-        "gpus": {g.device.name: _gpu_table(kernels, g, families) for g in selection.gpus},
-        "generic": {"device": GENERIC.to_dict(), **_defaults(kernels, families, GENERIC)},
+        "gpus": {g.device.name: _gpu_table(kernels, g, families, decode_families)
+                 for g in selection.gpus},
+        "generic": {"device": GENERIC.to_dict(),
+                    **_defaults(kernels, families, decode_families, GENERIC)},
     }
     return table, kernels.sources
 
@@ -189,8 +224,10 @@ def _readme(name: str, table: dict[str, Any], notes: list[str]) -> str:
         "```", "", "Tuned for:", "",
     ]
     for gpu, t in table["gpus"].items():
+        winners = {m: sum("role" not in e for e in t[m]) for m in ("fwd", "bwd", "decode")}
         lines.append(f"- {gpu} (sm {t['capability']}, Triton {t['triton_version']}): "
-                     f"{len(t['fwd'])} forward and {len(t['bwd'])} backward winners")
+                     f"{winners['fwd']} forward, {winners['bwd']} backward and "
+                     f"{winners['decode']} decode winners")
     lines += ["", "Other GPUs and Triton versions get the generic default variants, with a "
               "warning."]
     lines += [f"- note: {n}" for n in notes]
@@ -232,5 +269,6 @@ def write_package(selection: Selection, out: Path, name: str, force: bool = Fals
         tmp.rename(target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    tuned = sum(len(t["fwd"]) + len(t["bwd"]) for t in table["gpus"].values())
+    tuned = sum(len(t["fwd"]) + len(t["bwd"]) + len(t["decode"])
+                for t in table["gpus"].values())
     return ExportReport(target, list(table["gpus"]), tuned, len(sources), selection.families())

@@ -6,6 +6,8 @@ The rules follow `flashgen.runtime.dispatch`: only current rows (a row whose ker
 hash differs from its variant's rendered now timed a kernel this flashgen no longer renders),
 earlier databases win a bucket, then the row of the running torch, then the newest.
 One Triton version per GPU, since the exported runtime checks a single version.
+A backward winner that is not deterministic carries its key's fastest deterministic trial,
+which the package serves under `torch.use_deterministic_algorithms(True)`, as flashgen does.
 """
 
 from __future__ import annotations
@@ -21,13 +23,15 @@ from flashgen.kernels.bwd_space import (
     default_bwd_variant,
 )
 from flashgen.kernels.bwd_variant import BwdVariant
+from flashgen.kernels.decode_space import default_decode_variant
+from flashgen.kernels.decode_variant import DecodeVariant
 from flashgen.kernels.fwd_space import (
     block_m_longer_than_queries,
     block_n_longer_than_keys,
     default_variant,
 )
 from flashgen.kernels.hardware import CPU_INTERPRETER, INTERPRETER, DeviceInfo
-from flashgen.kernels.problem import Problem
+from flashgen.kernels.problem import DecodeProblem, Problem
 from flashgen.kernels.variant import Variant
 from flashgen.store.current import row_is_current
 from flashgen.store.db import TuningDB, WinnerRow
@@ -57,18 +61,22 @@ LENGTH_RULES = {
 }
 
 Family = tuple[str, bool, int]  # dtype, causal, head dim: what a kernel's source depends on
-AnyVariant = Variant | BwdVariant
+AnyVariant = Variant | BwdVariant | DecodeVariant
 
 
 @dataclass(frozen=True)
 class Sourced:
-    """A winner and the database it came from."""
+    """A winner and the database it came from; `alternate`: its key's fastest deterministic
+    trial where the winner is not deterministic (`TuningDB.fastest_deterministic`)."""
 
     winner: WinnerRow
     path: Path
+    alternate: WinnerRow | None = None
 
-    def source(self) -> str:
-        return f"{self.path.name} winners[{self.winner.key.id}] trial {self.winner.trial_id}"
+    def source(self, row: WinnerRow | None = None) -> str:
+        """Where `row` (default: the winner; else its alternate) comes from."""
+        row = row or self.winner
+        return f"{self.path.name} winners[{self.winner.key.id}] trial {row.trial_id}"
 
 
 @dataclass(frozen=True)
@@ -80,6 +88,7 @@ class GpuWinners:
     triton_version: str
     fwd: list[Sourced]
     bwd: list[Sourced]
+    decode: list[Sourced] = field(default_factory=list)
 
 
 @dataclass
@@ -91,6 +100,13 @@ class Selection:
         """Every (dtype, causal, head dim) with a winner on some GPU."""
         found = {(s.winner.key.dtype, s.winner.key.causal, s.winner.key.head_dim)
                  for g in self.gpus for s in (*g.fwd, *g.bwd)}
+        return sorted(found)
+
+    def decode_families(self) -> list[Family]:
+        """Every (dtype, causal, head dim) with a decode winner, or a forward one: `attention`
+        runs the decode family for a few queries against many keys."""
+        found = {(s.winner.key.dtype, s.winner.key.causal, s.winner.key.head_dim)
+                 for g in self.gpus for s in (*g.fwd, *g.decode)}
         return sorted(found)
 
 
@@ -110,14 +126,14 @@ def _read(paths: Sequence[Path], gpu: str | None, notes: list[str]) -> dict[str,
         if not path.is_file():
             continue
         with TuningDB.open_readonly(path) as db:
-            rows = db.all_winners()
-        for w in rows:
-            if gpu is not None and w.key.gpu_name != gpu:
-                continue
-            if not row_is_current(w):
-                stale += 1
-                continue
-            found.setdefault(w.key.gpu_name, []).append(Sourced(w, path))
+            for w in db.all_winners():
+                if gpu is not None and w.key.gpu_name != gpu:
+                    continue
+                if not row_is_current(w):
+                    stale += 1
+                    continue
+                found.setdefault(w.key.gpu_name, []).append(
+                    Sourced(w, path, db.fastest_deterministic(w)))
     if stale:
         notes.append(f"{stale} winner(s) tuned on other template text left out (re-tune them)")
     return found
@@ -143,7 +159,8 @@ def _one_gpu(name: str, rows: list[Sourced], notes: list[str]) -> GpuWinners:
     chosen: dict[tuple, Sourced] = {}
     for s in rows:  # in database precedence order
         k = s.winner.key
-        bucket = (k.mode, k.dtype, k.causal, k.head_dim, k.gqa, k.seq_q_bucket, k.seq_k_bucket)
+        bucket = (k.mode, k.dtype, k.causal, k.head_dim, k.gqa, k.seq_q_bucket, k.seq_k_bucket,
+                  k.page_size, k.bh_bucket)
         held = chosen.get(bucket)
         rank = lambda x: (x.winner.key.torch_version == torch_now, x.winner.updated_at)
         if held is None or (held.path == s.path and rank(s) > rank(held)):
@@ -156,6 +173,7 @@ def _one_gpu(name: str, rows: list[Sourced], notes: list[str]) -> GpuWinners:
         triton_version=triton,
         fwd=[s for s in ordered if s.winner.key.mode == "fwd"],
         bwd=[s for s in ordered if s.winner.key.mode == "bwd"],
+        decode=[s for s in ordered if s.winner.key.mode == "decode"],
     )
 
 
@@ -183,6 +201,26 @@ def tile_needs(mode: str, variant: AnyVariant, problem: Problem) -> tuple[int, i
         raise ValueError(f"{variant} fits no length up to {longest}")
 
     return smallest("q"), smallest("k")
+
+
+#: The decode defaults' grid: packed query rows (GQA group x Nq, as the tile's rows) and the
+#: page size a default is chosen for (0: contiguous); the runtime's `Table.default` rounds a
+#: call to these (`decode_default_key`).
+DECODE_ROWS = (16, 32, 64)
+DECODE_PAGES = (0, 16, 32, 64)
+
+
+def decode_default_grid(family: Family, device: DeviceInfo,
+                        ) -> list[tuple[int, int, DecodeVariant, DecodeProblem]]:
+    """flashgen's default decode variant of `family` on `device` at every (rows, page) of
+    the grid: what `default_decode_variant` picks, evaluated ahead of time."""
+    dtype, causal, head_dim = family
+    grid = []
+    for rows in DECODE_ROWS:
+        for page in DECODE_PAGES:
+            problem = DecodeProblem(1, rows, 1, 1, 4096, head_dim, dtype, causal, page)
+            grid.append((rows, page, default_decode_variant(problem, device), problem))
+    return grid
 
 
 def default_grid(mode: str, family: Family,

@@ -7,15 +7,52 @@ flash-attention path does, a padded batch (a 2-D padding mask) is unpadded into 
 sequences for `flashgen.attention_varlen` and padded back (pad rows give 0), and packed
 documents (batch 1, position ids restarting at 0, or `cu_seq_lens_*` given) run as separate
 sequences. A layer's `sliding_window`, `softcap` and `s_aux` (attention sinks) are honoured.
+
+Generation: a step of a few new tokens against a cache of an unpadded batch, without
+modifiers, runs the decode family (`flashgen.attention_with_kvcache`). A dynamic cache hands
+over exactly the keys seen so far; a static cache hands over all of its Nmax slots, and
+transformers' flash-style mask (a 2-D all-ones mask as long as the keys seen, shorter than
+the cache) says how many are valid.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 
 import flashgen
+
+#: New tokens per step that run the decode family (generation, speculative decoding): the
+#: limit `flashgen.attention` itself uses for a few queries against a long cache.
+DECODE_MAX_NEW_TOKENS = 16
+
+#: The last mask read and whether it was free of padding: every layer of a forward pass gets
+#: the same mask, which is read back once per pass, not once per layer (a GPU sync).
+_last: list[Any] = [None, False]
+
+
+def _mask_state(attention_mask: torch.Tensor | None, keys: int) -> tuple[int, bool]:
+    """(valid leading keys, padded). Without a mask every key is valid; a 2-D all-ones mask
+    (a static cache's) says how many are; any other 2-D mask is padding, which the caller
+    unpads. A mask of more dimensions (a custom mask) raises. Every layer of a pass gets the
+    same mask, read back once per pass (a GPU sync), not once per layer."""
+    if attention_mask is None:
+        return keys, False
+    if attention_mask.dim() != 2:
+        raise ValueError(
+            f"flashgen got a {attention_mask.dim()}-D attention_mask (a custom mask); it takes "
+            "2-D padding masks only. Use attn_implementation='sdpa' for this model."
+        )
+    seen = _last[0]() if _last[0] is not None else None
+    if seen is attention_mask:
+        unpadded = _last[1]
+    else:
+        unpadded = attention_mask.shape[1] <= keys and bool(attention_mask.all())
+        _last[:] = [weakref.ref(attention_mask), unpadded]
+    return (attention_mask.shape[1], False) if unpadded else (keys, True)
+
 
 NAME = "flashgen"
 
@@ -35,16 +72,12 @@ def flashgen_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: (B, H, N, D) in, (B, N, H, D) out."""
+    valid, padded = _mask_state(attention_mask, key.shape[2])
     if dropout and module.training:
         raise ValueError(f"attention dropout {dropout} is not supported by flashgen")
-    if attention_mask is not None and attention_mask.dim() != 2:
-        raise ValueError(
-            f"flashgen got a {attention_mask.dim()}-D attention_mask (a custom mask); it takes "
-            "2-D padding masks only. Use attn_implementation='sdpa' for this model."
-        )
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     window = None
-    if sliding_window is not None and sliding_window < key.shape[2]:
+    if sliding_window is not None and sliding_window < valid:
         # Keys (i - sliding_window, i] for causal layers: transformers' flash-attention
         # convention (sliding_window - 1 on either side; causal cuts the right one).
         window = (sliding_window - 1, sliding_window - 1)
@@ -52,17 +85,25 @@ def flashgen_attention_forward(
         s_aux = s_aux.float()  # under autocast the sinks keep the parameters' dtype
     options = {"causal": causal, "scale": scaling, "window": window, "softcap": softcap,
                "sinks": s_aux}
-    packed = _packed_lengths(query, attention_mask, kwargs)
-    if attention_mask is not None:
+    modified = window is not None or softcap is not None or s_aux is not None
+    nq = query.shape[2]
+    if padded:
+        assert attention_mask is not None
         out = _padded(query, key, value, attention_mask.bool(), options)
-    elif packed is not None:
+    elif (packed := _packed_lengths(query, attention_mask, kwargs)) is not None:
         cu, longest = packed
         q, k, v = (t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])
                    for t in (query, key, value))
         out = flashgen.attention_varlen(q, k, v, cu, cu, longest, longest, **options)
-        out = out.view(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+        out = out.view(query.shape[0], nq, query.shape[1], query.shape[3])
+    elif not modified and nq <= DECODE_MAX_NEW_TOKENS and valid > nq:
+        # New tokens against a cache: the decode family, every sequence `valid` keys long.
+        lengths = torch.full((query.shape[0],), valid, dtype=torch.int32, device=query.device)
+        out = flashgen.attention_with_kvcache(query, key, value, lengths, causal=causal,
+                                              scale=scaling).transpose(1, 2)
     else:
-        out = flashgen.attention(query, key, value, **options).transpose(1, 2)
+        out = flashgen.attention(query, key[:, :, :valid], value[:, :, :valid],
+                                 **options).transpose(1, 2)
     return out.contiguous(), None
 
 

@@ -71,6 +71,13 @@ class BwdVariant(Knobs):
             + (f" dq-x{self.dq_block_streamed}" if self.dq_block_streamed else "")
         )
 
+    @property
+    def deterministic(self) -> bool:
+        """Whether its gradients are bitwise equal from run to run: the atomic dQ mode adds
+        fp32 shares in whatever order programs reach them; the separate mode's programs own
+        their rows (GQA dK/dV is summed on chip, and the Gluon kernels run only separate)."""
+        return self.dq_mode == "separate"
+
     def gluon(self, kernel: str) -> bool:
         """Whether backward kernel `kernel` ("preprocess", "dkdv", "dq") is a Gluon one."""
         return (kernel == "dq" and self.fa3 in ("dq", "both")) or (

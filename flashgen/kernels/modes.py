@@ -19,6 +19,14 @@ from flashgen.kernels.bwd_space import (
     why_invalid_bwd,
 )
 from flashgen.kernels.bwd_variant import BwdVariant
+from flashgen.kernels.decode_render import decode_kernel_hash
+from flashgen.kernels.decode_space import (
+    decode_portfolio,
+    decode_search_space,
+    default_decode_variant,
+    why_invalid_decode,
+)
+from flashgen.kernels.decode_variant import DecodeVariant
 from flashgen.kernels.fwd_space import (
     default_variant,
     portfolio,
@@ -31,8 +39,8 @@ from flashgen.kernels.render import kernel_hash
 from flashgen.kernels.variant import Variant
 
 #: A point of either space.
-AnyVariant = Variant | BwdVariant
-V = TypeVar("V", Variant, BwdVariant)
+AnyVariant = Variant | BwdVariant | DecodeVariant
+V = TypeVar("V", Variant, BwdVariant, DecodeVariant)
 
 
 @dataclass(frozen=True)
@@ -48,21 +56,36 @@ class ModeSpace(Generic[V]):
     portfolio: Callable[[Problem, DeviceInfo], list[V]]
     #: The code part of a stored row's key: the hash of the kernels a variant launches.
     kernel_hash: Callable[[V, Problem], str]
+    #: Whether a variant gives bitwise-equal results run to run (`tune --deterministic`).
+    deterministic: Callable[[V], bool]
 
     def from_json(self, text: str) -> V:
         return self.variant_type.from_json(text)
 
 
+def _fwd_deterministic(variant: Variant) -> bool:
+    """Every forward variant: each program owns its output rows and adds nothing atomically."""
+    return True
+
+
+def _bwd_deterministic(variant: BwdVariant) -> bool:
+    return variant.deterministic
+
+
 SPACES: dict[str, ModeSpace] = {
     "fwd": ModeSpace("fwd", Variant, search_space, why_invalid, default_variant, portfolio,
-                     kernel_hash),
+                     kernel_hash, _fwd_deterministic),
     "bwd": ModeSpace("bwd", BwdVariant, bwd_search_space, why_invalid_bwd, default_bwd_variant,
-                     bwd_portfolio, bwd_kernel_hash),
+                     bwd_portfolio, bwd_kernel_hash, _bwd_deterministic),
+    # Decode problems are `DecodeProblem`s (a page size besides a Problem's fields).
+    "decode": ModeSpace("decode", DecodeVariant, decode_search_space, why_invalid_decode,
+                        default_decode_variant, decode_portfolio, decode_kernel_hash,
+                        _fwd_deterministic),
 }
 
 
 def space_of(mode: str) -> ModeSpace:
-    """The search space of `mode` ("fwd" or "bwd"); anything else is a ValueError."""
+    """The search space of `mode` ("fwd", "bwd" or "decode"); anything else is a ValueError."""
     try:
         return SPACES[mode]
     except KeyError:

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from flashgen.kernels.hardware import DeviceInfo, cuda_index
-from flashgen.kernels.problem import Problem
+from flashgen.kernels.problem import DecodeProblem, Problem
 
 TOKENS_PER_BATCH = 16384
 
@@ -56,6 +56,73 @@ PRESETS: dict[str, Preset] = {
     "tiny": Preset("Tiny shapes for the CPU interpreter (CI smoke tests)",
                    ((2, 1, 16), (4, 2, 24)), (32, 48), batch=1),
 }
+
+
+
+@dataclass(frozen=True)
+class DecodePreset:
+    """Heads of one model generating: Nq new tokens against caches of Nk keys, B sequences."""
+
+    description: str
+    heads: tuple[tuple[int, int, int], ...]  # (Hq, Hkv, D)
+    batches: tuple[int, ...]
+    seq_ks: tuple[int, ...]
+    seq_q: int = 1
+
+    def shapes(self) -> list[tuple[int, int, int, int, int, int]]:
+        """(B, Hq, Hkv, Nq, Nk, D) for every head layout, batch and cache length."""
+        return [(b, hq, hkv, self.seq_q, nk, d) for hq, hkv, d in self.heads
+                for b in self.batches for nk in self.seq_ks]
+
+
+_DECODE_BATCHES = (1, 8, 32, 128)
+_DECODE_LENS = tuple(1024 << i for i in range(8))  # 1k .. 128k
+
+DECODE_PRESETS: dict[str, DecodePreset] = {
+    "llama3-8b-decode": DecodePreset("Llama 3 8B generating: 32 query heads, 8 KV heads, D 128",
+                                     ((32, 8, 128),), _DECODE_BATCHES, _DECODE_LENS),
+    "llama3-70b-decode": DecodePreset("Llama 3 70B generating: 64 query heads, 8 KV heads, "
+                                      "D 128", ((64, 8, 128),), _DECODE_BATCHES, _DECODE_LENS),
+    "qwen2.5-7b-decode": DecodePreset("Qwen2.5 7B generating: 28 query heads, 4 KV heads, "
+                                      "D 128", ((28, 4, 128),), _DECODE_BATCHES, _DECODE_LENS),
+    # Issue 30's target grid (H200, bf16): B 1, 8, 64 x Nk 2k, 8k, 32k, 128k.
+    "decode-targets": DecodePreset("The decode target grid: Hq 32, Hkv 8, D 128, B 1/8/64, "
+                                   "Nk 2k..128k", ((32, 8, 128),), (1, 8, 64),
+                                   (2048, 8192, 32768, 131072)),
+    "tiny-decode": DecodePreset("Tiny decode shapes for the CPU interpreter",
+                                ((4, 1, 16), (8, 2, 24)), (2,), (48,)),
+}
+
+
+def decode_problems(shapes: Iterable[str], presets: Iterable[str], dtypes: Iterable[str],
+                    causal: Iterable[bool], page_sizes: Iterable[int]) -> list[DecodeProblem]:
+    """Decode problems from `B,Hq,Hkv,Nq,Nk,D` strings and decode presets, for each dtype,
+    mask and page size (0: contiguous), in that order, without duplicates. The page sizes
+    vary fastest, so a shape's contiguous problem comes before its paged ones."""
+    texts = list(shapes)
+    for name in presets:
+        try:
+            preset = DECODE_PRESETS[name]
+        except KeyError:
+            raise ValueError(f"unknown decode preset {name!r}; choose from "
+                             f"{sorted(DECODE_PRESETS)}") from None
+        texts += [",".join(map(str, s)) for s in preset.shapes()]
+    dtypes, causal, page_sizes = list(dtypes), list(causal), list(page_sizes)
+    found = [DecodeProblem.parse(t, d, c, page) for t in texts for d in dtypes for c in causal
+             for page in page_sizes]
+    return list(dict.fromkeys(found))
+
+
+def parse_page_sizes(text: str) -> list[int]:
+    """`0,16` -> [0, 16] (0: a contiguous cache); DecodeProblem checks each."""
+    try:
+        sizes = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"--page-size takes comma-separated integers, got {text!r}") from None
+    if not sizes:
+        raise ValueError("no page size given")
+    return sizes
+
 
 CAUSAL_CHOICES: dict[str, tuple[bool, ...]] = {
     "no": (False,),
@@ -126,8 +193,11 @@ def kind_label(dtype: str, causal: bool, head_dim: int, gqa: int, seq_q: int,
 def problem_label(p: Problem) -> str:
     """`kind_label` of a whole problem, then its batch and query heads: "bf16 c D128 g4 2k
     B8 H32"."""
+    cache = ""
+    if isinstance(p, DecodeProblem):
+        cache = f" p{p.page_size}" if p.page_size else " contig"
     return (f"{kind_label(p.dtype, p.causal, p.head_dim, p.group, p.seq_q, p.seq_k)} "
-            f"B{p.batch} H{p.heads_q}")
+            f"B{p.batch} H{p.heads_q}{cache}")
 
 
 def shape_text(p: Problem) -> str:
@@ -140,5 +210,7 @@ def tune_command(device: DeviceInfo, problem: Problem, mode: str = "both") -> st
     interpreter needs `--device cpu` (and a GPU index would be wrong there), a GPU the index
     under which this process sees that model."""
     where = "--device cpu" if device.is_interpreter else f"--gpu {cuda_index(device)}"
+    page = (f" --page-size {problem.page_size}"
+            if isinstance(problem, DecodeProblem) and mode == "decode" else "")
     return (f"flashgen tune {where} --shape {shape_text(problem)} --dtype {problem.dtype} "
-            f"--causal {'yes' if problem.causal else 'no'} --mode {mode}")
+            f"--causal {'yes' if problem.causal else 'no'} --mode {mode}{page}")

@@ -6,6 +6,7 @@ tensors by `Problem.from_tensors` and from the CLI's `--shape` strings by `Probl
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -105,6 +106,9 @@ class Problem:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Problem:
+        """The problem `to_dict` gave `data`: a `DecodeProblem` where it names a page size."""
+        if cls is Problem and "page_size" in data:
+            return DecodeProblem(**data)
         return cls(**data)
 
     @classmethod
@@ -131,3 +135,43 @@ class Problem:
             f"B{self.batch} Hq{self.heads_q} Hkv{self.heads_kv} Nq{self.seq_q} Nk{self.seq_k} "
             f"D{self.head_dim} {self.dtype} {mask}"
         ) + "".join(f" {name}" for name in self.modifiers)
+
+
+@dataclass(frozen=True)
+class DecodeProblem(Problem):
+    """A call of the decode family: q (B, Hq, Nq, D) against a KV cache of `seq_k` keys per
+    sequence (the tuner fills every sequence to seq_k; a call's key is its cache capacity).
+
+    page_size: 0 for contiguous caches (B, Hkv, Nmax, D); else the keys per page of a paged
+    cache (num_pages, page_size, Hkv, D), a power of two.
+    """
+
+    page_size: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        p = self.page_size
+        if not isinstance(p, int) or p < 0 or (p and p & (p - 1)):
+            raise ValueError(f"page_size must be 0 (contiguous) or a power of two, got {p!r}")
+
+    @property
+    def paged(self) -> bool:
+        return self.page_size > 0
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of K and V a call reads: every valid key of every sequence, once per K/V
+        head (the decode kernels' GQA packing reads each K/V head once)."""
+        elem = 4 if self.dtype == "fp32" else 2
+        return 2 * self.batch * self.heads_kv * self.seq_k * self.head_dim * elem
+
+    @classmethod
+    def parse(cls, shape: str, dtype: str = "fp16", causal: bool = True,
+              page_size: int = 0) -> DecodeProblem:
+        """The CLI's `B,Hq,Hkv,Nq,Nk,D` form, with a page size (0: contiguous)."""
+        base = Problem.parse(shape, dtype, causal)
+        return cls(*dataclasses.astuple(base), page_size=page_size)
+
+    def __str__(self) -> str:
+        cache = f"paged{self.page_size}" if self.page_size else "contiguous"
+        return f"{super().__str__()} decode {cache}"

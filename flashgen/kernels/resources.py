@@ -15,7 +15,11 @@ _SOURCE_ROOT = Path(__file__).resolve().parents[2]
 
 
 def data_dir(name: str) -> Traversable:
-    """The folder `name` ("templates" or "tuning_db") of package data."""
+    """The folder `name` ("templates" or "tuning_db") of package data. A checkout (its
+    pyproject.toml beside the package) reads its own folders, even where an editable install
+    of another checkout maps `flashgen.<name>` elsewhere (git worktrees sharing one venv)."""
+    if (_SOURCE_ROOT / "pyproject.toml").is_file() and (_SOURCE_ROOT / name).is_dir():
+        return _SOURCE_ROOT / name
     try:
         return importlib.resources.files(f"flashgen.{name}")
     except ImportError:

@@ -1,4 +1,5 @@
-"""The public calls: `attention` and `explain` (flashgen's, and every exported package's)."""
+"""The public calls: `attention`, `attention_with_kvcache` and `explain` (flashgen's, and every
+exported package's)."""
 
 from __future__ import annotations
 
@@ -153,6 +154,41 @@ def _modified(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Te
         return ops.ModifiedAttention.apply(q, k, v, sinks, causal, scale, mods, variant,
                                            bwd_variant, d)
     return d.forward(q, k, v, causal, scale, variant, mods)
+
+
+def attention_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    *,
+    block_table: torch.Tensor | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+    return_lse: bool = False,
+    variant: Any = None,
+    dispatcher: Dispatcher | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention of a few new queries against a KV cache: the decode family (flash-decoding:
+    the keys split across programs, the query heads of one K/V head packed into one tile).
+
+    q: (B, Hq, Nq, D), any strides. Caches, either contiguous, k_cache and v_cache
+    (B, Hkv, Nmax, D) with any strides (a (B, Nmax, Hkv, D) tensor transposed works), or paged
+    (num_pages, page_size, Hkv, D) with `block_table` (B, max_pages) int32 naming each
+    sequence's pages in order; page_size a power of two. `cache_seqlens` (B,) int32: the valid
+    keys of each sequence (ragged batches work). With `causal` (the default) the last Nq of a
+    sequence's keys are the queries' own: query i sees keys j <= i + L - Nq. Lengths beyond
+    the cache, negative lengths and (under causal) lengths below Nq are ValueErrors, checked
+    on the host where the lengths are (CPU tensors) or with FLASHGEN_DEBUG=1, which also checks
+    page ids; without it GPU lengths are clamped to the cache in the kernel, and pages are
+    trusted (a check would cost a GPU sync each call). Inference only: no gradient.
+    `variant=` (flashgen: a `flashgen.DecodeVariant`) runs exactly that variant.
+    Returns the output (like q), and with `return_lse` the log-sum-exp (B, Hq, Nq) fp32.
+    """
+    check_options(causal, scale)
+    out, lse = (dispatcher or default_dispatcher()).kvcache(
+        q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, variant)
+    return (out, lse) if return_lse else out
 
 
 def explain(

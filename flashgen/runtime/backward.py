@@ -38,6 +38,20 @@ def fa3_tile_rows(kernel: str, variant: Any) -> tuple[int, ...]:
     return (64, rows, rows, 64, 64)  # q, k, v, do, dq: Q and dO owned
 
 
+def why_nondeterministic(entry: Entry) -> str | None:
+    """Why `entry`'s gradients may differ bitwise from run to run (None: they never do).
+
+    Only the atomic dQ mode is: its dK/dV programs add their shares of dQ with fp32 atomics
+    in whatever order they reach them. The separate dQ kernel owns its rows, GQA's dK/dV is
+    summed on chip, and the Gluon kernels run only separate. The twin is asked too: it runs
+    where TMA cannot address the inputs."""
+    for data in (entry["variant"], entry.get("twin") or {}):
+        if data.get("dq_mode") == "atomic":
+            return ("its dq_mode 'atomic' adds dQ with fp32 atomics, in an order that varies "
+                    "from run to run")
+    return None
+
+
 class _Kernels:
     """One variant's backward kernels and knobs, loaded once."""
 

@@ -5,6 +5,14 @@ A `Dispatcher` reads each device's table once (`table`) and, per call shape, pic
 caches it: after the first call of a shape, a call is one dict lookup, the allocations and the
 launch. The forward and the backward pass are served alike.
 
+Under `torch.use_deterministic_algorithms(True)` the backward serves only entries whose
+gradients are bitwise equal run to run (`backward.why_nondeterministic`): a nondeterministic
+tuned entry gives way to the next entry of its bucket (flashgen's tables follow such a winner
+with its key's fastest deterministic trial), the nearest bucket, or the default; an explicit
+nondeterministic `bwd_variant=` is an error, as torch's own ops without a deterministic
+implementation are (a warning with `warn_only=True`). The flag is part of the backward plan's
+key, so turning it on or off between calls is honoured.
+
 What differs between flashgen and an exported package is data and these methods:
 - `load_table`: where a device's table comes from (exports: table.json; flashgen: the tuning
   databases, through `flashgen.store.table`);
@@ -25,15 +33,23 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
-from .backward import BwdLauncher, prepare_backward
+from .backward import BwdLauncher, prepare_backward, why_nondeterministic
 from .forward import Launcher, default_scale, prepare_forward
 from .inputs import DTYPE_NAMES, check_inputs, check_options, check_runnable
+from .kvcache import (
+    DecodeShape,
+    check_kvcache,
+    debug_checks,
+    prepare_decode,
+    serves_as_decode,
+)
 from .modifiers import Mods
 from .table import Choice, Entry, Shape, Table
 
@@ -41,6 +57,7 @@ from .table import Choice, Entry, Shape, Table
 #: its logger and its torch.library namespace.
 PACKAGE = (__package__ or __name__).rpartition(".")[0]
 log = logging.getLogger(PACKAGE)
+_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 
 @dataclass(frozen=True)
@@ -79,6 +96,7 @@ class Dispatcher:
         self._tables: dict[torch.device, Table] = {}
         self._plans: dict[tuple, _Plan] = {}
         self._bwd_plans: dict[tuple, _Plan] = {}
+        self._decode_plans: dict[tuple, _Plan] = {}
         self._current: dict[int, str | None] = {}  # id(entry) -> kernel_is_current's answer
         self._decoded: dict[tuple[str, str], Any] = {}
         self._failed: set[tuple] = set()  # kernels whose failure to build was warned of
@@ -91,7 +109,8 @@ class Dispatcher:
 
     def kernel(self, entry: Entry, role: str, shape: Shape) -> Any:
         """The JIT function that plays `role` ("fwd", "preprocess", "dkdv", "dq"; with
-        "_plain": the twin's) for `entry` on calls of `shape`'s kind."""
+        "_plain": the twin's; "decode", "decode_combine" for a `DecodeShape`) for `entry`
+        on calls of `shape`'s kind."""
         raise NotImplementedError
 
     def entry(self, mode: str, variant: Any, shape: Shape, table: Table) -> Entry:
@@ -128,7 +147,7 @@ class Dispatcher:
         dispatcher runs."""
         if variant is None:
             return
-        name = "variant" if mode == "fwd" else "bwd_variant"
+        name = {"fwd": "variant", "bwd": "bwd_variant"}.get(mode, f"{mode}_variant")
         cls = self.variant_types.get(mode)
         if cls is None:
             raise TypeError(f"{name}= is not supported here: {PACKAGE} runs its tuned "
@@ -169,12 +188,35 @@ class Dispatcher:
             notice = table.data.get("untuned", {}).get(mode)
             if notice:
                 log.warning(notice)
-        entry, how, reason = table.lookup(
-            mode, shape, lambda e: self.reject(mode, e, shape, table) or self._stale(mode, e))
+        deterministic = mode == "bwd" and torch.are_deterministic_algorithms_enabled()
+
+        def check(e: Entry) -> str | None:
+            if deterministic and (why := why_nondeterministic(e)):
+                return f"{why} (deterministic algorithms are on)"
+            return self.reject(mode, e, shape, table) or self._stale(mode, e)
+
+        entry, how, reason = table.lookup(mode, shape, check)
         if entry is None:
             entry = table.default(mode, shape) or self.entry(mode, None, shape, table)
+            if deterministic:
+                self._refuse_nondeterministic(entry, f"{table.name}'s default for {shape}")
         return Choice(self.present(mode, entry["variant"]), how, reason,
                       entry.get("source")), entry
+
+    def _refuse_nondeterministic(self, entry: Entry, what: str) -> None:
+        """Under deterministic algorithms, a RuntimeError (a warning with warn_only) where
+        `entry`'s backward is not deterministic, worded as torch words its own."""
+        why = why_nondeterministic(entry)
+        if why is None:
+            return
+        message = (f"{PACKAGE}: backward variant {self.present('bwd', entry['variant'])} "
+                   f"({what}) does not have a deterministic implementation: {why}; but you "
+                   "set torch.use_deterministic_algorithms(True). Pass a bwd_variant with "
+                   "dq_mode='separate', or turn determinism off for this call.")
+        if torch.is_deterministic_algorithms_warn_only_enabled():
+            warnings.warn(message, UserWarning, stacklevel=4)
+        else:
+            raise RuntimeError(message)
 
     def _stale(self, mode: str, entry: Entry) -> str | None:
         key = id(entry)  # entries live as long as their table, which this dispatcher keeps
@@ -188,8 +230,10 @@ class Dispatcher:
         entry = self.entry(mode, variant, shape, table)
         reason = self.reject(mode, entry, shape, table)
         if reason:
-            what = "variant" if mode == "fwd" else "backward variant"
+            what = {"fwd": "variant", "bwd": "backward variant"}.get(mode, f"{mode} variant")
             raise ValueError(f"{what} {variant} is invalid for {shape}: {reason}")
+        if mode == "bwd" and torch.are_deterministic_algorithms_enabled():
+            self._refuse_nondeterministic(entry, "given as bwd_variant=")
         return entry
 
     def _choose(self, mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -235,6 +279,13 @@ class Dispatcher:
             plan = self._plans.get(key)
         except (AttributeError, TypeError):  # not tensors, or an unhashable variant
             key, plan = None, None
+        if plan is None and variant is None and mods is None:
+            check_inputs(q, k, v)
+            if serves_as_decode(q.shape[2], k.shape[2]):
+                plan = self._decode_as_forward(q, k, v, causal)
+                if key is not None:
+                    self._plans[key] = plan
+                return plan
         if plan is None:
             choice, entry, shape = self._choose("fwd", q, k, v, causal, variant, mods)
 
@@ -250,10 +301,88 @@ class Dispatcher:
                 self._plans[key] = plan
         return plan
 
+    def _decode_as_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           causal: bool) -> _Plan:
+        """A forward plan that runs the decode family (`kvcache.serves_as_decode`) on checked
+        q, k, v: k and v are a contiguous cache every sequence of which is full, which the
+        kernel is told by a missing length tensor (no tensor is made for it: a plan first
+        made under CUDA graph capture would hold one that only the graph fills)."""
+        check_options(causal, None)
+        b, hq, nq, d = q.shape
+        shape = DecodeShape(b, hq, k.shape[1], nq, k.shape[2], d, DTYPE_NAMES[q.dtype],
+                            causal, 0)
+        plan = self._decode_prepared(shape, q.device, None)
+
+        def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+            return plan.launch(q, k, v, None, None, scale)
+
+        reason = (f"decode family: Nq {nq} against Nk {k.shape[2]}; "
+                  f"{plan.choice.how}: {plan.choice.reason}")
+        return _Plan(launch, dataclasses.replace(plan.choice, reason=reason), plan.scale)
+
+    def _decode_prepared(self, shape: DecodeShape, device: torch.device,
+                         variant: Any) -> _Plan:
+        """The chosen decode entry for `shape`, its launch prepared."""
+        table = self.table(device)
+        if variant is None:
+            choice, entry = self.lookup(table, "decode", shape)  # type: ignore[arg-type]
+        else:
+            entry = self._explicit("decode", variant, shape, table)  # type: ignore[arg-type]
+            choice = Choice(variant, "explicit", "decode_variant= was given")
+        check_runnable(device, _DTYPES[shape.dtype])
+        kernels = self._kernels(entry, shape)  # type: ignore[arg-type]
+        return _Plan(prepare_decode(entry, shape, kernels), choice,
+                     default_scale(shape.head_dim))
+
+    def _decode_plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     seqlens: torch.Tensor, block_table: torch.Tensor | None, causal: bool,
+                     variant: Any) -> _Plan:
+        """The decode plan of a call's shape (`runtime.kvcache`), checked and chosen on the
+        first call of its shape; later calls of the shape are a dict lookup (the value checks
+        run again where they need no GPU sync: CPU tensors, or FLASHGEN_DEBUG=1)."""
+        try:
+            table_kind = (None if block_table is None
+                          else (block_table.shape, block_table.dtype, block_table.device))
+            key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device,
+                   v.device, seqlens.shape, seqlens.dtype, seqlens.device, table_kind, causal,
+                   variant)  # fmt: skip
+            plan = self._decode_plans.get(key)
+        except (AttributeError, TypeError):  # not tensors, or an unhashable variant
+            key, plan = None, None
+        if plan is not None:
+            if seqlens.device.type == "cpu" or debug_checks():
+                check_kvcache(q, k, v, seqlens, block_table, causal)
+            return plan
+        check_options(causal, None)
+        plan = self._decode_prepared(check_kvcache(q, k, v, seqlens, block_table, causal),
+                                     q.device, variant)
+        if key is not None:
+            self._decode_plans[key] = plan
+        return plan
+
+    def kvcache(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                cache_seqlens: torch.Tensor, block_table: torch.Tensor | None = None,
+                causal: bool = True, scale: float | None = None,
+                variant: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output, log-sum-exp) of the decode family on a KV cache (`attention_with_kvcache`)."""
+        plan = self._decode_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal,
+                                 variant)
+        return plan.launch(q, k_cache, v_cache, cache_seqlens, block_table,
+                           plan.scale if scale is None else scale)
+
+    def explain_kvcache(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        cache_seqlens: torch.Tensor, block_table: torch.Tensor | None = None,
+                        causal: bool = True, variant: Any = None) -> Choice:
+        """Which decode variant `attention_with_kvcache` runs for these inputs, and why."""
+        return self._decode_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal,
+                                 variant).choice
+
     def _bwd_plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                   variant: Any, mods: Mods | None = None) -> _Plan:
         try:
-            key = (q.shape, k.shape, v.shape, q.dtype, q.device, causal, variant)
+            key = (q.shape, k.shape, v.shape, q.dtype, q.device, causal, variant,
+                   torch.are_deterministic_algorithms_enabled())
             if mods is not None:
                 key = (*key, mods.plan_key)
             plan = self._bwd_plans.get(key)
@@ -291,7 +420,9 @@ class Dispatcher:
             except Exception as exc:
                 fallback = self.portable(mode, shape, table)
                 if (fallback is None or fallback["variant"] == entry["variant"]
-                        or isinstance(exc, torch.cuda.OutOfMemoryError)):
+                        or isinstance(exc, torch.cuda.OutOfMemoryError)
+                        or (mode == "bwd" and torch.are_deterministic_algorithms_enabled()
+                            and why_nondeterministic(fallback))):
                     raise
                 why = self._gave_way(mode, entry, fallback, shape, table, exc)
                 chosen = _Plan(make(fallback), Choice(self.present(mode, fallback["variant"]),
@@ -348,8 +479,9 @@ class Dispatcher:
     def backward(self, grad_out: torch.Tensor, saved: Saved, causal: bool = False,
                  scale: float | None = None, variant: Any = None, mods: Mods | None = None,
                  ) -> tuple[torch.Tensor, ...]:
-        """(dq, dk, dv) for the forward's saved tensors, with the chosen backward variant;
-        with sinks among `mods`, also dsinks (float32)."""
+        """(dq, dk, dv) for the forward's saved tensors, with the chosen backward variant
+        (a deterministic one under `torch.use_deterministic_algorithms(True)`); with sinks
+        among `mods`, also dsinks (float32)."""
         q, k, v = saved.q, saved.k, saved.v
         plan = self._bwd_plan(q, k, v, causal, variant, mods)
         scale = plan.scale if scale is None else scale

@@ -80,7 +80,9 @@ class PackageDispatcher(Dispatcher):
     def kernel(self, entry: Entry, role: str, shape: Shape) -> Any:
         module = importlib.import_module(f"{PACKAGE}.kernels.{entry['kernels'][role]}")
         base = role.removesuffix("_plain")
-        return getattr(module, "attn_fwd" if base == "fwd" else f"attn_bwd_{base}")
+        if base in ("fwd", "decode", "decode_combine"):
+            return getattr(module, f"attn_{base}")
+        return getattr(module, f"attn_bwd_{base}")
 
 
 def install() -> None:

@@ -13,11 +13,17 @@ An entry holds the bucket it was tuned for ("dtype", "causal", "head_dim", "gqa"
 "seq_q_bucket", "seq_k_bucket"; defaults have no "gqa"), "variant" (the knobs, a dict),
 "twin" (the knobs of what runs where TMA cannot address the inputs, for variants that use
 it), and optionally "kernels" (role -> module, exports), "need" (the smallest power-of-two
-query and key lengths its tiles fit), "source" (the database row) and what a dispatcher's
-`kernel_is_current` reads (such as the hash of the kernel the row was tuned with).
+query and key lengths its tiles fit), "source" (the database row), "role" (what it is to its
+bucket where it is not the winner, such as the fastest deterministic trial that follows a
+nondeterministic backward winner) and what a dispatcher's `kernel_is_current` reads (such as
+the hash of the kernel the row was tuned with).
 
 For a call: the exact (dtype, causal, head dim, GQA ratio, Nq bucket, Nk bucket) entry; else
 the nearest tuned bucket of the same kind that is valid for the call; else the default.
+
+"decode" entries (the decode family, `runtime.kvcache`) carry two more fields: "page_size" (0
+for contiguous caches), part of their kind, and "bh_bucket", the bucket of batch x Hkv (the
+programs a split launches besides its splits), measured in the distance with the lengths.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from .inputs import DTYPE_NAMES
 Entry = Mapping[str, Any]
 #: Why an entry cannot serve a call (None: it can).
 Check = Callable[[Entry], "str | None"]
-MODES: tuple[str, ...] = ("fwd", "bwd")
+MODES: tuple[str, ...] = ("fwd", "bwd", "decode")
 #: The modifiers and layout a call may ask for beyond causal (flashgen's `Problem` has them).
 MODIFIERS: tuple[str, ...] = ("window", "softcap", "sinks", "varlen")
 
@@ -125,6 +131,17 @@ def _family(e: Entry) -> tuple[str, bool, int]:
     return e["dtype"], e["causal"], e["head_dim"]
 
 
+def _kind(mode: str, e: Entry) -> tuple:
+    """What a tuned entry must share with a call to serve it (decode adds the page size)."""
+    extra = (e["page_size"],) if mode == "decode" else ()
+    return (*_family(e), e["gqa"], *extra)
+
+
+def _call_kind(mode: str, shape: Any) -> tuple:
+    extra = (shape.page_size,) if mode == "decode" else ()
+    return (shape.dtype, shape.causal, shape.head_dim, shape.group, *extra)
+
+
 class Table:
     """One device's table (see the module docstring), indexed for lookup.
 
@@ -141,8 +158,13 @@ class Table:
         self.defaults: dict[str, dict[tuple, dict[tuple[int, int], Entry]]] = {}
         for mode in MODES:
             for e in data.get(mode, ()):
-                self.tuned[mode].setdefault((*_family(e), e["gqa"]), []).append(e)
-            if f"{mode}_defaults" in data:
+                self.tuned[mode].setdefault(_kind(mode, e), []).append(e)
+            if mode == "decode":
+                if "decode_defaults" in data:
+                    grid = self.defaults.setdefault(mode, {})
+                    for e in data["decode_defaults"]:
+                        grid.setdefault(_family(e), {})[(e["rows"], e["page_size"])] = e
+            elif f"{mode}_defaults" in data:
                 grid = self.defaults.setdefault(mode, {})
                 for e in data[f"{mode}_defaults"]:
                     grid.setdefault(_family(e), {})[(e["seq_q_bucket"], e["seq_k_bucket"])] = e
@@ -151,34 +173,44 @@ class Table:
     def lookup(self, mode: str, shape: Shape, check: Check) -> tuple[Entry | None, str, str]:
         """(entry, how, reason): the exact or nearest tuned entry that `check` and the tile
         and whole-heads rules let serve `shape`, or (None, "fallback", why) if none does."""
-        family = (shape.dtype, shape.causal, shape.head_dim, shape.group)
+        family = _call_kind(mode, shape)
         want_q, want_k = bucket(shape.seq_q), bucket(shape.seq_k)
+        want_bh = bucket(shape.batch * shape.heads_kv)
 
         def distance(e: Entry) -> tuple[float, int]:
             d = (abs(math.log2(e["seq_q_bucket"] / want_q))
                  + abs(math.log2(e["seq_k_bucket"] / want_k)))
+            if "bh_bucket" in e:
+                d += abs(math.log2(e["bh_bucket"] / want_bh))
             return d, -e["seq_q_bucket"]  # ties: the longer bucket (better tuned for big work)
 
         skipped: list[str] = []
         for e in sorted(self.tuned[mode].get(family, ()), key=distance):  # stable: precedence
             got = (e["seq_q_bucket"], e["seq_k_bucket"])
+            if "bh_bucket" in e:  # decode: batch x Hkv is part of the bucket
+                got, want = (*got, e["bh_bucket"]), (want_q, want_k, want_bh)
+            else:
+                want = (want_q, want_k)
             reason = (self._too_short(e, shape)
                       or head_units_leave_programs_idle(knobs(e["variant"]), shape,
                                                         self.sm_count)
                       or check(e))
+            passed = f" (passed over: {'; '.join(skipped)})" if skipped else ""
             if reason:
                 skipped.append(f"bucket Nq{got[0]}/Nk{got[1]}: {reason}")
-            elif any(getattr(shape, name) for name in MODIFIERS):
+            elif any(getattr(shape, name, False) for name in MODIFIERS):
                 # Rows are tuned on plain attention; a valid one's variant serves the call
                 # with the modifiers rendered in (the validity rules judged it with them).
                 return e, "nearest", (f"tuned winner of plain attention, bucket {got}, run "
                                       "with " + ", ".join(n for n in MODIFIERS
-                                                          if getattr(shape, n)))
-            elif got == (want_q, want_k):
-                return e, "exact", f"tuned winner for this bucket {got}"
+                                                          if getattr(shape, n, False))
+                                      + passed)
+            elif got == want:
+                role = e.get("role", "tuned winner")
+                return e, "exact", f"{role} for this bucket {got}{passed}"
             else:
-                return e, "nearest", (f"no winner for bucket {(want_q, want_k)}; nearest tuned "
-                                      f"bucket {got} is valid here")
+                return e, "nearest", (f"no winner for bucket {want}; nearest tuned "
+                                      f"bucket {got} is valid here{passed}")
         if skipped:
             return None, "fallback", "tuned buckets of this kind are invalid here: " + "; ".join(
                 skipped)
@@ -211,6 +243,18 @@ class Table:
                 f"{shape.head_dim} in {self.name}; it holds: {have}. Export again from a "
                 "database tuned for this kind of problem."
             )
+        if mode == "decode":
+            return grid[decode_default_key(shape)]
         low, high = self.lengths[0], self.lengths[-1]
         clamp = lambda n: min(high, max(low, bucket(n)))
         return grid[(clamp(shape.seq_q), clamp(shape.seq_k))]
+
+
+def decode_default_key(shape: Any) -> tuple[int, int]:
+    """Where a decode call finds its default in a precomputed grid ("decode_defaults":
+    packed rows 16, 32, 64 x page size 0, 16, 32, 64): its packed query rows (GQA group x
+    Nq) and page size, rounded into the grid. The defaults' tiles are at most 64 rows and 64
+    keys, so larger calls share the largest cell."""
+    rows = min(64, max(16, bucket(shape.group * shape.seq_q)))
+    page = min(64, max(16, shape.page_size)) if shape.page_size else 0
+    return rows, page

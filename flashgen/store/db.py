@@ -262,8 +262,17 @@ def m009_knob_names(db: sqlite_utils.Database) -> None:
         if (text := now(row["key_id"].split("|")[0], row["variant_json"])) is not None])
 
 
+@migrations()
+def m010_decode_keys(db: sqlite_utils.Database) -> None:
+    """Decode tuning (mode 'decode'): its keys add the cache's page size and the batch x Hkv
+    bucket (`TuningKey.DECODE_ONLY`); other modes' rows hold 0 there."""
+    for table in ("trials", "winners"):
+        for column in ("page_size", "bh_bucket"):
+            db[table].add_column(column, int, not_null_default=0)
+
+
 #: The number of migrations above; a test checks that a fresh file reaches it.
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 
 
 def _migration_names() -> list[str]:
@@ -631,6 +640,34 @@ class TuningDB:
             self.db["winners"].upsert(row, pk="key_id")
         return _winner_row(row)
 
+    def fastest_deterministic(self, winner: WinnerRow) -> WinnerRow | None:
+        """For a winner that is not deterministic (`ModeSpace.deterministic`: an atomic-dQ
+        backward), its key's fastest current correct trial that is, as a row of the same
+        shape (None: the winner is deterministic, or the key has no such trial). What
+        dispatch serves for the bucket under `torch.use_deterministic_algorithms(True)`."""
+        key = winner.key
+        space = space_of(key.mode)
+        if space.deterministic(winner.variant):
+            return None
+        ranked = self.db["trials"].rows_where(
+            "key_id = ? and status = 'ok' and tflops is not null", [key.id],
+            order_by="tflops desc, id")
+        for trial in ranked:
+            try:
+                variant = _variant_now(key.mode, trial["variant_json"])
+            except (TypeError, ValueError):
+                continue  # knobs this flashgen lacks: not a kernel it renders
+            if not space.deterministic(variant) or not row_is_current(_trial_row(trial)):
+                continue
+            problem = Problem.from_dict(json.loads(trial["problem_json"]))
+            sdpa = self.baseline(key.device_key, key.torch_version, problem, key.mode)
+            return WinnerRow(
+                key=key, variant=variant, problem=problem, trial_id=trial["id"],
+                median_ms=trial["median_ms"], tflops=trial["tflops"],
+                sdpa_backend=sdpa[0] if sdpa else None, sdpa_ms=sdpa[1] if sdpa else None,
+                updated_at=winner.updated_at, kernel_hash=_kernel_hash(trial))
+        return None
+
     def winner(self, key: TuningKey) -> WinnerRow | None:
         """The winner stored under exactly `key`, or None."""
         rows = list(self.db["winners"].rows_where("key_id = ?", [key.id]))
@@ -666,7 +703,7 @@ class TuningDB:
             winner = _winner_row(row, strict=False)
             if winner is None:
                 continue
-            bucket = tuple(row[c] for c in KEY_COLUMNS if c != "torch_version")
+            bucket = tuple(row.get(c) for c in KEY_COLUMNS if c != "torch_version")
             held = chosen.get(bucket)
             if held is None or _prefer(winner, held, current.torch):
                 chosen[bucket] = winner

@@ -18,10 +18,14 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from flashgen.kernels.hardware import DeviceInfo
-from flashgen.kernels.problem import Problem
+from flashgen.kernels.problem import DecodeProblem, Problem
 
-#: The passes tuned separately: the forward kernel, and the backward kernels (a `BwdVariant`).
-MODES: tuple[str, ...] = ("fwd", "bwd")
+#: The passes tuned separately: the forward kernel, the backward kernels (a `BwdVariant`) and
+#: the decode family (a `DecodeVariant` on a `DecodeProblem`).
+MODES: tuple[str, ...] = ("fwd", "bwd", "decode")
+#: Key fields only decode keys use; other modes' ids leave them out, so they are what they
+#: were before decode existed.
+DECODE_ONLY: tuple[str, ...] = ("page_size", "bh_bucket")
 
 
 def seq_bucket(n: int) -> int:
@@ -71,6 +75,10 @@ class TuningKey:
     gqa: int  # query heads per key/value head
     seq_q_bucket: int
     seq_k_bucket: int
+    # Decode keys: the cache's page size (0: contiguous) and the bucket of batch x Hkv (the
+    # programs a split launches besides its splits: a winner at B 1 is not one at B 128).
+    page_size: int = 0
+    bh_bucket: int = 0
 
     @classmethod
     def for_problem(
@@ -95,23 +103,30 @@ class TuningKey:
             gqa=problem.group,
             seq_q_bucket=seq_bucket(problem.seq_q),
             seq_k_bucket=seq_bucket(problem.seq_k),
+            **({"page_size": problem.page_size,
+                "bh_bucket": seq_bucket(problem.batch * problem.heads_kv)}
+               if mode == "decode" and isinstance(problem, DecodeProblem) else {}),
         )
 
     @property
     def id(self) -> str:
         """Every field joined in a fixed order: equal keys give equal ids, and nothing else."""
         return "|".join(str(int(v) if isinstance(v, bool) else v)
-                        for v in asdict(self).values())
+                        for name, v in asdict(self).items()
+                        if self.mode == "decode" or name not in DECODE_ONLY)
 
     def to_columns(self) -> dict[str, Any]:
-        """The key as database columns (booleans as 0/1, as SQLite stores them)."""
-        row = asdict(self)
+        """The key as database columns (booleans as 0/1, as SQLite stores them). Other modes
+        leave the decode-only columns to their default, 0, as files before them lacked them."""
+        row = {k: v for k, v in asdict(self).items()
+               if self.mode == "decode" or k not in DECODE_ONLY}
         row["causal"] = int(self.causal)
         return row
 
     @classmethod
     def from_columns(cls, row: dict[str, Any]) -> TuningKey:
-        values = {f.name: row[f.name] for f in fields(cls)}
+        values = {f.name: row[f.name] for f in fields(cls) if f.name not in DECODE_ONLY}
+        values |= {name: row.get(name) or 0 for name in DECODE_ONLY}
         values["causal"] = bool(values["causal"])
         return cls(**values)
 

@@ -2,7 +2,9 @@
 
 A user's own database keeps every trial (history, and what a resumed run skips). The shipped
 one only has to serve dispatch and say where its rows came from, so `slim` keeps the winners
-whose kernel is current, the trial each came from, the latest SDPA baseline of their problems and
+whose kernel is current, the trial each came from (and, for a winner that is not
+deterministic, its key's fastest deterministic trial, which dispatch serves under
+`torch.use_deterministic_algorithms`), the latest SDPA baseline of their problems and
 the file's provenance (`runs`), and nothing else. The source file is only read: the result
 goes to another path, or replaces the source only when asked (`in_place`).
 """
@@ -53,7 +55,10 @@ def _cut(db: TuningDB, provenance: str) -> int:
         "SELECT device_key, min(created_at), max(created_at) FROM trials GROUP BY device_key")}
     stale = [w.key.id for w in db.all_winners() if not row_is_current(w)]
     conn.executemany("DELETE FROM winners WHERE key_id = ?", [(k,) for k in stale])
-    conn.execute("DELETE FROM trials WHERE id NOT IN (SELECT trial_id FROM winners)")
+    alternates = [a.trial_id for a in map(db.fastest_deterministic, db.all_winners())
+                  if a is not None]
+    conn.execute("DELETE FROM trials WHERE id NOT IN (SELECT trial_id FROM winners) AND id "
+                 f"NOT IN ({', '.join('?' * len(alternates))})", alternates)
     conn.execute(  # the latest of each, as `TuningDB.baseline` reads them
         "DELETE FROM baselines WHERE id NOT IN (SELECT max(b.id) FROM baselines b JOIN winners "
         "w ON w.device_key = b.device_key AND w.torch_version = b.torch_version AND "

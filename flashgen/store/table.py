@@ -4,7 +4,9 @@ The runtime never reads a database; flashgen's dispatcher (`flashgen.serve`) ask
 for a device's table once, and `flashgen export` writes the same kind of entries to
 table.json. Databases are read highest precedence first (the user's, then the shipped one)
 and every row is kept in that order: where the first row of a bucket cannot serve a call, the
-next one of the same bucket may.
+next one of the same bucket may. A backward winner that is not deterministic (atomic dQ) is
+followed by its key's fastest deterministic trial (`TuningDB.fastest_deterministic`), which
+dispatch serves under `torch.use_deterministic_algorithms(True)`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 from flashgen.kernels.bwd_render import PREPROCESS_BLOCK_M
 from flashgen.kernels.bwd_space import bwd_pointer_twin
+from flashgen.kernels.decode_variant import DecodeVariant
 from flashgen.kernels.hardware import DeviceInfo
 from flashgen.kernels.modes import AnyVariant, space_of
 from flashgen.kernels.problem import Problem
@@ -35,6 +38,8 @@ from flashgen.store.guard import NewerDatabase, StoreError, busy_timeout_s, chec
 from flashgen.store.keys import MODES
 
 SHIPPED_DB_NAME = "flashgen.db"
+#: The `role` of an entry that follows a nondeterministic winner in its bucket.
+DETERMINISTIC_ROLE = "fastest deterministic trial"
 
 
 def shipped_db_path() -> Path:
@@ -53,6 +58,8 @@ def twin(variant: AnyVariant, problem: Problem, device: DeviceInfo | None) -> An
     variants that need no TMA."""
     if isinstance(variant, Variant):
         return variant.pointer_twin() if variant.needs_tma else None
+    if isinstance(variant, DecodeVariant):
+        return None  # pointer loads only
     return bwd_pointer_twin(variant, problem, device) if variant.fa3 != "none" else None
 
 
@@ -67,13 +74,16 @@ def entry(variant: AnyVariant, problem: Problem, device: DeviceInfo | None) -> d
     return found
 
 
-def winner_entry(winner: WinnerRow, source: str, device: DeviceInfo) -> dict[str, Any]:
+def winner_entry(winner: WinnerRow, source: str, device: DeviceInfo,
+                 role: str | None = None) -> dict[str, Any]:
     """A winner row as a tuned entry: its bucket, the entry of its variant, its row, and
-    what `entry_is_current` reads (the problem it was tuned on, its kernel's hash)."""
+    what `entry_is_current` reads (the problem it was tuned on, its kernel's hash); `role`
+    where it is not the bucket's winner (see the runtime table's entries)."""
     k = winner.key
-    return {
+    return {**({"role": role} if role else {}),
         "dtype": k.dtype, "causal": k.causal, "head_dim": k.head_dim, "gqa": k.gqa,
         "seq_q_bucket": k.seq_q_bucket, "seq_k_bucket": k.seq_k_bucket,
+        **({"page_size": k.page_size, "bh_bucket": k.bh_bucket} if k.mode == "decode" else {}),
         **entry(winner.variant, winner.problem, device),
         "tflops": winner.tflops, "source": source,
         "problem": winner.problem.to_dict(), "kernel_hash": winner.kernel_hash,
@@ -96,8 +106,9 @@ class DatabaseWarning(UserWarning):
 _warned: set[str] = set()
 
 
-def _winners(path: Path, device: DeviceInfo) -> list[WinnerRow]:
-    """Every mode's winners for `device` in `path`. Another program's file is refused before
+def _winners(path: Path, device: DeviceInfo) -> list[tuple[WinnerRow, WinnerRow | None]]:
+    """Every mode's winners for `device` in `path`, each with its key's fastest deterministic
+    trial where the winner is not deterministic. Another program's file is refused before
     its tables are read (a table named `winners` there is not ours); a newer flashgen's file
     is read as far as it is compatible, and where it is not, the error says why."""
     try:
@@ -107,7 +118,8 @@ def _winners(path: Path, device: DeviceInfo) -> list[WinnerRow]:
         newer = True
     try:
         with TuningDB.open_readonly(path) as db:
-            return [row for mode in MODES for row in db.load_winners(device.key, mode=mode)]
+            return [(row, db.fastest_deterministic(row)) for mode in MODES
+                    for row in db.load_winners(device.key, mode=mode)]
     except sqlite3.DatabaseError as exc:
         if newer:
             raise StoreError(f"it was written by a newer flashgen and this one cannot read it "
@@ -143,7 +155,12 @@ def device_table(paths: Sequence[Path], device: DeviceInfo) -> dict[str, Any]:
         except (sqlite3.DatabaseError, OSError) as exc:
             _warn_unreadable(path, exc)
             continue
-        for row in rows:
+        for row, alternate in rows:
             source = f"{path} winners[{row.key.id}] trial {row.trial_id}"
             table[row.key.mode].append(winner_entry(row, source, device))
+            if alternate is not None:
+                source = (f"{path} winners[{row.key.id}] trial {alternate.trial_id} "
+                          f"({DETERMINISTIC_ROLE})")
+                table[row.key.mode].append(
+                    winner_entry(alternate, source, device, DETERMINISTIC_ROLE))
     return table

@@ -24,7 +24,7 @@ from rich.progress import (
 from rich.table import Table
 
 from flashgen.kernels.bwd_variant import BwdVariant
-from flashgen.kernels.modes import AnyVariant
+from flashgen.kernels.modes import AnyVariant, space_of
 from flashgen.kernels.presets import kind_label, problem_label
 from flashgen.store.current import row_is_current
 from flashgen.store.db import RunRow, WinnerRow
@@ -74,7 +74,7 @@ def progress_columns(wide: bool = False) -> list[ProgressColumn]:
 
 
 #: Titles of the per-mode tables.
-MODE_NAMES = {"fwd": "forward", "bwd": "backward"}
+MODE_NAMES = {"fwd": "forward", "bwd": "backward", "decode": "decode"}
 
 
 def results_tables(results: Sequence[TuneResult], wide: bool = False) -> list[Table]:
@@ -140,8 +140,13 @@ class Listed:
     shadowed: bool = False
 
     def to_dict(self) -> dict:
-        return {**self.winner.to_dict(), "db": str(self.path), "source": self.source,
-                "current": self.current, "shadowed": self.shadowed}
+        """The winner's row, where it is, whether dispatch serves it, and whether it is
+        deterministic (served under torch.use_deterministic_algorithms; in the tables, a
+        nondeterministic backward winner's label says "atomic")."""
+        w = self.winner
+        return {**w.to_dict(), "db": str(self.path), "source": self.source,
+                "current": self.current, "shadowed": self.shadowed,
+                "deterministic": space_of(w.key.mode).deterministic(w.variant)}
 
 
 def _bucket(w: WinnerRow) -> tuple:

@@ -15,6 +15,12 @@ one at a time. An invalid point (a named rule of the mode's `why_invalid`) is to
 its reason; a variant that fails to compile, runs out of resources or gives a wrong answer
 is told as failed. Both are stored as trials, and neither stops the run.
 
+With `deterministic`, the search is limited to the mode's deterministic variants (the
+backward's separate dQ mode; every forward is): the grid, the enqueued points and the
+resumed rows hold no other, so the run's best is the fastest deterministic variant. The key's
+winner is still the fastest correct row it holds; where that is not deterministic, dispatch
+serves the key's fastest deterministic row under `torch.use_deterministic_algorithms`.
+
 No variant is measured or stored twice for a problem (unless `remeasure`): before a batch is
 measured, each variant is claimed in the database (`store.claims`); one stored since this
 run began (by a tuner running beside it) is taken from there, one another tuner is
@@ -107,6 +113,7 @@ class TuneOptions:
     batch: int = 1  # trials asked and compiled together, then measured one by one
     remeasure: bool = False  # time the stored variants again first, fastest first
     exhaustive: bool = False  # measure every valid variant, in the space's order
+    deterministic: bool = False  # only variants whose results are bitwise equal run to run
 
 
 @dataclass(frozen=True)
@@ -125,6 +132,7 @@ class RunOptions:
     remeasure: bool = False
     wide: bool = False
     exhaustive: bool = False
+    deterministic: bool = False
 
 
 @dataclass
@@ -304,9 +312,13 @@ def tune_problem(
     study = together.study if together else optuna.create_study(
         direction="minimize", sampler=make_sampler(seed), study_name=key.id)
     leader = together is None or together.created  # who fills the study's history and queue
-    valid = {v.to_json(): v for v in space.points(problem, device)}
+    wanted: Callable[[AnyVariant], bool] = (
+        space.deterministic if options.deterministic else lambda v: True)
+    valid = {v.to_json(): v for v in space.points(problem, device) if wanted(v)}
+    # From the wanted points only: with `deterministic`, dq_mode's one choice is "separate".
     knobs = knob_choices(list(valid.values()), space.variant_type)
-    stored = db.measured(key, problem)
+    stored = {j: r for j, r in db.measured(key, problem).items()
+              if (v := _variant_of(space, r)) is not None and wanted(v)}
     again: list[AnyVariant] = []
     if remeasure:
         timed = sorted((r for r in stored.values() if r.status == "ok" and r.timing),
@@ -323,7 +335,7 @@ def tune_problem(
     if options.exhaustive:
         seeds += list(valid.values())
     for variant in dict.fromkeys(seeds) if leader else ():
-        if variant.to_json() not in result.outcomes and space.why_invalid(
+        if variant.to_json() not in result.outcomes and wanted(variant) and space.why_invalid(
                 variant, problem, device) is None:
             study.enqueue_trial(variant.to_dict())
     rng = random.Random(seed)
@@ -394,6 +406,11 @@ def tune_problem(
                 stale += 1
             elif variant_json in result.outcomes:
                 tell(trial, result.outcomes[variant_json])
+                stale += 1
+            elif not wanted(variant):
+                # The grid of wanted points' knobs samples none (determinism is one knob),
+                # but a shared study may hold a point another campaign enqueued.
+                tell(trial, Outcome("pruned", reason="not deterministic"))
                 stale += 1
             elif reason := space.why_invalid(variant, problem, device):
                 outcome = Outcome("pruned", reason=reason)

@@ -63,6 +63,12 @@ def make_bench(mode: str, problem: Problem, target: Any, seed: int, compile_work
     """The bench of one problem and mode. The backward's input comes from the forward that
     dispatch serves from the database being tuned (then the shipped one), so `--mode both`
     feeds it the forward just tuned."""
+    if mode == "decode":
+        from flashgen.kernels.problem import DecodeProblem
+        from flashgen.tune.decode_bench import DecodeKernelBench
+
+        assert isinstance(problem, DecodeProblem)
+        return DecodeKernelBench(problem, target, seed=seed, compile_workers=compile_workers)
     if mode == "fwd":
         from flashgen.tune.fwd_bench import KernelBench
 
@@ -133,7 +139,8 @@ def _work(index: int, gpu: int | None, plan: WorkerPlan, report: Any) -> str:
                     bench = plan.bench_factory(mode, problem, target, run.seed + index,
                                                run.compile_workers, database.path)
                     options = TuneOptions(mode, run.trials, run.timeout, run.seed + index,
-                                          batch, exhaustive=run.exhaustive)
+                                          batch, exhaustive=run.exhaustive,
+                                          deterministic=run.deterministic)
                     result = tune_problem(
                         problem, bench, database, info, options, run_id=run_id,
                         on_progress=lambda r: report.put(("progress", index, _light(r))),

@@ -1,0 +1,98 @@
+"""Tokens per second of `generate()` with attn_implementation="flashgen" against "sdpa".
+
+A randomly initialised Llama-shaped model (no download: the weights do not change the work
+per token), greedy decoding from the same prompt, dynamic and static caches. Each new token
+of a "flashgen" model runs the decode family (`flashgen.attention_with_kvcache`). Prints
+tokens per second for each (implementation, cache) and whether the tokens agree with sdpa's.
+
+Run on the GPU machine, e.g. the Llama 3 8B attention shape at 2 layers:
+    python3 benchmarks/decode_generate.py --layers 2 --prompt 4096 --new 256 --batch 8
+A tiny CPU run (the Triton interpreter; checks the pipeline, says nothing of speed):
+    TRITON_INTERPRET=1 python3 benchmarks/decode_generate.py --device cpu --tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+
+def build(attn: str, args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
+    import transformers
+
+    if args.tiny:
+        size = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+                "num_key_value_heads": 1}
+    else:  # Llama 3 8B's attention: 32 query heads, 8 KV heads, head dim 128
+        size = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+                "num_key_value_heads": 8}
+    config = transformers.LlamaConfig(
+        vocab_size=args.vocab, num_hidden_layers=args.layers,
+        max_position_embeddings=args.prompt + args.new + 8, attn_implementation=attn, **size)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).to(device=args.device, dtype=dtype).eval()
+
+
+def tokens_per_second(model: torch.nn.Module, ids: torch.Tensor, new: int, cache: str,
+                      device: str) -> tuple[float, torch.Tensor]:
+    """New tokens per second of greedy `generate` (the prompt's prefill is timed apart and
+    subtracted: the decode steps are what this measures)."""
+    extra = {"cache_implementation": "static"} if cache == "static" else {}
+    kwargs = {"attention_mask": torch.ones_like(ids), "do_sample": False, **extra}
+
+    def run(tokens: int) -> tuple[float, torch.Tensor]:
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **kwargs)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start, out
+
+    run(min(new, 4))  # compile the kernels of both phases
+    prefill, _ = run(1)
+    total, out = run(new)
+    return ids.shape[0] * (new - 1) / max(total - prefill, 1e-9), out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--prompt", type=int, default=4096)
+    parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--caches", default="dynamic,static")
+    parser.add_argument("--tiny", action="store_true",
+                        help="hidden 64, 2 layers, a short prompt: for the CPU interpreter")
+    args = parser.parse_args()
+    if args.tiny:
+        args.layers, args.prompt, args.new, args.vocab, args.batch = 2, 6, 4, 128, 2
+        args.dtype = "fp32"
+    import flashgen.integrations.transformers as integration
+
+    integration.register()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, args.vocab, (args.batch, args.prompt), generator=gen).to(args.device)
+    print(f"B{args.batch} prompt {args.prompt} new {args.new} layers {args.layers} "
+          f"{args.dtype} on {args.device}")
+    for cache in args.caches.split(","):
+        found = {}
+        for attn in ("sdpa", "flashgen"):
+            model = build(attn, args, dtype)
+            found[attn] = tokens_per_second(model, ids, args.new, cache, args.device)
+            del model
+        same = torch.equal(found["sdpa"][1], found["flashgen"][1])
+        sdpa, ours = found["sdpa"][0], found["flashgen"][0]
+        print(f"{cache:8s} sdpa {sdpa:9.1f} tok/s   flashgen {ours:9.1f} tok/s   "
+              f"{ours / sdpa:5.2f}x   tokens agree: {same}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""DecodeVariant + problem -> the decode kernels' Triton sources, and their loaded kernels.
+
+The forward's renderer does the work (same Jinja environment, same hash-named source files,
+same caches); this module says which template each decode kernel comes from, what each may
+read, and what a decode row's kernel hash covers.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from flashgen.kernels.decode_variant import DecodeVariant
+from flashgen.kernels.problem import DecodeProblem, Problem
+from flashgen.kernels.render import (
+    _load_module,
+    _make_environment,
+    _render,
+    rendered_hash,
+    source_hash,
+)
+
+DecodeKernel = Literal["decode", "decode_combine"]
+DECODE_KERNELS: tuple[str, ...] = ("decode", "decode_combine")
+_TEMPLATES = {"decode": "attn_decode_split.py.jinja",
+              "decode_combine": "attn_decode_combine.py.jinja"}
+_FUNCTIONS = {"decode": "attn_decode", "decode_combine": "attn_decode_combine"}
+
+
+def decode_template_name(kernel: DecodeKernel) -> str:
+    try:
+        return _TEMPLATES[kernel]
+    except KeyError:
+        raise ValueError(f"unknown decode kernel {kernel!r}; use one of {DECODE_KERNELS}") from None
+
+
+def decode_render_context(kernel: DecodeKernel, variant: DecodeVariant,
+                          problem: Problem) -> dict[str, Any]:
+    """Everything the `kernel` template may depend on. Lengths, batch, heads, the split count
+    and the page size stay runtime (or constexpr) arguments, so one compiled kernel serves
+    every shape of the same head dim, dtype, mask and cache kind."""
+    context: dict[str, Any] = {"head_dim": problem.head_dim,
+                               "block_d": problem.padded_head_dim}
+    if kernel == "decode_combine":
+        return context
+    decode_template_name(kernel)
+    paged = isinstance(problem, DecodeProblem) and problem.paged
+    return context | {
+        "block_m": variant.block_m,
+        "block_n": variant.block_n,
+        "pad_d": problem.padded_head_dim != problem.head_dim,
+        "causal": problem.causal,
+        "paged": paged,
+        # fp32 inputs get true fp32 products: tf32 would lose ~3 decimal digits.
+        "dot_precision": "ieee" if problem.dtype == "fp32" else "tf32",
+    }
+
+
+def _context(kernel: DecodeKernel, variant: DecodeVariant, problem: Problem) -> tuple:
+    return tuple(sorted(decode_render_context(kernel, variant, problem).items()))
+
+
+def render_decode(kernel: DecodeKernel, variant: DecodeVariant, problem: Problem) -> str:
+    """The Triton source of one decode kernel (cached on what its template reads)."""
+    return _render(decode_template_name(kernel), _context(kernel, variant, problem))
+
+
+def render_decode_with(templates: Mapping[str, str], kernel: DecodeKernel,
+                       variant: DecodeVariant, problem: Problem) -> str:
+    """What `render_decode` gives with other template texts (say an earlier revision's)."""
+    env = _make_environment(templates.get)
+    return env.get_template(decode_template_name(kernel)).render(
+        **decode_render_context(kernel, variant, problem))
+
+
+def decode_roles(variant: DecodeVariant) -> tuple[DecodeKernel, ...]:
+    """The kernels `variant` may launch: one split needs no combine."""
+    return ("decode",) if variant.num_splits == 1 else ("decode", "decode_combine")
+
+
+def decode_kernel_hash(variant: DecodeVariant, problem: Problem) -> str:
+    """The code part of a decode row's key: the hash of every kernel `variant` launches,
+    each normalised (`flashgen.kernels.render.normalised`)."""
+    return rendered_hash((role, decode_template_name(role), _context(role, variant, problem))
+                         for role in decode_roles(variant))
+
+
+@functools.lru_cache(maxsize=1024)
+def load_decode_kernel(kernel: DecodeKernel, variant: DecodeVariant, problem: Problem) -> Any:
+    """The Triton JIT function of decode kernel `kernel` (compiled lazily at launch)."""
+    source = render_decode(kernel, variant, problem)
+    return getattr(_load_module(source_hash(source), source), _FUNCTIONS[kernel])

@@ -1,0 +1,247 @@
+"""The decode family's inputs and launches: a few queries against a long KV cache.
+
+`check_kvcache` turns the arguments of `attention_with_kvcache` into a `DecodeShape` (or a
+named error); `prepare_decode` loads an entry's kernels once and returns a function that
+launches them: the split-KV pass (`templates/attn_decode_split.py.jinja`), and where a
+sequence's keys are cut into several runs, the combine pass. Like every runtime module it
+imports only torch, triton and the standard library (exports copy it verbatim).
+
+Checks that read the values of `cache_seqlens` or `block_table` need them on the host. Where
+they already are there (CPU tensors: the interpreter) they always run; for GPU tensors they
+run only with FLASHGEN_DEBUG=1, because reading them back is a GPU sync on every call (a
+decode step is a few microseconds of kernel). Without it the kernel clamps each length to
+[0, cache capacity], so a bad length reads nothing out of bounds; a bad page id does.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from .forward import cdiv, padded_head_dim, sm_count
+from .inputs import DTYPE_NAMES, MAX_HEAD_DIM
+from .table import Entry, knobs
+
+#: (q, k_cache, v_cache, cache_seqlens or None (every sequence full), block_table or None,
+#: scale) -> (out, lse)
+DecodeLauncher = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+KernelOf = Callable[[str], Any]
+
+#: `attention` runs the decode family when Nq is at most this and Nk at least
+#: DECODE_MIN_SEQ_K and DECODE_KEYS_PER_QUERY times Nq: there the forward's 16-row Q tile
+#: per query head would read K/V once per query head with few programs per SM.
+DECODE_MAX_SEQ_Q = 16
+DECODE_MIN_SEQ_K = 256
+DECODE_KEYS_PER_QUERY = 16
+#: The most splits the launcher picks by itself; the combine holds splits x D fp32 a row.
+MAX_AUTO_SPLITS = 64
+#: Key tiles a split takes at least when the launcher picks the count: fewer and the
+#: partial rows written and combined cost more than the keys they split.
+MIN_TILES_PER_SPLIT = 2
+
+
+class DecodeShape(NamedTuple):
+    """What a decode call asks for: flashgen's `DecodeProblem` fields, in its order. seq_k is
+    the cache capacity (Nmax, or max_pages x page_size): the lengths are on the device."""
+
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seq_q: int
+    seq_k: int
+    head_dim: int
+    dtype: str
+    causal: bool
+    page_size: int  # 0: contiguous cache
+
+    @property
+    def group(self) -> int:
+        return self.heads_q // self.heads_kv
+
+    def __str__(self) -> str:
+        mask = "causal" if self.causal else "full"
+        cache = f"paged{self.page_size}" if self.page_size else "contiguous"
+        return (f"B{self.batch} Hq{self.heads_q} Hkv{self.heads_kv} Nq{self.seq_q} "
+                f"Nk{self.seq_k} D{self.head_dim} {self.dtype} {mask} decode {cache}")
+
+
+def serves_as_decode(nq: int, nk: int) -> bool:
+    """Whether `attention` with Nq queries against Nk keys runs the decode family (same
+    function: bottom-right causal alignment is the decode kernels' own)."""
+    return (nq <= DECODE_MAX_SEQ_Q and nk >= DECODE_MIN_SEQ_K
+            and nk >= DECODE_KEYS_PER_QUERY * nq)
+
+
+def debug_checks() -> bool:
+    """FLASHGEN_DEBUG=1: check lengths and page ids on the host even for GPU tensors."""
+    return os.environ.get("FLASHGEN_DEBUG") == "1"
+
+
+def _tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def check_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
+                  causal: bool) -> DecodeShape:
+    """Raise TypeError/ValueError naming the problem, else the call's `DecodeShape`."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _tensor(name, t)
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D; got shape {tuple(t.shape)}")
+        if t.dtype not in DTYPE_NAMES:
+            raise TypeError(f"{name} has unsupported dtype {t.dtype}; use float16, bfloat16 "
+                            "or float32")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise TypeError(f"q, k_cache, v_cache must share a dtype; got {q.dtype}, "
+                        f"{k_cache.dtype}, {v_cache.dtype}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache shapes differ: {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")
+    seqlens = _tensor("cache_seqlens", cache_seqlens)
+    if seqlens.dtype != torch.int32:
+        raise TypeError(f"cache_seqlens must be int32, got {seqlens.dtype}")
+    b, hq, nq, d = q.shape
+    if seqlens.shape != (b,):
+        raise ValueError(f"cache_seqlens must have shape (batch,) = ({b},); got "
+                         f"{tuple(seqlens.shape)}")
+    if block_table is None:
+        bk, hkv, n_max, dk = k_cache.shape
+        if bk != b:
+            raise ValueError(f"batch sizes differ: q {b}, k_cache {bk} (a contiguous cache is "
+                             "(B, Hkv, Nmax, D); pass block_table for a paged one)")
+        page_size = 0
+    else:
+        table = _tensor("block_table", block_table)
+        if table.dtype != torch.int32:
+            raise TypeError(f"block_table must be int32, got {table.dtype}")
+        if table.dim() != 2 or table.shape[0] != b or table.shape[1] < 1:
+            raise ValueError(f"block_table must have shape (batch, max_pages) with batch {b}; "
+                             f"got {tuple(table.shape)}")
+        _, page_size, hkv, dk = k_cache.shape
+        if page_size < 1 or page_size & (page_size - 1):
+            raise ValueError(f"page_size (k_cache.shape[1] of a paged cache (num_pages, "
+                             f"page_size, Hkv, D)) must be a power of two, got {page_size}")
+        n_max = table.shape[1] * page_size
+    if dk != d:
+        raise ValueError(f"head dims differ: q {d}, k_cache/v_cache {dk}")
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"head dim {d} is over the supported maximum {MAX_HEAD_DIM}")
+    if min(b, hq, nq, d, k_cache.shape[0]) == 0:
+        raise ValueError(f"empty input: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}")
+    devices = {t.device for t in (q, k_cache, v_cache, seqlens)}
+    if block_table is not None:
+        devices.add(block_table.device)
+    if len(devices) > 1:
+        raise ValueError(f"inputs are on different devices: {sorted(map(str, devices))}")
+    if seqlens.device.type == "cpu" or debug_checks():
+        check_lengths(seqlens, n_max, nq, causal)
+        if block_table is not None:
+            check_pages(block_table, seqlens, page_size, k_cache.shape[0])
+    return DecodeShape(b, hq, hkv, nq, n_max, d, DTYPE_NAMES[q.dtype], bool(causal), page_size)
+
+
+def check_lengths(seqlens: torch.Tensor, n_max: int, nq: int, causal: bool) -> None:
+    """Every length in [0, capacity], and under `causal` at least Nq (the queries' own keys
+    are the last Nq of each sequence). Reads the lengths on the host."""
+    lengths = seqlens.tolist()
+    for i, n in enumerate(lengths):
+        if n < 0:
+            raise ValueError(f"cache_seqlens[{i}] is negative ({n})")
+        if n > n_max:
+            raise ValueError(f"cache_seqlens[{i}] = {n} is longer than the cache ({n_max} keys)")
+        if causal and n < nq:
+            raise ValueError(f"cache_seqlens[{i}] = {n} is shorter than Nq = {nq}: under causal "
+                             "the last Nq keys of each sequence are the queries' own")
+
+
+def check_pages(block_table: torch.Tensor, seqlens: torch.Tensor, page_size: int,
+                num_pages: int) -> None:
+    """Every page id a sequence's valid keys use is in [0, num_pages)."""
+    for i, (row, n) in enumerate(zip(block_table.tolist(), seqlens.tolist(), strict=True)):
+        used = row[:cdiv(max(n, 0), page_size)]
+        bad = [p for p in used if not 0 <= p < num_pages]
+        if bad:
+            raise ValueError(f"block_table[{i}] names page {bad[0]}, outside the "
+                             f"{num_pages} pages of the cache")
+
+
+def auto_splits(programs: int, n_max: int, block_n: int, device: torch.device) -> int:
+    """Splits per sequence for num_splits = 0: enough for about two programs per SM, each
+    taking at least MIN_TILES_PER_SPLIT key tiles of the longest possible sequence."""
+    want = cdiv(2 * sm_count(device), programs)
+    most = max(1, cdiv(n_max, block_n) // MIN_TILES_PER_SPLIT)
+    return max(1, min(want, most, MAX_AUTO_SPLITS))
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def prepare_decode(entry: Entry, shape: DecodeShape, kernel: KernelOf) -> DecodeLauncher:
+    """Load `entry`'s kernels once and return a function launching them on checked inputs.
+
+    Strides go to the kernels as they are: q of any layout, a contiguous cache viewed as
+    (B, Hkv, Nmax, D) from (B, Nmax, Hkv, D) memory, a paged cache's page and slot strides.
+    The output keeps q's memory layout.
+    """
+    variant = knobs(entry["variant"])
+    split_kernel = kernel("decode")
+    combine: list[Any] = []  # the combine kernel, loaded on first need
+    launch = {"num_warps": variant.num_warps, "num_stages": variant.num_stages}
+    group, paged = shape.group, bool(shape.page_size)
+    row_tiles = cdiv(group * shape.seq_q, variant.block_m)
+    padded = padded_head_dim(shape.head_dim)
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: torch.Tensor | None,
+            block_table: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        b, hq, nq, d = q.shape
+        if paged:
+            assert block_table is not None
+            table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
+            hkv, page = k.shape[2], k.shape[1]
+            n_max = table.shape[1] * page
+            # Pages play the batch's part, slots the sequence's.
+            k_strides = (k.stride(0), k.stride(2), k.stride(1), k.stride(3))
+            v_strides = (v.stride(0), v.stride(2), v.stride(1), v.stride(3))
+            table_stride = table.stride(0)
+        else:
+            table, page, table_stride = None, 1, 0  # no table
+            hkv, n_max = k.shape[1], k.shape[2]
+            k_strides, v_strides = k.stride(), v.stride()
+        splits = variant.num_splits or auto_splits(b * hkv * row_tiles, n_max, variant.block_n,
+                                                   q.device)
+        out = torch.empty_like(q)
+        lse = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
+        if splits == 1:
+            part, part_lse = out, lse
+            part_strides = (*out.stride()[:3], 0, out.stride(3))
+            lse_strides = (*lse.stride(), 0)
+        else:
+            part = torch.empty((b, hq, nq, splits, d), device=q.device, dtype=torch.float32)
+            part_lse = torch.empty((b, hq, nq, splits), device=q.device, dtype=torch.float32)
+            part_strides, lse_strides = part.stride(), part_lse.stride()
+        split_kernel[(splits, b * hkv, row_tiles)](
+            q, k, v, seqlens, table, part, part_lse,
+            *q.stride(), *k_strides, *v_strides, table_stride, *part_strides, *lse_strides,
+            scale, nq, n_max, hkv, group, splits, PAGE_SIZE=page, **launch,
+        )  # fmt: skip
+        if splits > 1:
+            if not combine:
+                combine.append(kernel("decode_combine"))
+            width = _pow2(splits)
+            combine[0][(b * hq * nq,)](
+                part, part_lse, out, lse, *part.stride(), *part_lse.stride(), *out.stride(),
+                *lse.stride(), nq, hq, splits, SPLITS=width,
+                num_warps=4 if width * padded <= 4096 else 8,
+            )  # fmt: skip
+        return out, lse
+
+    return run

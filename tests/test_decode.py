@@ -1,0 +1,258 @@
+"""The decode family (`attention_with_kvcache`) against the float64 reference on each sequence's
+valid cache: ragged lengths, shuffled block tables, Nq 1 and 3, GQA 4:1, odd head dims; and
+its bad-input errors. CPU tests run tiny shapes through the interpreter (fp32/fp16); `gpu`
+tests run real sizes in bf16 with page sizes 16 and 256.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+import torch
+
+import flashgen
+from flashgen import DecodeVariant
+from flashgen.kernels.decode_render import decode_kernel_hash, render_decode
+from flashgen.kernels.decode_space import (
+    decode_search_space,
+    default_decode_variant,
+    why_invalid_decode,
+)
+from flashgen.kernels.hardware import INTERPRETER
+from flashgen.kernels.problem import DecodeProblem
+from flashgen.tune.check import make_inputs
+from flashgen.tune.decode_bench import compare_kvcache, make_kvcache
+
+interpreter = pytest.mark.interpreter
+gpu = pytest.mark.gpu
+
+
+def _check(problem: DecodeProblem, lengths: list[int], variant: DecodeVariant | None,
+           device: str = "cpu", seed: int = 0) -> None:
+    cache = make_kvcache(problem, device, seed, seqlens=lengths)
+    out, lse = flashgen.attention_with_kvcache(
+        cache.q, cache.k, cache.v, cache.seqlens, block_table=cache.block_table,
+        causal=problem.causal, return_lse=True, variant=variant)
+    assert out.shape == cache.q.shape and out.dtype == cache.q.dtype
+    got = compare_kvcache(out, cache, problem.causal, lse=lse)
+    assert got.ok, f"{problem} {variant}: {got.reason}"
+
+
+@interpreter
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("nq,splits", [(1, 3), (3, 0), (3, 1)])
+def test_contiguous_ragged(causal: bool, nq: int, splits: int) -> None:
+    """GQA 4:1, head dim 24 (padded to 32), a (B, N, H, D) cache viewed as (B, H, N, D),
+    every sequence its own length; three splits, automatic, and one (no combine)."""
+    p = DecodeProblem(3, 8, 2, nq, 40, 24, "fp32", causal)
+    _check(p, [40, 5, 23], DecodeVariant(16, 16, splits, 1, 1))
+
+
+@interpreter
+@pytest.mark.parametrize("page,block_n,splits", [(16, 16, 2), (8, 16, 0), (16, 32, 2)])
+def test_paged_shuffled(page: int, block_n: int, splits: int) -> None:
+    """A shuffled block table over spare pages; pages of 8 under 16-key tiles take the
+    per-key page gather, as do 32-key tiles over pages of 16. fp16, Nq 3 (speculative
+    decoding), causal, odd head dim 40."""
+    p = DecodeProblem(2, 8, 2, 3, 48, 40, "fp16", True, page_size=page)
+    _check(p, [48, 19], DecodeVariant(16, block_n, splits, 1, 1))
+
+
+@interpreter
+def test_default_variant_and_wide_group() -> None:
+    """The default variant on MQA (8 query heads on one K/V head, Nq 3: 24 packed rows in a
+    32-row tile) with a short cache."""
+    p = DecodeProblem(2, 8, 1, 3, 20, 16, "fp32", True)
+    _check(p, [20, 3], None)
+
+
+@interpreter
+def test_attention_dispatches_small_nq_to_decode() -> None:
+    """`attention` with one query against 256 keys runs the decode family, bottom-right
+    causal as the forward promises, and `explain` says so."""
+    q, k, v = make_inputs(1, 4, 1, 1, 256, 16, torch.float32, seed=3, layout="bnhd")
+    choice = flashgen.explain(q, k, v, causal=True)
+    assert "decode family" in choice.reason and isinstance(choice.variant, DecodeVariant)
+    from flashgen.tune.check import compare
+    out, lse = flashgen.attention(q, k, v, causal=True, return_lse=True)
+    assert compare(out, q, k, v, True, lse=lse).ok
+    q2, k2, v2 = make_inputs(1, 4, 1, 32, 256, 16, torch.float32)  # Nq 32: the forward
+    assert not isinstance(flashgen.explain(q2, k2, v2).variant, DecodeVariant)
+
+
+def test_space_rules_and_default() -> None:
+    p = DecodeProblem(1, 32, 8, 1, 4096, 128, "fp16", True, page_size=16)
+    space = decode_search_space(p, INTERPRETER)
+    assert space and all(v.block_m == 16 for v in space)  # 4 query heads x 1 query
+    assert default_decode_variant(p, INTERPRETER) == DecodeVariant(16, 64, 0, 4, 2)
+    assert "num_warps must be among" in why_invalid_decode(DecodeVariant(16, 64, 0, 3), p,
+                                                           INTERPRETER)
+    short = DecodeProblem(1, 4, 1, 1, 64, 64, "fp16", True)
+    assert "more than the 2 key tiles" in why_invalid_decode(DecodeVariant(16, 32, 4), short,
+                                                             INTERPRETER)
+    assert "block_m 32 is longer" in why_invalid_decode(DecodeVariant(32, 32), short,
+                                                        INTERPRETER)
+
+
+def test_kernel_hash_covers_structure_only() -> None:
+    """Splits, warps and stages are launch knobs (same kernel); the page size is a constexpr
+    argument (same source); paging and tiles change the kernel."""
+    p = DecodeProblem(1, 8, 2, 1, 512, 128, "fp16", True)
+    base = DecodeVariant(16, 64, 0, 4, 2)
+    assert decode_kernel_hash(base, p) == decode_kernel_hash(DecodeVariant(16, 64, 8, 8, 3), p)
+    assert decode_kernel_hash(base, p) != decode_kernel_hash(DecodeVariant(16, 64, 1, 4, 2), p)
+    paged = DecodeProblem(1, 8, 2, 1, 512, 128, "fp16", True, page_size=64)
+    assert decode_kernel_hash(base, paged) == decode_kernel_hash(
+        base, DecodeProblem(1, 8, 2, 1, 512, 128, "fp16", True, page_size=256))
+    assert decode_kernel_hash(base, paged) != decode_kernel_hash(base, p)
+    assert "BLOCK_TABLE + off_b" in render_decode("decode", base, paged)
+    assert "BLOCK_TABLE + off_b" not in render_decode("decode", base, p)
+
+
+def _inputs(page: int = 0) -> dict:
+    p = DecodeProblem(2, 4, 2, 2, 32, 16, "fp32", True, page_size=page)
+    c = make_kvcache(p, seqlens=[32, 9])
+    return {"q": c.q, "k_cache": c.k, "v_cache": c.v, "cache_seqlens": c.seqlens,
+            "block_table": c.block_table}
+
+
+def _call(**args: object) -> None:
+    a = dict(args)
+    flashgen.attention_with_kvcache(a.pop("q"), a.pop("k_cache"), a.pop("v_cache"),
+                                    a.pop("cache_seqlens"), **a)
+
+
+@pytest.mark.parametrize("change,error,words", [
+    ({"cache_seqlens": torch.tensor([33, 9], dtype=torch.int32)}, ValueError,
+     "longer than the cache"),
+    ({"cache_seqlens": torch.tensor([-1, 9], dtype=torch.int32)}, ValueError, "negative"),
+    ({"cache_seqlens": torch.tensor([32, 9])}, TypeError, "must be int32"),
+    ({"cache_seqlens": torch.tensor([32], dtype=torch.int32)}, ValueError, "shape (batch,)"),
+    ({"cache_seqlens": torch.tensor([32, 1], dtype=torch.int32)}, ValueError,
+     "shorter than Nq = 2"),
+    ({"q": torch.randn(2, 3, 2, 16)}, ValueError, "multiple of key/value heads"),
+    ({"q": torch.randn(2, 4, 2, 8)}, ValueError, "head dims differ"),
+    ({"q": torch.randn(2, 4, 2, 16, dtype=torch.float16)}, TypeError, "share a dtype"),
+    ({"v_cache": torch.randn(2, 2, 31, 16)}, ValueError, "shapes differ"),
+    ({"k_cache": torch.randn(3, 2, 32, 16), "v_cache": torch.randn(3, 2, 32, 16)}, ValueError,
+     "batch sizes differ"),
+    ({"q": torch.randn(3, 4, 2, 16)}, ValueError, "cache_seqlens must have shape"),
+    ({"k_cache": "k"}, TypeError, "must be a torch.Tensor"),
+    ({"scale": float("nan")}, ValueError, "finite"),
+])
+def test_bad_input_contiguous(change: dict, error: type, words: str) -> None:
+    with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")):
+        _call(**(_inputs() | change))
+
+
+def test_bad_input_paged() -> None:
+    good = _inputs(page=16)
+    _call(**good)  # a plan for this shape exists: the value checks must still run
+    table = good["block_table"]
+    with pytest.raises(TypeError, match="block_table must be int32"):
+        _call(**(good | {"block_table": table.long()}))
+    with pytest.raises(ValueError, match="block_table must have shape"):
+        _call(**(good | {"block_table": table[:1]}))
+    odd = torch.randn(6, 12, 2, 16)
+    with pytest.raises(ValueError, match="must be a power of two, got 12"):
+        _call(**(good | {"k_cache": odd, "v_cache": odd}))
+    bad = table.clone()
+    bad[1, 0] = 99
+    with pytest.raises(ValueError, match="names page 99, outside the"):
+        _call(**(good | {"block_table": bad}))
+    with pytest.raises(ValueError, match="longer than the cache"):  # 2 pages of 16 keys
+        _call(**(good | {"cache_seqlens": torch.tensor([33, 9], dtype=torch.int32)}))
+
+
+def test_invalid_explicit_variant_is_an_error() -> None:
+    with pytest.raises(ValueError, match=r"decode variant .* is invalid"):
+        _call(**_inputs(), variant=DecodeVariant(16, 64, 0, 4, 2))  # 64 keys: 32 in cache
+    with pytest.raises(TypeError, match=r"must be a flashgen\.DecodeVariant"):
+        _call(**_inputs(), variant=flashgen.Variant())
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("page", [0, 16, 256])
+@pytest.mark.parametrize("nq", [1, 4])
+def test_gpu_real_sizes(dtype: str, page: int, nq: int) -> None:
+    """Llama 3 8B heads (32:8, D128), ragged lengths up to 8k, default and fixed splits."""
+    p = DecodeProblem(4, 32, 8, nq, 8192, 128, dtype, True, page_size=page)
+    lengths = [8192, 4097, 777, nq + 5]
+    for variant in (None, DecodeVariant(32 if nq == 4 else 16, 64 if page != 16 else 16, 7,
+                                        4, 3)):
+        _check(p, lengths, variant, device="cuda")
+
+
+@gpu
+@pytest.mark.parametrize("head_dim", [64, 96, 256])
+def test_gpu_head_dims(head_dim: int) -> None:
+    p = DecodeProblem(2, 28, 4, 1, 4000, head_dim, "bf16", True, page_size=16)
+    _check(p, [4000, 1234], None, device="cuda")
+
+
+@gpu
+def test_gpu_debug_checks_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FLASHGEN_DEBUG=1 reads GPU block tables back and names a page out of range."""
+    p = DecodeProblem(2, 8, 2, 1, 64, 64, "bf16", True, page_size=16)
+    c = make_kvcache(p, "cuda", seqlens=[64, 30])
+    bad = c.block_table.clone()
+    bad[0, 1] = 10_000
+    monkeypatch.setenv("FLASHGEN_DEBUG", "1")
+    with pytest.raises(ValueError, match="names page 10000"):
+        flashgen.attention_with_kvcache(c.q, c.k, c.v, c.seqlens, block_table=bad)
+
+
+def test_transformers_step_limit_matches_dispatch() -> None:
+    """The integration's new-token limit is the runtime's (it may import only flashgen)."""
+    from flashgen.integrations.transformers import DECODE_MAX_NEW_TOKENS
+    from flashgen.runtime.kvcache import DECODE_MAX_SEQ_Q
+
+    assert DECODE_MAX_NEW_TOKENS == DECODE_MAX_SEQ_Q
+
+
+@pytest.mark.parametrize("page,variant,dtype,d", [
+    (0, DecodeVariant(16, 64, 0, 4, 3), "bf16", 128),
+    (16, DecodeVariant(16, 64, 0, 4, 3), "bf16", 128),  # a tile spans 4 pages: the gather
+    (256, DecodeVariant(32, 128, 0, 4, 3), "fp16", 72),  # one page per tile, padded D,
+])                                                      # Nq 8: 32 packed rows
+def test_decode_kernels_compile_for_hopper(page: int, variant: DecodeVariant, dtype: str,
+                                           d: int) -> None:
+    """The interpreter never runs Triton's compiler: compile both kernels for sm_90a (no GPU
+    needed) and read ptxas's report."""
+    from flashgen.tune.decode_compile import report_in_subprocess
+
+    p = DecodeProblem(8, 32, 8, variant.block_m // 4, 8192, d, dtype, True, page_size=page)
+    assert why_invalid_decode(variant, p, "cpu") is None
+    found = report_in_subprocess(variant, p)
+    for role in ("decode", "decode_combine"):
+        assert found[role]["shared"] <= 232448
+        assert any("0 bytes spill stores" in line for line in found[role]["ptxas"]), found
+    # K and V buffered num_stages deep on paged caches too: each tile's page ids are read a
+    # step ahead (read in the step, the pipeliner kept one K/V buffer at any num_stages).
+    assert found["decode"]["async_copies"] >= 2 * variant.num_stages, found
+    stage = 2 * variant.block_n * p.padded_head_dim * 2  # K and V tiles, 16-bit
+    assert found["decode"]["shared"] >= stage * (variant.num_stages - 1), found
+
+
+@interpreter
+def test_decode_bench_checks_and_times_each_competitor(tmp_path: Path) -> None:
+    """`bench --mode decode` on the interpreter: flashgen and SDPA's math backend, each
+    checked against the reference first; a paged problem reuses its contiguous twin's
+    figures for the competitor that takes no block table."""
+    from rich.console import Console
+
+    from flashgen.bench.decoding import run_decode_bench
+    from flashgen.kernels.presets import decode_problems
+
+    problems = decode_problems(["2,4,1,1,40,16"], [], ["fp32"], [True], [0, 16])
+    out = tmp_path / "decode.csv"
+    rows = run_decode_bench(problems, torch.device("cpu"), ("flashgen", "sdpa-math"),
+                            rep_ms=1, csv_path=out, console=Console(file=io.StringIO()))
+    assert [(r.competitor, r.status) for r in rows] == [("flashgen", "ok"),
+                                                       ("sdpa-math", "ok")] * 2
+    assert rows[3].note == "contiguous twin's figure" and rows[3].us == rows[1].us
+    assert all(r.gbps and r.gbps > 0 for r in rows)
+    assert len(out.read_text().splitlines()) == 5
