@@ -65,8 +65,7 @@ if TYPE_CHECKING:
     from flashgen.kernels.problem import Problem
     from flashgen.kernels.render import kernel_hash, render
     from flashgen.kernels.variant import Variant
-    from flashgen.runtime.api import (attention, attention_varlen, attention_with_kvcache,
-                                      explain)
+    from flashgen.runtime.api import attention, attention_varlen, attention_with_kvcache, explain
     from flashgen.runtime.sdpa import scaled_dot_product_attention
     from flashgen.runtime.table import Choice
     from flashgen.serve import Dispatcher
