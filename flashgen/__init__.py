@@ -24,6 +24,7 @@ _PUBLIC: dict[str, str] = {
     "Problem": "flashgen.kernels.problem",
     "Variant": "flashgen.kernels.variant",
     "attention": "flashgen.runtime.api",
+    "attention_varlen": "flashgen.runtime.api",
     "attention_with_kvcache": "flashgen.runtime.api",
     "default_variant": "flashgen.kernels.fwd_space",
     "device_info": "flashgen.kernels.hardware",
@@ -44,6 +45,7 @@ __all__ = [
     "Problem",
     "Variant",
     "attention",
+    "attention_varlen",
     "attention_with_kvcache",
     "default_variant",
     "device_info",
@@ -63,7 +65,7 @@ if TYPE_CHECKING:
     from flashgen.kernels.problem import Problem
     from flashgen.kernels.render import kernel_hash, render
     from flashgen.kernels.variant import Variant
-    from flashgen.runtime.api import attention, attention_with_kvcache, explain
+    from flashgen.runtime.api import attention, attention_varlen, attention_with_kvcache, explain
     from flashgen.runtime.sdpa import scaled_dot_product_attention
     from flashgen.runtime.table import Choice
     from flashgen.serve import Dispatcher

@@ -646,6 +646,15 @@ def bench(
              "triton.testing.do_bench): a call's host launch cost counts wherever it exceeds "
              "its GPU work, as in eager PyTorch. gpu: calls queued behind a GPU spin, the "
              "GPU's work alone.")] = "wall",
+    window: Annotated[int | None, typer.Option(
+        metavar="W", min=0,
+        help="Causal sliding window: each query sees itself and the W keys before it. Only "
+             "flashgen and flex run it; FLOPs count the visible pairs.")] = None,
+    varlen: Annotated[int | None, typer.Option(
+        metavar="S", min=1,
+        help="Packed variable-length batch: each problem's B x N tokens cut into S "
+             "sequences of seeded random lengths (flashgen.attention_varlen; flex with a "
+             "document mask).")] = None,
     db: DbOption = None,
 ) -> None:
     """Compare flashgen's dispatched kernels with torch SDPA's backends and compiled
@@ -665,6 +674,8 @@ def bench(
         raise _fail("give at least one --shape or --preset")
     if not timing and not memory:
         raise _fail("--no-timing leaves nothing to do without --memory")
+    if memory and (window is not None or varlen is not None):
+        raise _fail("--memory measures dense problems: run it without --window/--varlen")
     if db is not None and not db.is_file():
         raise _fail(f"no tuning database at {db}")
     if mode == "decode":
@@ -674,6 +685,7 @@ def bench(
 
     from flashgen.bench.command import Outputs, resolve_device, run_bench
     from flashgen.bench.competitors import parse_names, resolve
+    from flashgen.bench.layouts import Layout
     from flashgen.bench.suite import parse_modes
     from flashgen.kernels import presets
     from flashgen.serve import Dispatcher
@@ -688,11 +700,14 @@ def bench(
         modes = parse_modes(mode)
         names = parse_names(competitors, target)
         resolve(names)
+        layout = Layout(window, varlen)
+        for problem in problems:
+            layout.apply(problem)
     except ValueError as exc:
         raise _fail(str(exc)) from None
     run_bench(problems, modes, target, names, Outputs.under(out, csv_path, plot, no_plot),
               timing=timing, memory=memory, seed=seed, rep_ms=rep_ms, timer=timer,
-              console=_console(),
+              console=_console(), layout=layout if layout else None,
               dispatcher=dispatcher)
 
 

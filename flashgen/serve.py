@@ -43,14 +43,15 @@ from flashgen.store.table import default_paths, device_table, entry, entry_is_cu
 def shape_of(problem: Problem) -> Shape:
     """The runtime's view of `problem` (the same fields, in the same order)."""
     if isinstance(problem, DecodeProblem):
-        return DecodeShape(*dataclasses.astuple(problem))  # type: ignore[return-value]
+        # By name: a DecodeProblem also has the modifier flags, which decode calls never set.
+        return DecodeShape(*(getattr(problem, f) for f in DecodeShape._fields))  # type: ignore[return-value]
     return Shape(*dataclasses.astuple(problem))
 
 
 def problem_of(shape: Shape | DecodeShape) -> Problem:
     """flashgen's problem of a runtime shape: a `DecodeProblem` for a decode call's."""
     if isinstance(shape, DecodeShape):
-        return DecodeProblem(*shape)
+        return DecodeProblem(**shape._asdict())
     return Problem(*shape)
 
 
@@ -76,6 +77,7 @@ class Dispatcher(dispatch.Dispatcher):
 
     variant_types: ClassVar[Mapping[str, type]] = {"fwd": Variant, "bwd": BwdVariant,
                                                     "decode": DecodeVariant}
+    renders_modifiers: ClassVar[bool] = True
 
     def __init__(self, db: str | Path | Sequence[str | Path] | None = None) -> None:
         super().__init__()

@@ -59,23 +59,6 @@ def test_llama_on_the_gpu(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.interpreter
-def test_padding_mask_is_refused() -> None:
-    register()
-    size = {
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-    }
-    model = _llama("flashgen", "cpu", torch.float32, size)
-    ids = torch.randint(0, 128, (2, 8))
-    mask = torch.ones(2, 8, dtype=torch.long)
-    mask[0, :3] = 0
-    with pytest.raises(ValueError, match="attention_mask"):
-        model(ids, attention_mask=mask)
-
-
-@pytest.mark.interpreter
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_generate_runs_the_decode_family(cache: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Greedy `generate()` gives sdpa's tokens, and every new token's attention went through

@@ -15,6 +15,7 @@ from rich.console import Console
 
 from flashgen.bench import plot as bench_plot
 from flashgen.bench.competitors import MEMORY_COMPETITORS, resolve
+from flashgen.bench.layouts import Layout
 from flashgen.bench.memory import (
     MEMORY_CSV_FIELDS,
     MemoryRow,
@@ -98,11 +99,13 @@ def run_bench(
     console: Console | None = None,
     log: Console | None = None,
     dispatcher: Dispatcher | None = None,
+    layout: Layout | None = None,
 ) -> list[Row]:
     """Time (and with `memory`, measure the peak memory of) the competitors; print and write.
     `rep_ms`: milliseconds of timed calls per measurement on a GPU and `timer` how they are
     timed, "wall" or "gpu" (see `default_timer`).
     `dispatcher` chooses flashgen's kernels (default: the one `flashgen.attention` uses).
+    `layout`: windowed or packed problems (`flashgen.bench.layouts`); not with `memory`.
 
     Tables go to `console`, progress to `log` (stderr by default). The CSV files are
     rewritten after every problem, so a run killed by a time limit leaves what it measured;
@@ -126,7 +129,8 @@ def run_bench(
 
         try:
             run_suite(problems, modes, device, competitors, seed=seed,
-                      timer=default_timer(device, rep_ms, timer), on_problem=keep)
+                      timer=default_timer(device, rep_ms, timer), on_problem=keep,
+                      layout=layout)
         except KeyboardInterrupt:
             log.print("interrupted: reporting the problems finished so far")
         summaries = summarize(rows)

@@ -7,7 +7,9 @@ which may be a smaller problem of the same kind (`flashgen.tune.fwd_bench.gate_p
 function here therefore works on any lengths, not only the problem it was prepared for.
 
 A competitor that cannot run a problem raises `Unavailable` (or any error): the benchmark
-records it as "n/a" with the reason and goes on.
+records it as "n/a" with the reason and goes on. With a `Layout` (`--window`, `--varlen`:
+`flashgen.bench.layouts`) `prepare` gets it as `layout=` and its function also takes the
+layout's extra arguments; SDPA's backends have no such masks and are n/a.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from flashgen.bench.layouts import Layout, flashgen_fn, flex_fn
 from flashgen.kernels.hardware import device_info
 from flashgen.kernels.problem import Problem
 from flashgen.runtime.api import attention
@@ -46,11 +49,11 @@ class Prepared:
 class Competitor:
     name: str
     description: str
-    prepare: Callable[[Problem, torch.device], Prepared]
+    prepare: Callable[..., Prepared]  # (problem, device[, layout=]) -> Prepared
 
 
 def _flashgen(problem: Problem, device: torch.device,
-              dispatcher: Dispatcher | None = None) -> Prepared:
+              dispatcher: Dispatcher | None = None, layout: Layout | None = None) -> Prepared:
     # The dispatcher's choice for the timed problem is pinned, so the correctness inputs
     # (possibly a smaller problem, whose own dispatch could pick another variant) run the very
     # kernels that are timed. With the choice pinned, a call costs what a dispatched one does:
@@ -59,6 +62,9 @@ def _flashgen(problem: Problem, device: torch.device,
     info = device_info(device)
     fwd = dispatcher.choose(problem, info)
     bwd = dispatcher.choose_bwd(problem, info)
+    note = f"fwd {fwd.variant} ({fwd.how}); bwd {bwd.variant} ({bwd.how})"
+    if layout:
+        return Prepared(flashgen_fn(problem, layout, fwd.variant, bwd.variant), note)
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = attention(q, k, v, causal=problem.causal, variant=fwd.variant,
@@ -66,7 +72,7 @@ def _flashgen(problem: Problem, device: torch.device,
         assert isinstance(out, torch.Tensor)
         return out
 
-    return Prepared(run, f"fwd {fwd.variant} ({fwd.how}); bwd {bwd.variant} ({bwd.how})")
+    return Prepared(run, note)
 
 
 def _sdpa_kwargs(q: torch.Tensor, k: torch.Tensor, causal: bool) -> dict[str, object]:
@@ -88,9 +94,13 @@ def _sdpa(backend_name: str, gpu_only: bool) -> Callable[[Problem, torch.device]
     """One SDPA backend, forced with `sdpa_kernel`: SDPA's own pick is a heuristic, and a
     backend that refuses the problem must show up as n/a, not as another backend's time."""
 
-    def prepare(problem: Problem, device: torch.device) -> Prepared:
+    def prepare(problem: Problem, device: torch.device,
+                layout: Layout | None = None) -> Prepared:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
+        if layout:
+            raise Unavailable("SDPA has no sliding-window or packed-sequence mask (only a "
+                              "dense one)")
         if gpu_only and device.type != "cuda":
             raise Unavailable("needs a CUDA GPU")
         backend = getattr(SDPBackend, backend_name, None)
@@ -106,7 +116,7 @@ def _sdpa(backend_name: str, gpu_only: bool) -> Callable[[Problem, torch.device]
     return prepare
 
 
-def _flex(problem: Problem, device: torch.device) -> Prepared:
+def _flex(problem: Problem, device: torch.device, layout: Layout | None = None) -> Prepared:
     """FlexAttention compiled for static shapes, as its own benchmarks run it.
 
     Dynamo's caches are reset first, so each problem compiles on its own and a long grid
@@ -114,6 +124,9 @@ def _flex(problem: Problem, device: torch.device) -> Prepared:
     """
     if device.type != "cuda":
         raise Unavailable("timed on CUDA only (the CPU run covers flashgen and sdpa-math)")
+    if layout:
+        return Prepared(flex_fn(problem, layout, device),
+                        "torch.compile(flex_attention, dynamic=False), layout block mask")
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     torch._dynamo.reset()

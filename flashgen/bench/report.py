@@ -65,7 +65,9 @@ def summarize(rows: Iterable[Row], subject: str = FLASHGEN) -> list[Summary]:
 def short_problem(p: Problem) -> str:
     heads = f"H{p.heads_q}" if p.heads_q == p.heads_kv else f"H{p.heads_q}/{p.heads_kv}"
     seq = f"N{p.seq_q}" if p.seq_q == p.seq_k else f"N{p.seq_q}/{p.seq_k}"
-    return f"B{p.batch} {heads} {seq} D{p.head_dim} {p.dtype}{' causal' if p.causal else ''}"
+    mods = "".join(f" {m}" for m in p.modifiers)
+    return (f"B{p.batch} {heads} {seq} D{p.head_dim} {p.dtype}{' causal' if p.causal else ''}"
+            f"{mods}")
 
 
 def _unsteady(r: Row) -> bool:
@@ -119,7 +121,7 @@ CSV_FIELDS = (
     "competitor", "status", "tflops", "median_ms", "p20_ms", "p80_ms", "reps", "timer",
     "host_us", "flops",
     "best_competitor", "flashgen_vs_best", "check_error", "check_bound", "checked_on",
-    "reason", "note", "device",
+    "reason", "note", "device", "modifiers",
 )
 
 
@@ -151,6 +153,7 @@ def csv_records(summaries: Iterable[Summary], device_name: str,
                 "check_bound": _fmt(r.bound),
                 "checked_on": "timed inputs" if r.checked_on is None else str(r.checked_on),
                 "reason": r.reason, "note": r.note, "device": device_name,
+                "modifiers": " ".join(p.modifiers),
             })
     return records
 

@@ -21,6 +21,10 @@ float64 reference, with `check.compare` and `check_grads.compare_grads`. When th
 scores of the problem are too large, the check runs on `gate_problem(problem)`: the same
 dtype, head dim, causal flag and GQA ratio at a smaller batch, head count and length. A wrong
 competitor is still timed, and its row says "wrong".
+
+A `Layout` (`--window`, `--varlen`; `flashgen.bench.layouts`) turns every problem into its
+windowed or packed form: FLOPs count the visible pairs, checks use the reference with the
+window or per sequence, and competitors without such masks are n/a.
 """
 
 from __future__ import annotations
@@ -30,12 +34,14 @@ import warnings
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
+from flashgen.bench import layouts
 from flashgen.bench.competitors import AttentionFn, Competitor
+from flashgen.bench.layouts import Layout
 from flashgen.kernels.problem import Problem
 from flashgen.tune.check import CheckResult, compare, make_inputs
 from flashgen.tune.fwd_bench import describe_failure, gate_problem
@@ -101,9 +107,11 @@ class _Inputs:
     k: torch.Tensor
     v: torch.Tensor
     do: torch.Tensor  # the upstream gradient of the output
+    extra: dict = field(default_factory=dict)  # a layout's arguments (packed offsets)
 
     @classmethod
-    def make(cls, p: Problem, device: torch.device, seed: int) -> _Inputs:
+    def make(cls, p: Problem, device: torch.device, seed: int,
+             layout: Layout | None = None) -> _Inputs:
         """Inputs seeded by `seed` and the problem's shape and dtype (not its mask, nor its
         place in the grid): a causal and a full problem of one shape share them."""
         seed = (seed * 1_000_003 + zlib.crc32(str(p.with_(causal=False)).encode())) % 2**31
@@ -111,7 +119,9 @@ class _Inputs:
                               p.torch_dtype, device, seed)
         gen = torch.Generator(device="cpu").manual_seed(seed + 1)
         do = torch.randn(q.shape, generator=gen).to(device=device, dtype=q.dtype)
-        return cls(q, k, v, do)
+        if layout and layout.sequences:
+            q, k, v, do = (layouts.packed(t) for t in (q, k, v, do))
+        return cls(q, k, v, do, layout.extra(p, device, seed) if layout else {})
 
     def leaves(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v as fresh autograd leaves over the same memory."""
@@ -133,7 +143,11 @@ def _why(exc: BaseException, caught: list[warnings.WarningMessage]) -> str:
     return describe_failure(exc) + "".join(f" | {s[:300]}" for s in said[:3])
 
 
-def _check(fn: AttentionFn, inp: _Inputs, causal: bool, grads: bool) -> CheckResult:
+def _check(fn: AttentionFn, inp: _Inputs, causal: bool, grads: bool,
+           layout: Layout | None = None) -> CheckResult:
+    if layout:
+        return layouts.check(fn, layout, causal, inp.q, inp.k, inp.v, inp.do, inp.extra,
+                             grads)
     if not grads:
         with torch.no_grad():
             return compare(fn(inp.q, inp.k, inp.v), inp.q, inp.k, inp.v, causal)
@@ -149,9 +163,10 @@ def _check(fn: AttentionFn, inp: _Inputs, causal: bool, grads: bool) -> CheckRes
 
 
 def _time(fn: AttentionFn, inp: _Inputs, mode: Mode, timer: Timer) -> Timing:
+    extra = inp.extra
     if mode == "fwd":
         with torch.no_grad():
-            return timer(lambda: fn(inp.q, inp.k, inp.v))
+            return timer(lambda: fn(inp.q, inp.k, inp.v, **extra))
     leaves = inp.leaves()
 
     def reset() -> None:
@@ -159,7 +174,7 @@ def _time(fn: AttentionFn, inp: _Inputs, mode: Mode, timer: Timer) -> Timing:
             t.grad = None
 
     if mode == "bwd":
-        out = fn(*leaves)
+        out = fn(*leaves, **extra)
 
         def backward() -> None:
             reset()
@@ -169,7 +184,7 @@ def _time(fn: AttentionFn, inp: _Inputs, mode: Mode, timer: Timer) -> Timing:
 
     def step() -> None:
         reset()
-        fn(*leaves).backward(inp.do)
+        fn(*leaves, **extra).backward(inp.do)
 
     return timer(step)
 
@@ -181,14 +196,18 @@ def _free(device: torch.device) -> None:
 
 def _run_competitor(competitor: Competitor, problem: Problem, modes: Sequence[Mode],
                     device: torch.device, timed: _Inputs, checked: _Inputs,
-                    gate: Problem | None, timer: Timer) -> list[Row]:
+                    gate: Problem | None, timer: Timer, layout: Layout | None = None,
+                    forward_flops: float | None = None) -> list[Row]:
     def row(mode: Mode, status: Status, **fields: object) -> Row:
-        return Row(problem, mode, competitor.name, status, mode_flops(problem, mode),
+        flops = (mode_flops(problem, mode) if forward_flops is None
+                 else FLOP_FACTOR[mode] * forward_flops)
+        return Row(problem, mode, competitor.name, status, flops,
                    **fields)  # type: ignore[arg-type]
 
     with _explained() as caught:
         try:
-            prepared = competitor.prepare(problem, device)
+            prepared = (competitor.prepare(problem, device, layout=layout) if layout
+                        else competitor.prepare(problem, device))
         except Exception as exc:
             return [row(m, "n/a", reason=_why(exc, caught)) for m in modes]
     rows: list[Row] = []
@@ -198,7 +217,8 @@ def _run_competitor(competitor: Competitor, problem: Problem, modes: Sequence[Mo
         if grads not in checks:
             with _explained() as caught:
                 try:
-                    checks[grads] = _check(prepared.fn, checked, problem.causal, grads)
+                    checks[grads] = _check(prepared.fn, checked, problem.causal, grads,
+                                           layout)
                 except Exception as exc:
                     checks[grads] = _why(exc, caught)
                     _free(device)
@@ -232,6 +252,7 @@ def run_suite(
     seed: int = 0,
     timer: Timer | None = None,
     on_problem: Callable[[Problem, list[Row]], None] | None = None,
+    layout: Layout | None = None,
 ) -> list[Row]:
     """Check and time every competitor on every problem in every mode.
 
@@ -250,18 +271,21 @@ def run_suite(
         if key not in made:
             made.clear()
             _free(device)
-            made[key] = _Inputs.make(p, device, seed)
+            made[key] = _Inputs.make(p, device, seed, layout)
         return made[key]
 
     for problem in problems:
+        if layout:
+            problem = layout.apply(problem)
         gate = gate_problem(problem)
         timed = inputs(problem)
         # The gate's inputs are small: drawn afresh (they would evict the timed ones).
-        checked = timed if gate == problem else _Inputs.make(gate, device, seed)
+        checked = timed if gate == problem else _Inputs.make(gate, device, seed, layout)
+        work = layout.flops(problem, seed) if layout else None
         found: list[Row] = []
         for competitor in competitors:
             found += _run_competitor(competitor, problem, modes, device, timed, checked,
-                                     None if gate == problem else gate, timer)
+                                     None if gate == problem else gate, timer, layout, work)
         del timed, checked
         rows += found
         if on_problem is not None:

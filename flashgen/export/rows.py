@@ -218,7 +218,8 @@ def decode_default_grid(family: Family, device: DeviceInfo,
     grid = []
     for rows in DECODE_ROWS:
         for page in DECODE_PAGES:
-            problem = DecodeProblem(1, rows, 1, 1, 4096, head_dim, dtype, causal, page)
+            problem = DecodeProblem(1, rows, 1, 1, 4096, head_dim, dtype, causal,
+                                    page_size=page)
             grid.append((rows, page, default_decode_variant(problem, device), problem))
     return grid
 

@@ -2,13 +2,17 @@
 
 Call `register()` once; then load or build a model with `attn_implementation="flashgen"`.
 flashgen handles causal and full attention, GQA and KV caches (its causal mask is aligned
-bottom-right, which is what a query chunk at the end of a cache needs). Padding masks are not
-supported: a batch with padding raises an error naming the mask.
+bottom-right, which is what a query chunk at the end of a cache needs). As transformers' own
+flash-attention path does, a padded batch (a 2-D padding mask) is unpadded into packed
+sequences for `flashgen.attention_varlen` and padded back (pad rows give 0), and packed
+documents (batch 1, position ids restarting at 0, or `cu_seq_lens_*` given) run as separate
+sequences. A layer's `sliding_window`, `softcap` and `s_aux` (attention sinks) are honoured.
 
-Generation: a step of a few new tokens against a cache runs the decode family
-(`flashgen.attention_with_kvcache`). A dynamic cache hands over exactly the keys seen so far;
-a static cache hands over all of its Nmax slots, and transformers' flash-style mask (a 2-D
-all-ones mask as long as the keys seen, shorter than the cache) says how many are valid.
+Generation: a step of a few new tokens against a cache of an unpadded batch, without
+modifiers, runs the decode family (`flashgen.attention_with_kvcache`). A dynamic cache hands
+over exactly the keys seen so far; a static cache hands over all of its Nmax slots, and
+transformers' flash-style mask (a 2-D all-ones mask as long as the keys seen, shorter than
+the cache) says how many are valid.
 """
 
 from __future__ import annotations
@@ -29,24 +33,26 @@ DECODE_MAX_NEW_TOKENS = 16
 _last: list[Any] = [None, False]
 
 
-def _valid_keys(attention_mask: torch.Tensor | None, keys: int) -> int:
-    """How many leading keys of the cache are valid: all of them without a mask; the mask's
-    length for a static cache's 2-D mask without padding. Anything else raises."""
+def _mask_state(attention_mask: torch.Tensor | None, keys: int) -> tuple[int, bool]:
+    """(valid leading keys, padded). Without a mask every key is valid; a 2-D all-ones mask
+    (a static cache's) says how many are; any other 2-D mask is padding, which the caller
+    unpads. A mask of more dimensions (a custom mask) raises. Every layer of a pass gets the
+    same mask, read back once per pass (a GPU sync), not once per layer."""
     if attention_mask is None:
-        return keys
+        return keys, False
+    if attention_mask.dim() != 2:
+        raise ValueError(
+            f"flashgen got a {attention_mask.dim()}-D attention_mask (a custom mask); it takes "
+            "2-D padding masks only. Use attn_implementation='sdpa' for this model."
+        )
     seen = _last[0]() if _last[0] is not None else None
     if seen is attention_mask:
         unpadded = _last[1]
     else:
-        unpadded = (attention_mask.dim() == 2 and attention_mask.shape[1] <= keys
-                    and bool(attention_mask.all()))
+        unpadded = attention_mask.shape[1] <= keys and bool(attention_mask.all())
         _last[:] = [weakref.ref(attention_mask), unpadded]
-    if not unpadded:
-        raise ValueError(
-            "flashgen got an attention_mask (a padded batch or a custom mask); flashgen has no "
-            "dense masks. Use unpadded batches, or attn_implementation='sdpa' for this model."
-        )
-    return attention_mask.shape[1]
+    return (attention_mask.shape[1], False) if unpadded else (keys, True)
+
 
 NAME = "flashgen"
 
@@ -60,25 +66,96 @@ def flashgen_attention_forward(
     dropout: float = 0.0,
     scaling: float | None = None,
     is_causal: bool | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: (B, H, N, D) in, (B, N, H, D) out."""
-    valid = _valid_keys(attention_mask, key.shape[2])
+    valid, padded = _mask_state(attention_mask, key.shape[2])
     if dropout and module.training:
         raise ValueError(f"attention dropout {dropout} is not supported by flashgen")
-    if kwargs.get("softcap") is not None or kwargs.get("sliding_window") is not None:
-        raise ValueError("flashgen supports neither logit softcapping nor sliding windows")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    window = None
+    if sliding_window is not None and sliding_window < valid:
+        # Keys (i - sliding_window, i] for causal layers: transformers' flash-attention
+        # convention (sliding_window - 1 on either side; causal cuts the right one).
+        window = (sliding_window - 1, sliding_window - 1)
+    if s_aux is not None and s_aux.dtype not in (query.dtype, torch.float32):
+        s_aux = s_aux.float()  # under autocast the sinks keep the parameters' dtype
+    options = {"causal": causal, "scale": scaling, "window": window, "softcap": softcap,
+               "sinks": s_aux}
+    modified = window is not None or softcap is not None or s_aux is not None
     nq = query.shape[2]
-    if nq <= DECODE_MAX_NEW_TOKENS and valid > nq:
+    if padded:
+        assert attention_mask is not None
+        out = _padded(query, key, value, attention_mask.bool(), options)
+    elif (packed := _packed_lengths(query, attention_mask, kwargs)) is not None:
+        cu, longest = packed
+        q, k, v = (t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])
+                   for t in (query, key, value))
+        out = flashgen.attention_varlen(q, k, v, cu, cu, longest, longest, **options)
+        out = out.view(query.shape[0], nq, query.shape[1], query.shape[3])
+    elif not modified and nq <= DECODE_MAX_NEW_TOKENS and valid > nq:
         # New tokens against a cache: the decode family, every sequence `valid` keys long.
         lengths = torch.full((query.shape[0],), valid, dtype=torch.int32, device=query.device)
         out = flashgen.attention_with_kvcache(query, key, value, lengths, causal=causal,
-                                              scale=scaling)
+                                              scale=scaling).transpose(1, 2)
     else:
-        out = flashgen.attention(query, key[:, :, :valid], value[:, :, :valid], causal=causal,
-                                 scale=scaling)
-    return out.transpose(1, 2).contiguous(), None
+        out = flashgen.attention(query, key[:, :, :valid], value[:, :, :valid],
+                                 **options).transpose(1, 2)
+    return out.contiguous(), None
+
+
+def _packed_lengths(query: torch.Tensor, attention_mask: torch.Tensor | None,
+                    kwargs: dict[str, Any]) -> tuple[torch.Tensor, int] | None:
+    """(cu_seqlens, longest) of packed documents in a batch of one, else None: from
+    `cu_seq_lens_q` / `max_length_q` where the caller gives them (equal for keys: packing
+    is self-attention), or from position ids that restart (a document starts at each 0)."""
+    if attention_mask is not None or query.shape[0] != 1:
+        return None
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is not None:
+        longest = kwargs.get("max_length_q")
+        longest = int(longest) if longest is not None else int(cu.diff().max())
+        return cu.to(torch.int32), longest
+    positions = kwargs.get("position_ids")
+    if positions is None or positions.shape[-1] != query.shape[2] or query.shape[2] == 1:
+        return None
+    positions = positions.reshape(-1)
+    starts = (positions == 0).nonzero().view(-1)
+    if starts.numel() <= 1 and bool((positions.diff() == 1).all()):
+        return None  # one document: the dense kernel
+    if starts.numel() == 0 or int(starts[0]) != 0:
+        return None
+    total = torch.tensor([positions.numel()], device=starts.device)
+    cu = torch.cat([starts, total]).to(torch.int32)
+    return cu, int(cu.diff().max())
+
+
+def _padded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+            options: dict[str, Any]) -> torch.Tensor:
+    """Attention of a padded batch: its real tokens packed (mask (B, Nk), True = token),
+    attended per sequence, scattered back to (B, Nq, Hq, D) with zeros at pad rows. Queries
+    are the last Nq positions of each row (left padding), as transformers assumes."""
+    b, hq, nq, d = query.shape
+    if key.shape[2] > mask.shape[1]:  # a static cache longer than the mask
+        key, value = key[:, :, :mask.shape[1]], value[:, :, :mask.shape[1]]
+    nk = key.shape[2]
+    k_rows = mask.reshape(-1).nonzero().view(-1)
+    k_lens = mask.sum(dim=1, dtype=torch.int32)
+    q_mask = mask[:, -nq:]
+    q_rows = q_mask.reshape(-1).nonzero().view(-1)
+    q_lens = q_mask.sum(dim=1, dtype=torch.int32)
+    cu_k = torch.nn.functional.pad(k_lens.cumsum(0, dtype=torch.int32), (1, 0))
+    cu_q = torch.nn.functional.pad(q_lens.cumsum(0, dtype=torch.int32), (1, 0))
+    pack = lambda t, n, rows: t.transpose(1, 2).reshape(b * n, t.shape[1], d)[rows]
+    out = flashgen.attention_varlen(
+        pack(query, nq, q_rows), pack(key, nk, k_rows), pack(value, nk, k_rows), cu_q, cu_k,
+        max(1, int(q_lens.max())), max(1, int(k_lens.max())), **options)
+    full = out.new_zeros(b * nq, hq, d)
+    full = full.index_copy(0, q_rows, out)  # differentiable scatter back to the padded rows
+    return full.view(b, nq, hq, d)
 
 
 def _mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:
@@ -96,6 +173,27 @@ def register() -> None:
     AttentionInterface.register(NAME, flashgen_attention_forward)
     AttentionMaskInterface.register(NAME, _mask)
     _skip_flash_import_for_our_name()
+    _list_our_name_where_flash_kernels_are_listed()
+
+
+#: Model classes that name the flash implementations they accept (those that handle their
+#: sinks), and would otherwise swap "flashgen", a "flash" name to transformers, for one.
+_LISTING_MODELS = (("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssPreTrainedModel"),)
+
+
+def _list_our_name_where_flash_kernels_are_listed() -> None:
+    """flashgen handles sinks, so it joins those lists (where the installed transformers
+    has the model)."""
+    import importlib
+
+    for module_name, class_name in _LISTING_MODELS:
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError):
+            continue
+        listed = getattr(cls, "_compatible_flash_implementations", None)
+        if listed is not None and NAME not in listed:
+            cls._compatible_flash_implementations = [*listed, NAME]
 
 
 def _skip_flash_import_for_our_name() -> None:

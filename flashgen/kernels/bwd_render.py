@@ -17,6 +17,7 @@ from flashgen.kernels.render import (
     _load_module,
     _make_environment,
     _render,
+    modifier_context,
     rendered_hash,
     source_hash,
 )
@@ -57,6 +58,9 @@ def bwd_render_context(kernel: BwdKernel, variant: BwdVariant, problem: Problem)
         return context
     # fp32 inputs get true fp32 products: tf32 would lose ~3 decimal digits.
     context["dot_precision"] = "ieee" if problem.dtype == "fp32" else "tf32"
+    # Sinks take no part in these kernels (their gradient is a row sum, left to the
+    # launcher), so only window and softcap add arguments.
+    context.update(modifier_context(problem.with_(sinks=False)))
     if kernel == "dkdv":
         context["block_m"] = variant.block_streamed
         context["block_n"] = variant.block_owned

@@ -136,7 +136,16 @@ def too_many_warps(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:
     return None
 
 
+def modifiers_need_triton_kernels(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:
+    # Window, softcap and the packed layout are written into the Triton dK/dV and dQ
+    # templates only; the Gluon ones address whole (B, H, N, D) tensors by TMA.
+    if p.modifiers and v.fa3 != "none":
+        return f"{', '.join(p.modifiers)} run in the Triton backward kernels only (fa3 'none')"
+    return None
+
+
 BWD_RULES: tuple[BwdRule, ...] = (
+    modifiers_need_triton_kernels,
     dq_tile_unused,
     fa3_unavailable,
     block_streamed_longer_than_needed,

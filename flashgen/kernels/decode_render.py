@@ -17,6 +17,7 @@ from flashgen.kernels.render import (
     _load_module,
     _make_environment,
     _render,
+    modifier_context,
     rendered_hash,
     source_hash,
 )
@@ -54,6 +55,8 @@ def decode_render_context(kernel: DecodeKernel, variant: DecodeVariant,
         "paged": paged,
         # fp32 inputs get true fp32 products: tf32 would lose ~3 decimal digits.
         "dot_precision": "ieee" if problem.dtype == "fp32" else "tf32",
+        # The shared online-softmax fragment reads the modifiers' flags (none here).
+        **modifier_context(problem),
     }
 
 

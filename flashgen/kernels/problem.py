@@ -20,6 +20,8 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 MAX_HEAD_DIM = 256
+#: The structure flags beyond causal, in field order.
+MODIFIERS: tuple[str, ...] = ("window", "softcap", "sinks", "varlen")
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,13 @@ class Problem:
     head_dim: int
     dtype: str = "fp16"
     causal: bool = False
+    # Modifiers and layout, each a structure choice of the kernels (their sizes and values are
+    # runtime arguments): a sliding window, a logit softcap, per-head sinks, packed
+    # variable-length sequences (then batch counts sequences, seq_q / seq_k are the longest).
+    window: bool = False
+    softcap: bool = False
+    sinks: bool = False
+    varlen: bool = False
 
     def __post_init__(self) -> None:
         for name in ("batch", "heads_q", "heads_kv", "seq_q", "seq_k", "head_dim"):
@@ -49,6 +58,14 @@ class Problem:
             raise ValueError(f"head dim {self.head_dim} is over the supported {MAX_HEAD_DIM}")
         if self.dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype!r}; use one of {sorted(DTYPES)}")
+        for name in MODIFIERS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def modifiers(self) -> tuple[str, ...]:
+        """The modifiers and layout this problem asks for, by name (empty for plain attention)."""
+        return tuple(name for name in MODIFIERS if getattr(self, name))
 
     @property
     def group(self) -> int:
@@ -78,7 +95,14 @@ class Problem:
         return replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields, leaving out modifiers not asked for: a plain problem's dict (and the
+        `problem_json` rows, claims and baselines are matched by) is what it was before
+        the modifiers existed."""
+        data = asdict(self)
+        for name in MODIFIERS:
+            if not data[name]:
+                del data[name]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Problem:
@@ -110,7 +134,7 @@ class Problem:
         return (
             f"B{self.batch} Hq{self.heads_q} Hkv{self.heads_kv} Nq{self.seq_q} Nk{self.seq_k} "
             f"D{self.head_dim} {self.dtype} {mask}"
-        )
+        ) + "".join(f" {name}" for name in self.modifiers)
 
 
 @dataclass(frozen=True)

@@ -139,6 +139,24 @@ def render_context(variant: Variant, problem: Problem) -> dict[str, Any]:
         "causal": problem.causal,
         # fp32 inputs get true fp32 products: tf32 would lose ~3 decimal digits.
         "dot_precision": "ieee" if problem.dtype == "fp32" else "tf32",
+        **modifier_context(problem),
+    }
+
+
+def modifier_context(problem: Problem) -> dict[str, Any]:
+    """The modifiers as structure: flags, and the runtime arguments each adds to the helper
+    signatures (empty without them, so kernels without modifiers render as before)."""
+    step = ("WIN_LEFT, WIN_RIGHT," if problem.window else "") + (
+        "CAP_SCALE, SOFTCAP," if problem.softcap else "")
+    tile = ("WIN_LEFT, WIN_RIGHT," if problem.window else "") + (
+        "SOFTCAP," if problem.softcap else "") + ("SINKS," if problem.sinks else "")
+    return {
+        "window": problem.window,
+        "softcap": problem.softcap,
+        "sinks": problem.sinks,
+        "varlen": problem.varlen,
+        "step_mods": f" {step}" if step else "",
+        "tile_mods": f" {tile}" if tile else "",
     }
 
 

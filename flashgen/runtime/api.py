@@ -9,7 +9,8 @@ import torch
 
 from . import ops
 from .dispatch import Dispatcher, default_dispatcher
-from .inputs import check_options
+from .inputs import check_inputs, check_options
+from .modifiers import Mods, check_packed, check_sinks, check_softcap, check_varlen, check_window
 from .table import Choice
 
 
@@ -45,6 +46,9 @@ def attention(
     *,
     causal: bool = False,
     scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     return_lse: bool = False,
     variant: Any = None,
     bwd_variant: Any = None,
@@ -62,9 +66,22 @@ def attention(
     Differentiable: the backward recomputes attention block by block from the saved
     log-sum-exp (`bwd_variant=` picks its kernels, else the tuned or default ones); no
     gradient flows through the returned log-sum-exp.
+    Modifiers: `window=(left, right)` lets query i (at its bottom-right aligned position i')
+    see keys i' - left ..= i' + right (-1: unbounded; tiles outside are skipped);
+    `softcap=c` turns each scaled score s into c * tanh(s / c); `sinks` (Hq,), q's dtype or
+    float32, are per-head logits in each row's softmax denominator (no value), with their
+    gradient. The log-sum-exp then includes the sinks.
     Returns the output (like q), and with `return_lse` also the log-sum-exp (B, Hq, Nq) fp32.
     """
     check_options(causal, scale)
+    if window is not None or softcap is not None or sinks is not None:
+        check_inputs(q, k, v)
+        mods = Mods(check_window(window), check_softcap(softcap),
+                    _kernel_sinks(check_sinks(sinks, q.shape[1], q.dtype, q.device)))
+        if mods.flags != (False, False, False, False):
+            out, lse = _modified(q, k, v, sinks, causal, scale, mods, variant, bwd_variant,
+                                 dispatcher)
+            return (out, lse) if return_lse else out
     if _needs_op(q, k, v):
         if not torch.compiler.is_compiling():
             d = dispatcher or default_dispatcher()
@@ -78,6 +95,65 @@ def attention(
     else:
         out, lse = (dispatcher or default_dispatcher()).forward(q, k, v, causal, scale, variant)
     return (out, lse) if return_lse else out
+
+
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    return_lse: bool = False,
+    variant: Any = None,
+    bwd_variant: Any = None,
+    dispatcher: Dispatcher | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`attention` of packed sequences, each attending only to itself: q (total_q, Hq, D),
+    k and v (total_k, Hkv, D), sequence b at rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q
+    and cu_seqlens_k[b]:cu_seqlens_k[b + 1] of k and v (int32 offsets from 0 to the packed
+    length; `max_seqlen_*` at least the longest sequence). Causal masks and windows align
+    bottom-right per sequence. GQA, modifiers, gradients and dispatch as in `attention`.
+    Returns the output (total_q, Hq, D), and with `return_lse` also the log-sum-exp
+    (Hq, total_q) fp32. The offsets are checked on the host (one device read per call).
+    """
+    check_options(causal, scale)
+    check_packed(q, k, v)
+    lens = check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    mods = Mods(check_window(window), check_softcap(softcap),
+                _kernel_sinks(check_sinks(sinks, q.shape[1], q.dtype, q.device)), lens)
+    out, lse = _modified(q, k, v, sinks, causal, scale, mods, variant, bwd_variant, dispatcher)
+    return (out, lse) if return_lse else out
+
+
+def _kernel_sinks(sinks: torch.Tensor | None) -> torch.Tensor | None:
+    """The kernels read the sinks as a contiguous fp32 (Hq,) vector."""
+    return None if sinks is None else sinks.detach().float().contiguous()
+
+
+@torch.compiler.disable
+def _modified(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
+              causal: bool, scale: float | None, mods: Mods, variant: Any, bwd_variant: Any,
+              dispatcher: Dispatcher | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A call with modifiers or packed sequences: autograd where an input needs it (the
+    sinks included), else the dispatcher alone."""
+    d = dispatcher or default_dispatcher()
+    d.check_variant("fwd", variant)
+    d.check_variant("bwd", bwd_variant)
+    grads = torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad
+        or (sinks is not None and sinks.requires_grad))
+    if grads:
+        return ops.ModifiedAttention.apply(q, k, v, sinks, causal, scale, mods, variant,
+                                           bwd_variant, d)
+    return d.forward(q, k, v, causal, scale, variant, mods)
 
 
 def attention_with_kvcache(
@@ -121,13 +197,22 @@ def explain(
     v: torch.Tensor,
     *,
     causal: bool = False,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     variant: Any = None,
     bwd_variant: Any = None,
     dispatcher: Dispatcher | None = None,
 ) -> Choice:
-    """Which variant `attention` would run for these inputs, why (exact hit, nearest bucket,
-    fallback, explicit) and from which database row; its `backward` answers the same for the
-    backward pass. `print()` it for a short answer."""
+    """Which variant `attention` would run for these inputs (and modifiers), why (exact hit,
+    nearest bucket, fallback, explicit) and from which database row; its `backward` answers
+    the same for the backward pass. `print()` it for a short answer."""
     check_options(causal, None)
+    mods = None
+    if window is not None or softcap is not None or sinks is not None:
+        check_inputs(q, k, v)
+        mods = Mods(check_window(window), check_softcap(softcap),
+                    _kernel_sinks(check_sinks(sinks, q.shape[1], q.dtype, q.device)))
+        mods = None if mods.flags == (False, False, False, False) else mods
     return (dispatcher or default_dispatcher()).explain(q, k, v, causal=causal, variant=variant,
-                                                        bwd_variant=bwd_variant)
+                                                        bwd_variant=bwd_variant, mods=mods)

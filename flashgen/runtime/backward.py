@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from .forward import KernelOf, cdiv, gluon_descriptor, tma_ready
+from .forward import KernelOf, cdiv, gluon_descriptor, strides4, tma_ready
+from .modifiers import Mods
 from .table import Entry, Shape, knobs
 
 #: (dO, q, k, v, out, lse, scale) -> (dq, dk, dv)
@@ -81,8 +82,10 @@ def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
     group = shape.group
 
     def run(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            out: torch.Tensor, lse: torch.Tensor,
-            scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            out: torch.Tensor, lse: torch.Tensor, scale: float,
+            mods: Mods | None = None) -> tuple[torch.Tensor, ...]:
+        if mods is not None:
+            return run_modified(do, q, k, v, out, lse, scale, mods)
         b, hq, nq, _ = q.shape
         hkv, nk = k.shape[1], k.shape[2]
         dq = torch.empty_like(q)
@@ -116,6 +119,63 @@ def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
                 *delta.stride(), *dq.stride(), scale, nq, nk, hq, group, **ks.launch,
             )  # fmt: skip
         return dq, dk, dv
+
+    def run_modified(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     out: torch.Tensor, lse: torch.Tensor, scale: float,
+                     mods: Mods) -> tuple[torch.Tensor, ...]:
+        """The Triton kernels with the modifiers' arguments after the common ones (the
+        validity rules keep Gluon kernels off these calls). A packed call is one batch to
+        the preprocessing kernel (its rows are independent) and one (batch, head) row of
+        programs per sequence to the others. With sinks, dsinks_h = -sum_i P_sink,i
+        delta_i follows from delta and the LSE: P_sink,i = exp(sink_h - LSE_i)."""
+        ks = main
+        var = ks.variant
+        packed = mods.varlen is not None
+        if packed:
+            assert mods.varlen is not None
+            hq, hkv = q.shape[1], k.shape[1]
+            b, nq, nk = mods.varlen.batch, mods.varlen.max_q, mods.varlen.max_k
+            rows = q.shape[0]
+            delta = torch.empty((hq, rows), device=q.device, dtype=torch.float32)
+            row_strides = (0, *lse.stride(), 0, *delta.stride())
+            preprocess[(cdiv(rows, preprocess_block_m), hq)](
+                out, do, delta, *strides4(out, True), *strides4(do, True), 0,
+                *delta.stride(), rows, hq,
+            )  # fmt: skip
+        else:
+            b, hq, nq, _ = q.shape
+            hkv, nk = k.shape[1], k.shape[2]
+            delta = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
+            row_strides = (*lse.stride(), *delta.stride())
+            preprocess[(cdiv(nq, preprocess_block_m), b * hq)](
+                out, do, delta, *out.stride(), *do.stride(), *delta.stride(), nq, hq
+            )
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        extra = mods.kernel_args(shape.causal, nq, nk)
+        extra = [a for a in extra if a is not mods.sinks]  # the sinks stay in the launcher
+        atomic = var.dq_mode == "atomic"
+        dq_target = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if atomic else dq
+        s4 = lambda t: strides4(t, packed)
+        ks.dkdv[(cdiv(nk, var.block_owned), b * hkv)](
+            q, k, v, do, lse, delta, dk, dv, dq_target,
+            *s4(q), *s4(k), *s4(v), *s4(do), *row_strides, *s4(dk), *s4(dv), *s4(dq_target),
+            scale, nq, nk, hkv, group, *extra, **ks.launch,
+        )  # fmt: skip
+        if atomic:
+            dq.copy_(dq_target)
+        else:
+            ks.dq[(cdiv(nq, var.block_owned), b * hq)](
+                q, k, v, do, lse, delta, dq,
+                *s4(q), *s4(k), *s4(v), *s4(do), *row_strides, *s4(dq),
+                scale, nq, nk, hq, group, *extra, **ks.launch,
+            )  # fmt: skip
+        if mods.sinks is None:
+            return dq, dk, dv
+        # lse and delta: (B, Hq, N) or, packed, (Hq, total_q); heads are dim -2 in both.
+        sink = mods.sinks.view(-1, 1)
+        share = torch.exp(sink - lse) * delta
+        dsinks = -(share.sum(dim=(0, 2)) if share.dim() == 3 else share.sum(dim=1))
+        return dq, dk, dv, dsinks
 
     return run
 

@@ -50,6 +50,7 @@ from .kvcache import (
     prepare_decode,
     serves_as_decode,
 )
+from .modifiers import Mods
 from .table import Choice, Entry, Shape, Table
 
 #: The package this runtime serves ("flashgen", or an exported package's name), which names
@@ -87,6 +88,9 @@ class Dispatcher:
     #: dataclasses, which also present table entries in `Choice`s). Empty: a package that runs
     #: its tuned kernels only.
     variant_types: ClassVar[Mapping[str, type]] = {}
+    #: Whether `kernel` can give kernels rendered with modifiers (window, softcap, sinks) and
+    #: for packed sequences. An exported package ships plain kernels only.
+    renders_modifiers: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._tables: dict[torch.device, Table] = {}
@@ -233,10 +237,23 @@ class Dispatcher:
         return entry
 
     def _choose(self, mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                causal: bool, variant: Any) -> tuple[Choice, Entry, Shape]:
-        check_inputs(q, k, v)
+                causal: bool, variant: Any, mods: Mods | None = None,
+                ) -> tuple[Choice, Entry, Shape]:
         check_options(causal, None)
-        shape = Shape.of(q, k, causal)
+        if mods is not None and mods.varlen is not None:
+            # Packed: the public call checked the tensors; lengths are the longest sequence's.
+            lens = mods.varlen
+            shape = Shape(lens.batch, q.shape[1], k.shape[1], lens.max_q, lens.max_k,
+                          q.shape[2], DTYPE_NAMES[q.dtype], bool(causal))
+        else:
+            check_inputs(q, k, v)
+            shape = Shape.of(q, k, causal)
+        if mods is not None:
+            if not self.renders_modifiers:
+                raise ValueError(f"{PACKAGE} ships plain attention kernels only: window, "
+                                 "softcap, sinks and attention_varlen need flashgen itself")
+            window, softcap, sinks, varlen = mods.flags
+            shape = shape._replace(window=window, softcap=softcap, sinks=sinks, varlen=varlen)
         table = self.table(q.device)
         if variant is None:
             choice, entry = self.lookup(table, mode, shape)
@@ -253,14 +270,16 @@ class Dispatcher:
     # ---- running ---------------------------------------------------------------------------
 
     def _plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-              variant: Any) -> _Plan:
+              variant: Any, mods: Mods | None = None) -> _Plan:
         try:
             key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device,
                    v.device, causal, variant)  # fmt: skip
+            if mods is not None:
+                key = (*key, mods.plan_key)
             plan = self._plans.get(key)
         except (AttributeError, TypeError):  # not tensors, or an unhashable variant
             key, plan = None, None
-        if plan is None and variant is None:
+        if plan is None and variant is None and mods is None:
             check_inputs(q, k, v)
             if serves_as_decode(q.shape[2], k.shape[2]):
                 plan = self._decode_as_forward(q, k, v, causal)
@@ -268,7 +287,7 @@ class Dispatcher:
                     self._plans[key] = plan
                 return plan
         if plan is None:
-            choice, entry, shape = self._choose("fwd", q, k, v, causal, variant)
+            choice, entry, shape = self._choose("fwd", q, k, v, causal, variant, mods)
 
             def make(found: Entry) -> Launcher:
                 return prepare_forward(found, shape, self._kernels(found, shape),
@@ -360,15 +379,17 @@ class Dispatcher:
                                  variant).choice
 
     def _bwd_plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                  variant: Any) -> _Plan:
+                  variant: Any, mods: Mods | None = None) -> _Plan:
         try:
             key = (q.shape, k.shape, v.shape, q.dtype, q.device, causal, variant,
                    torch.are_deterministic_algorithms_enabled())
+            if mods is not None:
+                key = (*key, mods.plan_key)
             plan = self._bwd_plans.get(key)
         except (AttributeError, TypeError):
             key, plan = None, None
         if plan is None:
-            choice, entry, shape = self._choose("bwd", q, k, v, causal, variant)
+            choice, entry, shape = self._choose("bwd", q, k, v, causal, variant, mods)
             table = self.table(q.device)
 
             def make(found: Entry) -> BwdLauncher:
@@ -438,9 +459,14 @@ class Dispatcher:
         causal: bool = False,
         scale: float | None = None,
         variant: Any = None,
+        mods: Mods | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(output, log-sum-exp) of the chosen variant. The fast path: after the first call of
-        a shape, a call is one dict lookup, two allocations and the kernel launch."""
+        a shape, a call is one dict lookup, two allocations and the kernel launch. `mods`:
+        the call's modifiers and packed layout (`flashgen.runtime.modifiers`), checked."""
+        if mods is not None:
+            plan = self._plan(q, k, v, causal, variant, mods)
+            return plan.launch(q, k, v, plan.scale if scale is None else scale, mods)
         try:
             plan = self._plans.get((q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
                                     q.device, k.device, v.device, causal, variant))
@@ -451,14 +477,17 @@ class Dispatcher:
         return plan.launch(q, k, v, plan.scale if scale is None else scale)
 
     def backward(self, grad_out: torch.Tensor, saved: Saved, causal: bool = False,
-                 scale: float | None = None, variant: Any = None,
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 scale: float | None = None, variant: Any = None, mods: Mods | None = None,
+                 ) -> tuple[torch.Tensor, ...]:
         """(dq, dk, dv) for the forward's saved tensors, with the chosen backward variant
-        (a deterministic one under `torch.use_deterministic_algorithms(True)`)."""
+        (a deterministic one under `torch.use_deterministic_algorithms(True)`); with sinks
+        among `mods`, also dsinks (float32)."""
         q, k, v = saved.q, saved.k, saved.v
-        plan = self._bwd_plan(q, k, v, causal, variant)
-        return plan.launch(grad_out, q, k, v, saved.out, saved.lse,
-                           plan.scale if scale is None else scale)
+        plan = self._bwd_plan(q, k, v, causal, variant, mods)
+        scale = plan.scale if scale is None else scale
+        if mods is not None:
+            return plan.launch(grad_out, q, k, v, saved.out, saved.lse, scale, mods)
+        return plan.launch(grad_out, q, k, v, saved.out, saved.lse, scale)
 
     def explain(
         self,
@@ -469,12 +498,14 @@ class Dispatcher:
         causal: bool = False,
         variant: Any = None,
         bwd_variant: Any = None,
+        mods: Mods | None = None,
     ) -> Choice:
         """Which variant `attention(q, k, v, causal=...)` runs, why, and from which row; its
-        `backward` says the same of the backward pass (`bwd_variant`: an explicit one)."""
-        choice = self._plan(q, k, v, causal, variant).choice
-        return dataclasses.replace(choice,
-                                   backward=self._bwd_plan(q, k, v, causal, bwd_variant).choice)
+        `backward` says the same of the backward pass (`bwd_variant`: an explicit one).
+        `mods`: the call's modifiers (see `forward`)."""
+        choice = self._plan(q, k, v, causal, variant, mods).choice
+        return dataclasses.replace(
+            choice, backward=self._bwd_plan(q, k, v, causal, bwd_variant, mods).choice)
 
 
 # ---- the package's default dispatcher -------------------------------------------------------

@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
+from .modifiers import Mods
 from .table import Entry, Shape, knobs
 
-#: (q, k, v, scale) -> (output like q, log-sum-exp (B, Hq, Nq) fp32)
-Launcher = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
-]
+#: (q, k, v, scale[, mods]) -> (output like q, log-sum-exp (B, Hq, Nq) fp32; packed
+#: (varlen) calls: (Hq, total_q))
+Launcher = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 #: role -> the JIT function that plays it
 KernelOf = Callable[[str], Any]
 
@@ -132,6 +132,14 @@ def fa3_grid(variant: Any, nq: int, heads: int,
     return (min(tiles * heads, sm_count(device)),), (heads,)
 
 
+def strides4(t: torch.Tensor, packed: bool) -> tuple[int, ...]:
+    """`t`'s strides as the kernels' (B, H, N, D) ones; a packed (total, H, D) tensor is one
+    batch whose sequences the kernel finds by offset, so its batch stride is 0."""
+    if not packed:
+        return t.stride()
+    return 0, t.stride(1), t.stride(0), t.stride(2)
+
+
 def prepare_forward(entry: Entry, shape: Shape, kernel: KernelOf, strict: bool) -> Launcher:
     """Load `entry`'s kernel once and return a function that launches it on checked inputs.
 
@@ -156,8 +164,11 @@ def _prepare_pointers(variant: Any, shape: Shape, kernel: Any) -> Launcher:
     padded = padded_head_dim(shape.head_dim)
 
     def run(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+        mods: Mods | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if mods is not None:
+            return run_modified(q, k, v, scale, mods)
         b, hq, nq, _ = q.shape
         nk = k.shape[2]
         out = torch.empty_like(q)
@@ -186,6 +197,40 @@ def _prepare_pointers(variant: Any, shape: Shape, kernel: Any) -> Launcher:
             group,
             **launch,
         )
+        return out, lse
+
+    def run_modified(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     mods: Mods) -> tuple[torch.Tensor, torch.Tensor]:
+        """fa2 with modifiers: their arguments follow the common ones; a packed call runs
+        one (batch, head) row of programs per sequence, its LSE (Hq, total_q)."""
+        packed = mods.varlen is not None
+        if packed:
+            assert mods.varlen is not None
+            hq, b, nq, nk = q.shape[1], mods.varlen.batch, mods.varlen.max_q, mods.varlen.max_k
+            lse = torch.empty((hq, q.shape[0]), device=q.device, dtype=torch.float32)
+            lse_strides = (0, lse.stride(0))
+        else:
+            b, hq, nq, _ = q.shape
+            nk = k.shape[2]
+            lse = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
+            lse_strides = lse.stride()[:2]
+        out = torch.empty_like(q)
+        args: tuple = (q, k, v, out, lse)
+        if fa1:  # its fp32 scratch, as in `run` (never packed: the rules keep varlen to fa2)
+            args = (*args, torch.zeros((b * hq, nq, padded), device=q.device,
+                                       dtype=torch.float32),
+                    torch.full((b * hq, nq), float("-inf"), device=q.device,
+                               dtype=torch.float32),
+                    torch.zeros((b * hq, nq), device=q.device, dtype=torch.float32))
+            grid: tuple[int, ...] = (b * hq,)
+        else:
+            grid = fa2_grid(variant, nq, b * hq, q.device)
+        kernel[grid](
+            *args,
+            *strides4(q, packed), *strides4(k, packed), *strides4(v, packed),
+            *strides4(out, packed), *lse_strides,
+            scale, nq, nk, hq, group, *mods.kernel_args(shape.causal, nq, nk), **launch,
+        )  # fmt: skip
         return out, lse
 
     return run

@@ -110,3 +110,31 @@ class EagerAttention(torch.autograd.Function):
         dq, dk, dv = ctx.dispatcher.backward(grad_out, Saved(*ctx.saved_tensors), ctx.causal,
                                              ctx.scale, ctx.bwd_variant)
         return dq, dk, dv, None, None, None, None, None
+
+
+class ModifiedAttention(torch.autograd.Function):
+    """Autograd for calls with modifiers (window, softcap, sinks) or packed sequences. The
+    sinks are an input of their own so that their gradient reaches them; the kernels read
+    `mods.sinks`, their fp32 copy. Eager only: under torch.compile the public calls that
+    take modifiers run outside the graph (`torch.compiler.disable`)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
+        causal: bool, scale: float | None, mods: Any, variant: Any, bwd_variant: Any,
+        dispatcher: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = dispatcher.forward(q, k, v, causal, scale, variant, mods)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.scale, ctx.mods, ctx.bwd_variant, ctx.dispatcher = (
+            causal, scale, mods, bwd_variant, dispatcher)
+        ctx.sinks_dtype = None if sinks is None else sinks.dtype
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor | None) -> tuple:  # type: ignore[override]
+        grads = ctx.dispatcher.backward(grad_out.contiguous(), Saved(*ctx.saved_tensors),
+                                        ctx.causal, ctx.scale, ctx.bwd_variant, ctx.mods)
+        dsinks = grads[3].to(ctx.sinks_dtype) if ctx.sinks_dtype is not None else None
+        return grads[0], grads[1], grads[2], dsinks, None, None, None, None, None, None

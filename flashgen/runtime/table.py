@@ -42,13 +42,17 @@ Entry = Mapping[str, Any]
 #: Why an entry cannot serve a call (None: it can).
 Check = Callable[[Entry], "str | None"]
 MODES: tuple[str, ...] = ("fwd", "bwd", "decode")
+#: The modifiers and layout a call may ask for beyond causal (flashgen's `Problem` has them).
+MODIFIERS: tuple[str, ...] = ("window", "softcap", "sinks", "varlen")
 
 
 #: flashgen's `Problem` fields, in its order, so that each converts to the other in one call
 #: (`Problem(*shape)`); written as one list, not restated field by field.
 _SHAPE = NamedTuple("_SHAPE", [  # noqa: UP014
     ("batch", int), ("heads_q", int), ("heads_kv", int), ("seq_q", int), ("seq_k", int),
-    ("head_dim", int), ("dtype", str), ("causal", bool)])
+    ("head_dim", int), ("dtype", str), ("causal", bool), ("window", bool), ("softcap", bool),
+    ("sinks", bool), ("varlen", bool)])
+_SHAPE.__new__.__defaults__ = (False, False, False, False)
 
 
 class Shape(_SHAPE):
@@ -68,8 +72,9 @@ class Shape(_SHAPE):
 
     def __str__(self) -> str:
         mask = "causal" if self.causal else "full"
+        mods = "".join(f" {name}" for name in MODIFIERS if getattr(self, name))
         return (f"B{self.batch} Hq{self.heads_q} Hkv{self.heads_kv} Nq{self.seq_q} "
-                f"Nk{self.seq_k} D{self.head_dim} {self.dtype} {mask}")
+                f"Nk{self.seq_k} D{self.head_dim} {self.dtype} {mask}{mods}")
 
 
 @dataclass(frozen=True)
@@ -193,6 +198,13 @@ class Table:
             passed = f" (passed over: {'; '.join(skipped)})" if skipped else ""
             if reason:
                 skipped.append(f"bucket Nq{got[0]}/Nk{got[1]}: {reason}")
+            elif any(getattr(shape, name, False) for name in MODIFIERS):
+                # Rows are tuned on plain attention; a valid one's variant serves the call
+                # with the modifiers rendered in (the validity rules judged it with them).
+                return e, "nearest", (f"tuned winner of plain attention, bucket {got}, run "
+                                      "with " + ", ".join(n for n in MODIFIERS
+                                                          if getattr(shape, n, False))
+                                      + passed)
             elif got == want:
                 role = e.get("role", "tuned winner")
                 return e, "exact", f"{role} for this bucket {got}{passed}"

@@ -1,0 +1,193 @@
+"""Modifiers (sliding window, softcap, sinks) and the packed variable-length layout: their
+input checks and the extra kernel arguments they add.
+
+Each modifier is a structure choice of the kernels (a flag of the call's `Shape`), while its
+values (window sizes, the cap, the sink logits, the sequence offsets) are runtime arguments,
+so one compiled kernel serves every window, cap and length mix. The kernels take the extra
+arguments after their common ones, in this order: CU_Q, CU_K (varlen), WIN_LEFT, WIN_RIGHT
+(window), SOFTCAP (softcap), SINKS (sinks).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .inputs import DTYPE_NAMES, MAX_HEAD_DIM
+
+
+@dataclass(frozen=True)
+class Varlen:
+    """Packed sequences: sequence b is rows cu_q[b]:cu_q[b + 1] of q and cu_k[b]:cu_k[b + 1]
+    of k and v; `max_q` / `max_k` bound their lengths (they size the grid)."""
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+
+    @property
+    def batch(self) -> int:
+        return self.cu_q.shape[0] - 1
+
+
+@dataclass(frozen=True)
+class Mods:
+    """What a call adds to plain attention; None: not asked for. `window` is normalised:
+    (-1, -1) (nothing cut) is None."""
+
+    window: tuple[int, int] | None = None
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None  # (Hq,) fp32, contiguous
+    varlen: Varlen | None = None
+
+    @property
+    def flags(self) -> tuple[bool, bool, bool, bool]:
+        """The structure this call needs: window, softcap, sinks, varlen (a `Shape`'s tail)."""
+        return (self.window is not None, self.softcap is not None, self.sinks is not None,
+                self.varlen is not None)
+
+    @property
+    def plan_key(self) -> tuple:
+        """What a cached launch plan depends on beyond the tensors' shapes."""
+        lens = (self.varlen.batch, self.varlen.max_q, self.varlen.max_k) if self.varlen else ()
+        return (*self.flags, *lens)
+
+    def kernel_args(self, causal: bool, n_q: int, n_k: int) -> list[Any]:
+        """The extra kernel arguments, in the kernels' order (see the module docstring).
+        An unbounded window side becomes a bound past every key (n_q + n_k); under causal
+        the right side is at most 0 (the diagonal), which lets the kernels bound their loops
+        by the window alone."""
+        args: list[Any] = []
+        if self.varlen is not None:
+            args += [self.varlen.cu_q, self.varlen.cu_k]
+        if self.window is not None:
+            far = n_q + n_k + 1
+            left, right = (far if w < 0 else w for w in self.window)
+            args += [left, min(right, 0) if causal else right]
+        if self.softcap is not None:
+            args.append(float(self.softcap))
+        if self.sinks is not None:
+            args.append(self.sinks)
+        return args
+
+
+def check_window(window: object) -> tuple[int, int] | None:
+    """None, or a pair of ints >= -1 (-1: unbounded), returned as a tuple; (-1, -1) is None."""
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window must be a pair (left, right) of ints, got {window!r}")
+    for side in window:
+        if isinstance(side, bool) or not isinstance(side, int):
+            raise TypeError(f"window must be a pair (left, right) of ints, got {window!r}")
+        if side < -1:
+            raise ValueError(f"window sides must be >= -1 (-1: unbounded), got {window!r}")
+    left, right = int(window[0]), int(window[1])
+    return None if (left, right) == (-1, -1) else (left, right)
+
+
+def check_softcap(softcap: object) -> float | None:
+    """None, or a finite real number > 0."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a real number or None, got {type(softcap).__name__}")
+    if not math.isfinite(softcap) or softcap <= 0:
+        raise ValueError(f"softcap must be a finite number > 0, got {softcap}")
+    return float(softcap)
+
+
+def check_sinks(sinks: object, heads_q: int, dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor | None:
+    """None, or a (Hq,) tensor of q's dtype or float32 on q's device."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a torch.Tensor of shape ({heads_q},), got "
+                        f"{type(sinks).__name__}")
+    if tuple(sinks.shape) != (heads_q,):
+        raise ValueError(f"sinks must have shape ({heads_q},) (one logit per query head), got "
+                         f"{tuple(sinks.shape)}")
+    if sinks.dtype not in (dtype, torch.float32):
+        raise TypeError(f"sinks must be {dtype} (q's dtype) or float32, got {sinks.dtype}")
+    if sinks.device != device:
+        raise ValueError(f"sinks are on {sinks.device}, q on {device}")
+    return sinks
+
+
+def check_packed(q: object, k: object, v: object) -> None:
+    """q (total_q, Hq, D), k and v (total_k, Hkv, D): types, ranks, dtypes, heads, dims."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be 3-D (total_tokens, heads, head_dim) for "
+                             f"attention_varlen; got shape {tuple(t.shape)}")
+        if t.dtype not in DTYPE_NAMES:
+            raise TypeError(f"{name} has unsupported dtype {t.dtype}; use float16, bfloat16 "
+                            "or float32")
+    assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+    assert isinstance(v, torch.Tensor)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"head dims differ: q {q.shape[2]}, k {k.shape[2]}")
+    if q.shape[1] % k.shape[1] if k.shape[1] else True:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads "
+                         f"({k.shape[1]})")
+    if q.shape[2] > MAX_HEAD_DIM:
+        raise ValueError(f"head dim {q.shape[2]} is over the supported maximum {MAX_HEAD_DIM}")
+    if min(q.shape[1], q.shape[2]) == 0:
+        raise ValueError(f"empty input: q {tuple(q.shape)}")
+
+
+def _check_cu(name: str, cu: object, total: int, device: torch.device) -> list[int]:
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of int32 offsets, got "
+                        f"{type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.shape[0] < 2:
+        raise ValueError(f"{name} must be 1-D (batch + 1,) with at least 2 entries, got shape "
+                         f"{tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name} is on {cu.device}, q on {device}")
+    offsets = cu.tolist()  # one host read: the checks below cannot be made on the device
+    if offsets[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {offsets[0]}")
+    if any(b < a for a, b in itertools.pairwise(offsets)):
+        raise ValueError(f"{name} must not decrease, got {offsets}")
+    if offsets[-1] != total:
+        raise ValueError(f"{name} must end at the packed length {total}, got {offsets[-1]}")
+    return offsets
+
+
+def check_varlen(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: object, cu_seqlens_k: object,
+                 max_seqlen_q: object, max_seqlen_k: object) -> Varlen:
+    """The offsets and bounds of a packed call (see `Varlen`), each bad one a named error."""
+    cq = _check_cu("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
+    ck = _check_cu("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
+    if len(cq) != len(ck):
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), "
+                         f"got {len(cq)} and {len(ck)}")
+    for name, bound, offsets in (("max_seqlen_q", max_seqlen_q, cq),
+                                 ("max_seqlen_k", max_seqlen_k, ck)):
+        if isinstance(bound, bool) or not isinstance(bound, int):
+            raise TypeError(f"{name} must be an int, got {type(bound).__name__}")
+        longest = max(b - a for a, b in itertools.pairwise(offsets))
+        if bound < longest:
+            raise ValueError(f"{name} ({bound}) is smaller than the longest sequence "
+                             f"({longest})")
+    assert isinstance(cu_seqlens_q, torch.Tensor) and isinstance(cu_seqlens_k, torch.Tensor)
+    assert isinstance(max_seqlen_q, int) and isinstance(max_seqlen_k, int)
+    return Varlen(cu_seqlens_q, cu_seqlens_k, max(1, max_seqlen_q), max(1, max_seqlen_k))

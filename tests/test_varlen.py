@@ -1,0 +1,383 @@
+"""Packed variable-length batches and the modifiers (sliding window, softcap, sinks), forward
+and backward, against the float64 reference; their named input errors and validity rules.
+
+Bounds follow tune/check.py: a kernel's error against the float64 truth may be ERROR_FACTOR
+times the same-dtype eager reference's error, plus one rounding step of the largest value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import pytest
+import torch
+
+import flashgen
+from flashgen.kernels.bwd_space import default_bwd_variant, why_invalid_bwd
+from flashgen.kernels.bwd_variant import BwdVariant
+from flashgen.kernels.fwd_space import default_variant, why_invalid
+from flashgen.kernels.problem import Problem
+from flashgen.kernels.render import render
+from flashgen.kernels.variant import Variant
+from flashgen.tune import reference
+from flashgen.tune.check import ERROR_FACTOR
+
+pytestmark = pytest.mark.interpreter
+
+
+def _bound_ok(got: torch.Tensor, truth: torch.Tensor, eager: torch.Tensor, dtype: torch.dtype,
+              what: str) -> None:
+    finite = torch.isfinite(truth)
+    assert torch.equal(torch.isfinite(got), finite), f"{what}: non-finite where it should not be"
+    err = (got.double() - truth)[finite].abs().max().item() if finite.any() else 0.0
+    eager_err = (eager.double() - truth)[finite].abs().max().item() if finite.any() else 0.0
+    rounding = torch.finfo(dtype).eps * max(1.0, truth[finite].abs().max().item())
+    bound = ERROR_FACTOR * eager_err + rounding
+    assert err <= bound, f"{what}: error {err:.2e} over bound {bound:.2e}"
+
+
+def _check(call: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+           ref: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+           leaves: Sequence[torch.Tensor], seed: int = 1) -> None:
+    """`call(*leaves)` (output, lse) and its gradients against `ref` in float64 (truth) and
+    in the leaves' dtype (eager), for one random upstream gradient."""
+    dtype = leaves[0].dtype
+    out, lse = call(*leaves)
+    go = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(
+        out.device, dtype)
+    grads = torch.autograd.grad(out, leaves, go)
+    truth_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    truth, truth_lse = ref(*truth_leaves, dtype=torch.float64)
+    truth_grads = torch.autograd.grad(truth, truth_leaves, go.double())
+    eager_leaves = [t.detach().clone().requires_grad_() for t in leaves]
+    eager, eager_lse = ref(*eager_leaves, dtype=None)
+    eager_grads = torch.autograd.grad(eager, eager_leaves, go)
+    _bound_ok(out, truth, eager, dtype, "output")
+    _bound_ok(lse, truth_lse, eager_lse, torch.float32, "lse")
+    names = ("q", "k", "v", "sinks")
+    for name, g, t, e in zip(names, grads, truth_grads, eager_grads, strict=False):
+        _bound_ok(g, t, e, dtype, f"d{name}")
+
+
+def _cu(lengths: Sequence[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def _packed(lq: Sequence[int], lk: Sequence[int], hq: int, hkv: int, d: int,
+            dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    make = lambda n, h: torch.randn(n, h, d, generator=gen).to(dtype).requires_grad_()
+    return [make(sum(lq), hq), make(sum(lk), hkv), make(sum(lk), hkv)]
+
+
+LENGTHS = [5, 17, 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("keys", ["self", "cross"])
+def test_varlen_matches_reference(dtype: torch.dtype, causal: bool, keys: str) -> None:
+    lq = LENGTHS
+    lk = LENGTHS if keys == "self" else [9, 3, 20]
+    cq, ck = _cu(lq), _cu(lk)
+    leaves = _packed(lq, lk, 4, 2, 16, dtype)
+    _check(lambda q, k, v: flashgen.attention_varlen(q, k, v, cq, ck, max(lq), max(lk),
+                                                    causal=causal, return_lse=True),
+           lambda q, k, v, dtype: reference.attention_varlen(q, k, v, cq, ck, causal,
+                                                             dtype=dtype),
+           leaves)
+
+
+MODIFIERS = {
+    "window": {"window": (4, 2)},
+    "window-left": {"window": (6, -1)},
+    "softcap": {"softcap": 1.5},
+    "sinks": {"sinks": True},
+    "all": {"window": (5, 3), "softcap": 2.0, "sinks": True},
+}
+
+
+def _sinks(mods: dict, hq: int, dtype: torch.dtype) -> tuple[dict, list[torch.Tensor]]:
+    if not mods.get("sinks"):
+        return mods, []
+    sinks = torch.randn(hq, generator=torch.Generator().manual_seed(5)).to(dtype)
+    return {k: v for k, v in mods.items() if k != "sinks"}, [sinks.requires_grad_()]
+
+
+@pytest.mark.parametrize("name", list(MODIFIERS))
+@pytest.mark.parametrize("causal", [False, True])
+def test_modifier_matches_reference(name: str, causal: bool) -> None:
+    dtype = torch.float32
+    mods, extra = _sinks(MODIFIERS[name], 2, dtype)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, h, 37, 16, generator=gen).requires_grad_() for h in (2, 1, 1))
+    _check(lambda q, k, v, *s: flashgen.attention(q, k, v, causal=causal, sinks=s[0] if s
+                                                  else None, return_lse=True, **mods),
+           lambda q, k, v, *s, dtype: reference.attention(q, k, v, causal, None, dtype,
+                                                          sinks=s[0] if s else None, **mods),
+           [q, k, v, *extra])
+
+
+@pytest.mark.parametrize("name", ["all", "window"])
+def test_modifiers_on_packed_fp16(name: str) -> None:
+    dtype = torch.float16
+    mods, extra = _sinks(MODIFIERS[name], 4, dtype)
+    lk = [9, 3, 20]
+    cq, ck = _cu(LENGTHS), _cu(lk)
+    leaves = [*_packed(LENGTHS, lk, 4, 2, 16, dtype), *extra]
+    _check(lambda q, k, v, *s: flashgen.attention_varlen(
+               q, k, v, cq, ck, 17, 20, causal=True, sinks=s[0] if s else None,
+               return_lse=True, **mods),
+           lambda q, k, v, *s, dtype: reference.attention_varlen(
+               q, k, v, cq, ck, True, None, dtype, sinks=s[0] if s else None, **mods),
+           leaves)  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", [
+    Variant("fa2", 16, 16, 1, 1, split_mask=True),
+    Variant("fa2", 16, 16, 1, 1, split_mask=False),
+    Variant("fa2", 32, 16, 1, 1, split_mask=True, programs_per_sm=2),
+    Variant("fa1", 16, 16, 1, 1),
+], ids=str)
+@pytest.mark.parametrize("bwd", [BwdVariant(16, 16, 1, 1),
+                                 BwdVariant(16, 32, 1, 1, dq_mode="atomic")], ids=str)
+def test_window_tile_ranges(variant: Variant, bwd: BwdVariant) -> None:
+    """Each loop shape (masked head, unmasked middle, masked tail; one masked range; a
+    persistent grid; the atomic dQ) on windows narrower and wider than a tile, unequal
+    lengths both ways."""
+    for (nq, nk), window in (((70, 70), (20, 5)), ((23, 50), (3, 0)), ((50, 23), (-1, 17))):
+        gen = torch.Generator().manual_seed(nq + nk)
+        q, k, v = (torch.randn(1, 2, n, 16, generator=gen).requires_grad_()
+                   for n in (nq, nk, nk))
+        _check(lambda q, k, v, w=window: flashgen.attention(
+                   q, k, v, window=w, return_lse=True, variant=variant, bwd_variant=bwd),
+               lambda q, k, v, dtype, w=window: reference.attention(q, k, v, False, None,
+                                                                    dtype, window=w),
+               [q, k, v])
+
+
+def test_unmodified_calls_render_the_plain_kernel() -> None:
+    """A window of (-1, -1) is no window: the plain kernel serves it. A real one renders a
+    kernel of its own, and only the fa2 pointer kernels take it."""
+    p = Problem(1, 2, 1, 64, 64, 16, "fp32")
+    v = default_variant(p, "cpu")
+    assert render(v, p) == render(v, p.with_(window=False, softcap=False))
+    assert render(v, p) != render(v, p.with_(window=True))
+    q = torch.randn(1, 2, 8, 16)
+    k = v_ = torch.randn(1, 1, 8, 16)
+    torch.testing.assert_close(flashgen.attention(q, k, v_, window=(-1, -1)),
+                               flashgen.attention(q, k, v_), rtol=0, atol=0)
+
+
+def test_modifiers_keep_to_triton_kernels() -> None:
+    hopper = flashgen.DeviceInfo("H-test", (9, 0), 132, 232448)
+    p = Problem(2, 8, 8, 1024, 1024, 128, "bf16", True, window=True)
+    assert "fa1 and fa2 without use_tma" in why_invalid(Variant("fa3", 128, 128, 8, 2), p,
+                                                        hopper)
+    assert "fa1 and fa2 without use_tma" in why_invalid(
+        Variant("fa2", 64, 64, 4, 2, use_tma=True), p, hopper)
+    assert why_invalid(Variant("fa1", 64, 64, 4, 2), p, hopper) is None
+    assert "fa2 only" in why_invalid(Variant("fa1", 64, 64, 4, 2), p.with_(varlen=True),
+                                     hopper)
+    assert why_invalid(default_variant(p, hopper), p, hopper) is None
+    assert "Triton backward" in why_invalid_bwd(BwdVariant(64, 128, 4, 2, fa3="both"), p,
+                                                hopper)
+    assert default_bwd_variant(p, hopper).fa3 == "none"
+    assert str(p).endswith("causal window")
+
+
+def _bad_varlen(**change: object) -> None:
+    q, k, v = (t.detach() for t in _packed(LENGTHS, LENGTHS, 2, 1, 16, torch.float32))
+    args = {"cu_seqlens_q": _cu(LENGTHS), "cu_seqlens_k": _cu(LENGTHS), "max_seqlen_q": 17,
+            "max_seqlen_k": 17, **change}
+    flashgen.attention_varlen(q, k, v, args.pop("cu_seqlens_q"), args.pop("cu_seqlens_k"),
+                              args.pop("max_seqlen_q"), args.pop("max_seqlen_k"), **args)
+
+
+@pytest.mark.parametrize(("change", "error", "match"), [
+    ({"cu_seqlens_q": _cu(LENGTHS).long()}, TypeError, "cu_seqlens_q must be int32"),
+    ({"cu_seqlens_k": torch.tensor([1, 5, 22, 23], dtype=torch.int32)}, ValueError,
+     "must start at 0"),
+    ({"cu_seqlens_q": torch.tensor([0, 5, 4, 23], dtype=torch.int32)}, ValueError,
+     "must not decrease"),
+    ({"cu_seqlens_q": torch.tensor([0, 5, 22, 22], dtype=torch.int32)}, ValueError,
+     "must end at the packed length 23"),
+    ({"max_seqlen_q": 16}, ValueError, r"max_seqlen_q \(16\) is smaller than the longest"),
+    ({"max_seqlen_k": 1.5}, TypeError, "max_seqlen_k must be an int"),
+    ({"window": (3,)}, TypeError, "window must be a pair"),
+    ({"window": (2, 1.0)}, TypeError, "window must be a pair"),
+    ({"window": (True, 1)}, TypeError, "window must be a pair"),
+    ({"window": (-2, 1)}, ValueError, "window sides must be >= -1"),
+    ({"softcap": 0.0}, ValueError, "softcap must be a finite number > 0"),
+    ({"softcap": -1}, ValueError, "softcap must be a finite number > 0"),
+    ({"softcap": "1"}, TypeError, "softcap must be a real number"),
+    ({"sinks": torch.zeros(3)}, ValueError, r"sinks must have shape \(2,\)"),
+    ({"sinks": torch.zeros(2, dtype=torch.float64)}, TypeError, "sinks must be"),
+    ({"sinks": [0.0, 0.0]}, TypeError, "sinks must be a torch.Tensor"),
+], ids=lambda x: str(x)[:40])
+def test_bad_input_is_a_named_error(change: dict, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        _bad_varlen(**change)
+
+
+def test_bad_packed_shapes_are_named_errors() -> None:
+    q = torch.randn(23, 2, 16)
+    with pytest.raises(ValueError, match="must be 3-D"):
+        flashgen.attention_varlen(q[None], q, q, _cu(LENGTHS), _cu(LENGTHS), 17, 17)
+    with pytest.raises(ValueError, match="same length"):
+        flashgen.attention_varlen(q, q, q, _cu(LENGTHS), _cu([22, 1]), 17, 22)
+    with pytest.raises(ValueError, match="softcap"):
+        flashgen.attention(q[None], q[None], q[None], softcap=float("inf"))
+
+
+def test_a_package_without_modified_kernels_names_them() -> None:
+    """An exported package's runtime ships plain kernels: asked for a modifier, it says so
+    instead of launching a kernel of the wrong signature."""
+    from flashgen.runtime.dispatch import Dispatcher
+    from flashgen.runtime.modifiers import Mods
+
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(ValueError, match="plain attention kernels only"):
+        Dispatcher().forward(q, q, q, False, None, None, Mods(softcap=1.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name", ["none", "window", "softcap", "sinks", "all"])
+def test_packed_bf16_on_the_gpu(causal: bool, name: str) -> None:
+    """Real sizes in bf16: twelve sequences of 1 to 700 tokens, self-attention, D128, GQA 4."""
+    dtype = torch.bfloat16
+    mods, extra = _sinks(MODIFIERS.get(name, {}), 8, dtype)
+    lengths = [1, 700, 63, 129, 5, 512, 256, 17, 640, 2, 300, 64]
+    cu = _cu(lengths).cuda()
+    leaves = [t.detach().cuda().requires_grad_()
+              for t in [*_packed(lengths, lengths, 8, 2, 128, dtype), *extra]]
+    _check(lambda q, k, v, *s: flashgen.attention_varlen(
+               q, k, v, cu, cu, max(lengths), max(lengths), causal=causal,
+               sinks=s[0] if s else None, return_lse=True, **mods),
+           lambda q, k, v, *s, dtype: reference.attention_varlen(
+               q, k, v, cu.cpu(), cu.cpu(), causal, None, dtype, sinks=s[0] if s else None,
+               **mods),
+           leaves)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [(256, 0), (100, 37), (-1, 64)])
+def test_window_bf16_on_the_gpu(window: tuple[int, int]) -> None:
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, h, 1500, 128, generator=gen).to("cuda", torch.bfloat16)
+               .requires_grad_() for h in (8, 2, 2))
+    _check(lambda q, k, v: flashgen.attention(q, k, v, window=window, softcap=20.0,
+                                              return_lse=True),
+           lambda q, k, v, dtype: reference.attention(q, k, v, False, None, dtype,
+                                                      window=window, softcap=20.0),
+           [q, k, v])
+
+
+#: Compiles the modified fa2 forward and Triton backward kernels (JSON lines on stdin: kind,
+#: kernel, variant, problem) for sm90 with Triton's own compiler, no GPU and no interpreter:
+#: the interpreter is lenient where the compiler is not (early returns, pointer updates).
+_SM90_COMPILE = """
+import ast, importlib.util, json, sys, tempfile
+from pathlib import Path
+import triton
+from triton.backends.compiler import GPUTarget
+from flashgen.kernels.bwd_render import render_bwd
+from flashgen.kernels.bwd_variant import BwdVariant
+from flashgen.kernels.problem import Problem
+from flashgen.kernels.render import render
+from flashgen.kernels.variant import Variant
+FP32 = {"LSE", "DELTA", "SINKS"}
+for line in sys.stdin:
+    kind, kernel, variant, problem = json.loads(line)
+    p = Problem.from_dict(problem)
+    v = (Variant if kind == "fwd" else BwdVariant).from_dict(variant)
+    src = render(v, p) if kind == "fwd" else render_bwd(kernel, v, p)
+    name = "attn_fwd" if kind == "fwd" else f"attn_bwd_{kernel}"
+    path = Path(tempfile.mkdtemp()) / "k.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location("k", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fn = getattr(module, name)
+    atomic = kind == "bwd" and v.dq_mode == "atomic"
+    sig = {}
+    for arg in fn.arg_names:
+        if arg in FP32 or (arg == "DQ" and atomic):
+            sig[arg] = "*fp32"
+        elif arg in ("CU_Q", "CU_K"):
+            sig[arg] = "*i32"
+        elif arg.isupper() and arg.isalpha() and len(arg) <= 2:
+            sig[arg] = "*" + p.dtype
+        elif arg in ("sm_scale", "SOFTCAP"):
+            sig[arg] = "fp32"
+        else:
+            sig[arg] = "i32"
+    target = GPUTarget("cuda", 90, 32)
+    options = triton.compiler.make_backend(target).parse_options(
+        {"num_warps": v.num_warps, "num_stages": v.num_stages})
+    try:
+        triton.compile(triton.compiler.ASTSource(fn, sig, {}, {}), target=target,
+                       options=options.__dict__)
+        print("ok", flush=True)
+    except Exception as exc:
+        print("fail", type(exc).__name__, str(exc).splitlines()[-1][:200], flush=True)
+"""
+
+
+def test_modified_kernels_compile_for_hopper() -> None:
+    import dataclasses
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    jobs = []
+    for causal in (True,):  # each compile takes a second or two: the causal kind only
+        p = Problem(2, 8, 2, 1024, 1024, 128, "bf16", causal, window=True, softcap=True,
+                    sinks=True, varlen=True)
+        for v in (Variant("fa2", 128, 64, 8, 2, warp_specialize=True),
+                  Variant("fa2", 128, 128, 8, 2, programs_per_sm=2)):
+            jobs.append(["fwd", "fwd", dataclasses.asdict(v), p.to_dict()])
+        for b in (BwdVariant(64, 128, 8, 2), BwdVariant(32, 64, 4, 2, dq_mode="atomic")):
+            for kernel in ("dkdv", "dq") if b.dq_mode == "separate" else ("dkdv",):
+                jobs.append(["bwd", kernel, dataclasses.asdict(b), p.to_dict()])
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, text=True,
+                          input="".join(json.dumps(j) + "\n" for j in jobs),
+                          capture_output=True, timeout=600)
+    results = done.stdout.splitlines()
+    assert len(results) == len(jobs), done.stderr[-2000:]
+    failed = [(j[0], j[1], j[2], r) for j, r in zip(jobs, results, strict=True) if r != "ok"]
+    assert not failed, failed
+
+
+def test_fa1_takes_the_modifiers() -> None:
+    mods, extra = _sinks(MODIFIERS["all"], 2, torch.float32)
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, h, n, 16, generator=gen).requires_grad_()
+               for h, n in ((2, 29), (1, 40), (1, 40)))
+    fa1 = Variant("fa1", 16, 16, 1, 1)
+    _check(lambda q, k, v, s: flashgen.attention(q, k, v, causal=True, sinks=s, variant=fa1,
+                                                 return_lse=True, **mods),
+           lambda q, k, v, s, dtype: reference.attention(q, k, v, True, None, dtype, sinks=s,
+                                                         **mods),
+           [q, k, v, *extra])
+
+
+def test_a_plain_problem_dict_is_unchanged_by_the_modifiers() -> None:
+    """Rows, claims and baselines are matched by the problem's JSON: a plain problem's must
+    be what it was before the modifiers existed; a modified one round-trips."""
+    p = Problem(1, 2, 1, 64, 64, 16, "fp32", True)
+    assert p.to_dict() == {"batch": 1, "heads_q": 2, "heads_kv": 1, "seq_q": 64, "seq_k": 64,
+                           "head_dim": 16, "dtype": "fp32", "causal": True}
+    q = p.with_(window=True, varlen=True)
+    assert q.to_dict()["window"] and Problem.from_dict(q.to_dict()) == q
+
+
+def test_explain_names_the_modifiers() -> None:
+    q = torch.randn(1, 2, 8, 16)
+    choice = flashgen.explain(q, q, q, causal=True, window=(2, -1), softcap=5.0)
+    assert choice.variant.loop_order in ("fa1", "fa2") and not choice.variant.use_tma
+    assert choice.backward is not None and choice.backward.variant.fa3 == "none"
