@@ -363,11 +363,14 @@ def tune_problem(
         if together is not None and asked:
             kernel = None if outcome.status == "pruned" else kernel_hash_now(mode, variant,
                                                                              problem)
-            asked[0].set_user_attr(ROW_ATTR, row_of(
-                variant.to_dict(), outcome.status, reason=outcome.reason,
-                timing=m.timing if m else None, tflops=outcome.tflops,
-                error=m.error if m else None, bound=m.bound if m else None, seed=seed,
-                run_id=run_id, kernel_hash=kernel))
+            # A worker slower than the grace period finds its trial failed as stale: the row
+            # is in its own database, and `pull` misses only this copy of it.
+            with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
+                asked[0].set_user_attr(ROW_ATTR, row_of(
+                    variant.to_dict(), outcome.status, reason=outcome.reason,
+                    timing=m.timing if m else None, tflops=outcome.tflops,
+                    error=m.error if m else None, bound=m.bound if m else None, seed=seed,
+                    run_id=run_id, kernel_hash=kernel))
 
     def tell(trial: Trial, outcome: Outcome) -> None:
         if together is None:
