@@ -11,16 +11,9 @@ import functools
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from flashgen.kernels import render
 from flashgen.kernels.decode_variant import DecodeVariant
 from flashgen.kernels.problem import DecodeProblem, Problem
-from flashgen.kernels.render import (
-    _load_module,
-    _make_environment,
-    _render,
-    modifier_context,
-    rendered_hash,
-    source_hash,
-)
 
 DecodeKernel = Literal["decode", "decode_combine"]
 DECODE_KERNELS: tuple[str, ...] = ("decode", "decode_combine")
@@ -56,7 +49,7 @@ def decode_render_context(kernel: DecodeKernel, variant: DecodeVariant,
         # fp32 inputs get true fp32 products: tf32 would lose ~3 decimal digits.
         "dot_precision": "ieee" if problem.dtype == "fp32" else "tf32",
         # The shared online-softmax fragment reads the modifiers' flags (none here).
-        **modifier_context(problem),
+        **render.modifier_context(problem),
     }
 
 
@@ -66,13 +59,13 @@ def _context(kernel: DecodeKernel, variant: DecodeVariant, problem: Problem) -> 
 
 def render_decode(kernel: DecodeKernel, variant: DecodeVariant, problem: Problem) -> str:
     """The Triton source of one decode kernel (cached on what its template reads)."""
-    return _render(decode_template_name(kernel), _context(kernel, variant, problem))
+    return render._render(decode_template_name(kernel), _context(kernel, variant, problem))
 
 
 def render_decode_with(templates: Mapping[str, str], kernel: DecodeKernel,
                        variant: DecodeVariant, problem: Problem) -> str:
     """What `render_decode` gives with other template texts (say an earlier revision's)."""
-    env = _make_environment(templates.get)
+    env = render._make_environment(templates.get)
     return env.get_template(decode_template_name(kernel)).render(
         **decode_render_context(kernel, variant, problem))
 
@@ -85,7 +78,7 @@ def decode_roles(variant: DecodeVariant) -> tuple[DecodeKernel, ...]:
 def decode_kernel_hash(variant: DecodeVariant, problem: Problem) -> str:
     """The code part of a decode row's key: the hash of every kernel `variant` launches,
     each normalised (`flashgen.kernels.render.normalised`)."""
-    return rendered_hash((role, decode_template_name(role), _context(role, variant, problem))
+    return render.rendered_hash((role, decode_template_name(role), _context(role, variant, problem))
                          for role in decode_roles(variant))
 
 
@@ -93,4 +86,5 @@ def decode_kernel_hash(variant: DecodeVariant, problem: Problem) -> str:
 def load_decode_kernel(kernel: DecodeKernel, variant: DecodeVariant, problem: Problem) -> Any:
     """The Triton JIT function of decode kernel `kernel` (compiled lazily at launch)."""
     source = render_decode(kernel, variant, problem)
-    return getattr(_load_module(source_hash(source), source), _FUNCTIONS[kernel])
+    return getattr(render._load_module(render.source_hash(source), source),
+                   _FUNCTIONS[kernel])

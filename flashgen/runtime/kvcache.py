@@ -43,19 +43,17 @@ MAX_AUTO_SPLITS = 64
 MIN_TILES_PER_SPLIT = 2
 
 
-class DecodeShape(NamedTuple):
-    """What a decode call asks for: flashgen's `DecodeProblem` fields, in its order. seq_k is
-    the cache capacity (Nmax, or max_pages x page_size): the lengths are on the device."""
+#: flashgen's `DecodeProblem` fields, in its order, as one list (as `table.Shape` does).
+_DECODE_SHAPE = NamedTuple("_DECODE_SHAPE", [  # noqa: UP014
+    ("batch", int), ("heads_q", int), ("heads_kv", int), ("seq_q", int), ("seq_k", int),
+    ("head_dim", int), ("dtype", str), ("causal", bool), ("page_size", int)])
 
-    batch: int
-    heads_q: int
-    heads_kv: int
-    seq_q: int
-    seq_k: int
-    head_dim: int
-    dtype: str
-    causal: bool
-    page_size: int  # 0: contiguous cache
+
+class DecodeShape(_DECODE_SHAPE):
+    """What a decode call asks for. seq_k is the cache capacity (Nmax, or max_pages x
+    page_size: the lengths are on the device); page_size 0 is a contiguous cache."""
+
+    __slots__ = ()
 
     @property
     def group(self) -> int:

@@ -9,7 +9,6 @@ sequence's valid cache alone; the call passes where every sequence does.
 
 from __future__ import annotations
 
-import math
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -21,8 +20,8 @@ from flashgen.kernels.problem import DecodeProblem
 from flashgen.serve import run_decode
 from flashgen.tune.baseline import Baseline, sdpa_baseline
 from flashgen.tune.check import CheckResult, compare
-from flashgen.tune.fwd_bench import Measurement, describe_failure
-from flashgen.tune.timing import tflops, time_cpu, time_cuda
+from flashgen.tune.fwd_bench import Measurement, checked_and_timed, describe_failure
+from flashgen.tune.timing import Timing, time_cpu, time_cuda
 
 
 @dataclass(frozen=True)
@@ -166,18 +165,13 @@ class DecodeKernelBench:
         except Exception as exc:
             return Measurement.failed(describe_failure(exc))
         check = compare_kvcache(out, small, g.causal, lse=lse)
-        if not check.ok:
-            error = check.error if math.isfinite(check.error) else None
-            return Measurement.failed(f"wrong answer: {check.reason}", error, check.bound)
         c = self.cache
-        try:
-            timing = (time_cuda(lambda: self._run(c, variant, self.problem), self.device)
-                      if self.on_gpu else time_cpu(lambda: self._run(c, variant, self.problem)))
-        except Exception as exc:
-            return Measurement.failed(describe_failure(exc), check.error, check.bound)
-        return Measurement("ok", timing=timing,
-                           tflops=tflops(self.problem.flops(), timing.median_ms),
-                           error=check.error, bound=check.bound)
+
+        def time() -> Timing:
+            run = lambda: self._run(c, variant, self.problem)
+            return time_cuda(run, self.device) if self.on_gpu else time_cpu(run)
+
+        return checked_and_timed(check, time, self.problem.flops())
 
     def baseline(self) -> Baseline | None:
         """SDPA's fastest backend on the same keys as one contiguous cache; one query needs

@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 from typing import Any
 
 from flashgen.kernels.decode_render import load_decode_kernel
 from flashgen.kernels.decode_variant import DecodeVariant
 from flashgen.kernels.problem import DecodeProblem
-from flashgen.tune.gluon_compile import ptxas_report
+from flashgen.tune.gluon_compile import ptxas_report, run_report
 
 
 def compile_triton(fn: Any, signature: dict[str, str], constexprs: dict[str, Any],
@@ -81,16 +78,8 @@ def report(variant: DecodeVariant, problem: DecodeProblem) -> dict[str, Any]:
 
 def report_in_subprocess(variant: DecodeVariant, problem: DecodeProblem) -> dict[str, Any]:
     """`report` in a fresh process without TRITON_INTERPRET (see the module docstring)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = problem
-    shape = ",".join(map(str, (p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim)))
-    cmd = [sys.executable, "-m", "flashgen.tune.decode_compile", variant.to_json(), shape,
-           "--dtype", p.dtype, "--page-size", str(p.page_size)]
-    cmd += [] if p.causal else ["--full"]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-    if done.returncode:
-        raise RuntimeError(f"compile failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    extra = ["--page-size", str(problem.page_size)] + ([] if problem.causal else ["--full"])
+    return run_report("flashgen.tune.decode_compile", variant.to_json(), problem, extra)
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ from flashgen.kernels.problem import Problem
 from flashgen.kernels.variant import Variant
 from flashgen.serve import run_forward
 from flashgen.tune.baseline import Baseline, sdpa_baseline
-from flashgen.tune.check import compare, make_inputs
+from flashgen.tune.check import CheckResult, compare, make_inputs
 from flashgen.tune.timing import Timing, tflops, time_cpu, time_cuda
 
 #: A problem whose float64 reference has at most this many score elements (256 MB of
@@ -89,6 +89,22 @@ class FunctionBench:
 
     def baseline(self) -> Baseline | None:
         return self._baseline
+
+
+def checked_and_timed(check: CheckResult, time: Callable[[], Timing],
+                      flops: float) -> Measurement:
+    """A candidate's measurement once its gate check is known: a wrong answer is failed
+    (with its error where finite), else `time()` runs; a launch that fails while timed
+    is failed too."""
+    if not check.ok:
+        error = check.error if math.isfinite(check.error) else None
+        return Measurement.failed(f"wrong answer: {check.reason}", error, check.bound)
+    try:
+        timing = time()
+    except Exception as exc:
+        return Measurement.failed(describe_failure(exc), check.error, check.bound)
+    return Measurement("ok", timing=timing, tflops=tflops(flops, timing.median_ms),
+                       error=check.error, bound=check.bound)
 
 
 def describe_failure(exc: BaseException, limit: int = 400) -> str:
@@ -232,17 +248,10 @@ class KernelBench:
         except Exception as exc:
             return Measurement.failed(describe_failure(exc))
         check = compare(out, gq, gk, gv, self.problem.causal, None, lse)
-        if not check.ok:
-            error = check.error if math.isfinite(check.error) else None
-            return Measurement.failed(f"wrong answer: {check.reason}", error, check.bound)
         q, k, v = self.inputs
-        try:
-            timing = self._time(lambda: run_forward(q, k, v, variant, self.problem))
-        except Exception as exc:
-            return Measurement.failed(describe_failure(exc), check.error, check.bound)
-        return Measurement("ok", timing=timing,
-                           tflops=tflops(self.problem.flops(), timing.median_ms),
-                           error=check.error, bound=check.bound)
+        return checked_and_timed(
+            check, lambda: self._time(lambda: run_forward(q, k, v, variant, self.problem)),
+            self.problem.flops())
 
     def baseline(self) -> Baseline | None:
         q, k, v = self.inputs

@@ -169,12 +169,18 @@ def report(variant: Variant | BwdVariant, problem: Problem,
 def report_in_subprocess(variant: Variant | BwdVariant, problem: Problem,
                          bwd: str | None = None) -> dict[str, Any]:
     """`report` in a fresh process without TRITON_INTERPRET (see the module docstring)."""
+    extra = (["--causal"] if problem.causal else []) + (["--bwd", bwd] if bwd else [])
+    return run_report("flashgen.tune.gluon_compile", variant.to_json(), problem, extra)
+
+
+def run_report(module: str, variant_json: str, problem: Problem,
+               extra: list[str]) -> dict[str, Any]:
+    """Run compile-report `module` (`variant_json`, the problem's shape, its dtype, `extra`)
+    in a fresh process without TRITON_INTERPRET; its last stdout line is the JSON report."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    shape = ",".join(str(x) for x in (problem.batch, problem.heads_q, problem.heads_kv,
-                                      problem.seq_q, problem.seq_k, problem.head_dim))
-    cmd = [sys.executable, "-m", "flashgen.tune.gluon_compile", variant.to_json(), shape,
-           "--dtype", problem.dtype] + (["--causal"] if problem.causal else [])
-    cmd += ["--bwd", bwd] if bwd else []
+    p = problem
+    shape = ",".join(map(str, (p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim)))
+    cmd = [sys.executable, "-m", module, variant_json, shape, "--dtype", p.dtype, *extra]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if done.returncode:
         raise RuntimeError(f"compile failed:\n{done.stderr[-3000:]}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -93,18 +94,17 @@ def attention_varlen(
     v: torch.Tensor,
     cu_seqlens_q: torch.Tensor | Sequence[int],
     cu_seqlens_k: torch.Tensor | Sequence[int],
-    causal: bool = False,
-    scale: float | None = None,
-    dtype: torch.dtype | None = None,
-    *,
-    window: tuple[int, int] | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
+    *args: Any,
+    **modifiers: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`attention` of each packed sequence on its own: q (total_q, Hq, D), k and v
-    (total_k, Hkv, D), sequence b spanning rows cu_seqlens[b]:cu_seqlens[b + 1]. Returns
-    (output (total_q, Hq, D), log-sum-exp (Hq, total_q)), the layout FlashAttention's varlen
-    call uses. A sequence with no keys gets output 0 and log-sum-exp -inf (or its sinks)."""
+    (total_k, Hkv, D), sequence b spanning rows cu_seqlens[b]:cu_seqlens[b + 1]; `args` and
+    `modifiers` as `attention` takes them (causal, scale, dtype; window, softcap, sinks).
+    Returns (output (total_q, Hq, D), log-sum-exp (Hq, total_q)), the layout FlashAttention's
+    varlen call uses. A sequence with no keys gets output 0 and log-sum-exp -inf (or its
+    sinks)."""
+    dtype = args[2] if len(args) > 2 else modifiers.get("dtype")
+    sinks = modifiers.get("sinks")
     cq = [int(x) for x in cu_seqlens_q]
     ck = [int(x) for x in cu_seqlens_k]
     outs, lses = [], []
@@ -122,8 +122,7 @@ def attention_varlen(
             if sinks is not None:
                 lse = sinks.to(lse_dtype)[None, :, None].expand_as(lse)
         else:
-            out, lse = attention(qs, ks, vs, causal, scale, dtype, window=window,
-                                 softcap=softcap, sinks=sinks)
+            out, lse = attention(qs, ks, vs, *args, **modifiers)
         outs.append(out[0].transpose(0, 1))
         lses.append(lse[0])
     return torch.cat(outs, dim=0), torch.cat(lses, dim=-1)
