@@ -80,6 +80,27 @@ def test_key_columns_round_trip() -> None:
     assert key.mode == "fwd" and key.device_key == H100.key and key.capability == "9.0"
 
 
+def test_modified_keys_add_their_modifiers_and_plain_ids_stay_as_they_were() -> None:
+    plain = key_of()
+    # The id of a plain key is its fields before modifier keys existed, in order.
+    assert plain.id == "|".join(str(int(v) if isinstance(v, bool) else v) for v in (
+        "fwd", H100.key, H100.name, "9.0", 132, "3.6.0", "2.11.0+cu130", "bf16", True, 128, 4,
+        1024, 1024))
+    assert "modifiers" not in plain.to_columns()
+    window = key_of(PROBLEM.with_(window=True))
+    assert window.modifiers == "w" and window.id == plain.id + "|w"
+    packed = key_of(PROBLEM.with_(varlen=True, sinks=True, softcap=True, mix=4))
+    assert packed.modifiers == "ksv4"
+    assert key_of(PROBLEM.with_(varlen=True)).modifiers == "v1"
+    for key in (window, packed):
+        assert TuningKey.from_columns(key.to_columns()) == key
+    with pytest.raises(ValueError, match="mix"):
+        PROBLEM.with_(mix=4)  # not varlen
+    with pytest.raises(ValueError, match="power of two"):
+        PROBLEM.with_(varlen=True, mix=3)
+    assert PROBLEM.with_(window=True).to_dict().keys() - PROBLEM.to_dict().keys() == {"window"}
+
+
 def test_default_path_follows_environment(monkeypatch: pytest.MonkeyPatch,
                                           tmp_path: Path) -> None:
     monkeypatch.setenv("FLASHGEN_DB", str(tmp_path / "x.db"))
@@ -383,6 +404,34 @@ def test_m009_renames_stored_knobs_and_keeps_every_row_current(tmp_path: Path) -
             f"SELECT mode, {columns} FROM trials")} == {"fwd": (64, 64, None, None),
                                                         "bwd": (None, None, 128, 32)}
         assert [r["variant_json"] for r in db.db["claims"].rows] == [bwd.to_json()]
+
+
+def test_m011_gives_m010_rows_empty_modifiers_and_keeps_their_ids(tmp_path: Path) -> None:
+    path = tmp_path / "m010.db"
+    old = sqlite_utils.Database(path)
+    migrations.apply(old, stop_before="m011_modifier_keys")
+    key, variant = key_of(), Variant("fa2", 64, 64, 4, 2)
+    row = {"key_id": key.id, **key.to_columns(), **PROBLEM.to_dict(),
+           "problem_json": json.dumps(PROBLEM.to_dict(), sort_keys=True),
+           "variant_json": variant.to_json(), "status": "ok", "median_ms": 1.0,
+           "p20_ms": 1.0, "p80_ms": 1.0, "reps": 10, "tflops": 1.0,
+           "kernel_hash": kernel_hash(variant, PROBLEM), "created_at": "x"}
+    trial_id = old["trials"].insert(row).last_pk
+    winner = {c: v for c, v in row.items() if c in old["winners"].columns_dict}
+    old["winners"].insert({**winner, "trial_id": trial_id, "updated_at": "x"})
+    old.close()
+    with TuningDB(path) as db:
+        assert db.schema_version == SCHEMA_VERSION
+        assert [r["modifiers"] for r in db.db.query("SELECT modifiers FROM trials")] == [""]
+        (found,) = db.all_winners()
+        assert found.key == key and found.key.id == key.id
+        # A modified key of the same bucket is a row of its own beside it.
+        window = key_of(PROBLEM.with_(window=True))
+        problem = PROBLEM.with_(window=True)
+        db.record_trial(window, problem, variant, "ok", timing=timing(2.0), tflops=2.0,
+                        kernel_hash=kernel_hash(variant, problem))
+        db.update_winner(window)
+        assert {w.key.id for w in db.all_winners()} == {key.id, window.id}
 
 
 # ---- read-only -------------------------------------------------------------------------

@@ -7,6 +7,7 @@ tensors by `Problem.from_tensors` and from the CLI's `--shape` strings by `Probl
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -22,6 +23,16 @@ DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 MAX_HEAD_DIM = 256
 #: The structure flags beyond causal, in field order.
 MODIFIERS: tuple[str, ...] = ("window", "softcap", "sinks", "varlen")
+#: Each modifier's letter in a tuning key's `modifiers` field (varlen adds its mix bucket).
+MODIFIER_LETTERS: dict[str, str] = {"window": "w", "softcap": "k", "sinks": "s", "varlen": "v"}
+
+
+def mix_bucket(batch: int, longest: int, tokens: int) -> int:
+    """The length mix of `batch` packed sequences of `tokens` in all, the longest `longest`:
+    the power of two nearest max / mean length (1: all alike; 4: the longest is about four
+    times the mean). `runtime.table.mix_bucket` is the same rule."""
+    ratio = longest * batch / max(1, tokens)
+    return 1 << max(0, round(math.log2(max(1.0, ratio))))
 
 
 @dataclass(frozen=True)
@@ -43,6 +54,9 @@ class Problem:
     softcap: bool = False
     sinks: bool = False
     varlen: bool = False
+    # The length mix of a varlen problem (`mix_bucket`: max / mean length as a power of two;
+    # 0: not given, read as 1), part of its tuning key.
+    mix: int = 0
 
     def __post_init__(self) -> None:
         for name in ("batch", "heads_q", "heads_kv", "seq_q", "seq_k", "head_dim"):
@@ -61,11 +75,32 @@ class Problem:
         for name in MODIFIERS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        m = self.mix
+        if not isinstance(m, int) or isinstance(m, bool) or m < 0 or m & (m - 1):
+            raise ValueError(f"mix must be 0 or a power of two, got {m!r}")
+        if m and not self.varlen:
+            raise ValueError(f"mix ({m}) is for varlen problems only")
 
     @property
     def modifiers(self) -> tuple[str, ...]:
         """The modifiers and layout this problem asks for, by name (empty for plain attention)."""
         return tuple(name for name in MODIFIERS if getattr(self, name))
+
+    @property
+    def packed_tokens(self) -> int:
+        """Query tokens of all sequences that the mix implies (a bench draws lengths
+        summing to it): batch x seq_q / mix, at least the longest plus one per other."""
+        full = self.batch * self.seq_q
+        return max(self.seq_q + self.batch - 1, min(full, round(full / max(1, self.mix))))
+
+    @property
+    def modifier_key(self) -> str:
+        """The modifiers as a tuning key's `modifiers` field: a letter each (window w,
+        softcap k, sinks s, varlen v with its mix bucket, e.g. "wv4"); "" for plain."""
+        key = "".join(MODIFIER_LETTERS[name] for name in self.modifiers)
+        if self.varlen:
+            key += str(self.mix or 1)
+        return key
 
     @property
     def group(self) -> int:
@@ -99,7 +134,7 @@ class Problem:
         `problem_json` rows, claims and baselines are matched by) is what it was before
         the modifiers existed."""
         data = asdict(self)
-        for name in MODIFIERS:
+        for name in (*MODIFIERS, "mix"):
             if not data[name]:
                 del data[name]
         return data
@@ -134,7 +169,8 @@ class Problem:
         return (
             f"B{self.batch} Hq{self.heads_q} Hkv{self.heads_kv} Nq{self.seq_q} Nk{self.seq_k} "
             f"D{self.head_dim} {self.dtype} {mask}"
-        ) + "".join(f" {name}" for name in self.modifiers)
+        ) + "".join(f" {name}" for name in self.modifiers) + (
+            f"{self.mix}" if self.mix else "")
 
 
 @dataclass(frozen=True)

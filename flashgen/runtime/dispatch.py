@@ -51,7 +51,7 @@ from .kvcache import (
     serves_as_decode,
 )
 from .modifiers import Mods
-from .table import Choice, Entry, Shape, Table
+from .table import Choice, Entry, Shape, Table, mix_bucket
 
 #: The package this runtime serves ("flashgen", or an exported package's name), which names
 #: its logger and its torch.library namespace.
@@ -244,7 +244,8 @@ class Dispatcher:
             # Packed: the public call checked the tensors; lengths are the longest sequence's.
             lens = mods.varlen
             shape = Shape(lens.batch, q.shape[1], k.shape[1], lens.max_q, lens.max_k,
-                          q.shape[2], DTYPE_NAMES[q.dtype], bool(causal))
+                          q.shape[2], DTYPE_NAMES[q.dtype], bool(causal),
+                          mix=mix_bucket(lens.batch, lens.max_q, q.shape[0]))
         else:
             check_inputs(q, k, v)
             shape = Shape.of(q, k, causal)

@@ -21,6 +21,10 @@ the hash of the kernel the row was tuned with).
 For a call: the exact (dtype, causal, head dim, GQA ratio, Nq bucket, Nk bucket) entry; else
 the nearest tuned bucket of the same kind that is valid for the call; else the default.
 
+Entries tuned on modified or packed problems carry "modifiers" (`modifier_key`: "w", "k",
+"s", "v4", "wv2", ...; absent or "" for plain ones), part of their kind. A modified call looks
+among the entries of its own modifiers first, then among the plain ones, then the default.
+
 "decode" entries (the decode family, `runtime.kvcache`) carry two more fields: "page_size" (0
 for contiguous caches), part of their kind, and "bh_bucket", the bucket of batch x Hkv (the
 programs a split launches besides its splits), measured in the distance with the lengths.
@@ -44,6 +48,24 @@ Check = Callable[[Entry], "str | None"]
 MODES: tuple[str, ...] = ("fwd", "bwd", "decode")
 #: The modifiers and layout a call may ask for beyond causal (flashgen's `Problem` has them).
 MODIFIERS: tuple[str, ...] = ("window", "softcap", "sinks", "varlen")
+#: Each modifier's letter in an entry's "modifiers" (flashgen's `Problem.modifier_key`).
+_LETTERS: dict[str, str] = {"window": "w", "softcap": "k", "sinks": "s", "varlen": "v"}
+
+
+def mix_bucket(batch: int, longest: int, tokens: int) -> int:
+    """The length mix of packed sequences: the power of two nearest max / mean length
+    (flashgen's `problem.mix_bucket`, the same rule)."""
+    ratio = longest * batch / max(1, tokens)
+    return 1 << max(0, round(math.log2(max(1.0, ratio))))
+
+
+def modifier_key(shape: Any) -> str:
+    """A call's modifiers as its entries' "modifiers" field: "" for plain attention, else a
+    letter each (window w, softcap k, sinks s, varlen v and its mix bucket), e.g. "wv4"."""
+    key = "".join(_LETTERS[n] for n in MODIFIERS if getattr(shape, n, False))
+    if getattr(shape, "varlen", False):
+        key += str(getattr(shape, "mix", 0) or 1)
+    return key
 
 
 #: flashgen's `Problem` fields, in its order, so that each converts to the other in one call
@@ -51,8 +73,8 @@ MODIFIERS: tuple[str, ...] = ("window", "softcap", "sinks", "varlen")
 _SHAPE = NamedTuple("_SHAPE", [  # noqa: UP014
     ("batch", int), ("heads_q", int), ("heads_kv", int), ("seq_q", int), ("seq_k", int),
     ("head_dim", int), ("dtype", str), ("causal", bool), ("window", bool), ("softcap", bool),
-    ("sinks", bool), ("varlen", bool)])
-_SHAPE.__new__.__defaults__ = (False, False, False, False)
+    ("sinks", bool), ("varlen", bool), ("mix", int)])
+_SHAPE.__new__.__defaults__ = (False, False, False, False, 0)
 
 
 class Shape(_SHAPE):
@@ -132,14 +154,15 @@ def _family(e: Entry) -> tuple[str, bool, int]:
 
 
 def _kind(mode: str, e: Entry) -> tuple:
-    """What a tuned entry must share with a call to serve it (decode adds the page size)."""
+    """What a tuned entry must share with a call to serve it (decode adds the page size;
+    entries of modified problems their "modifiers", absent or "" for plain ones)."""
     extra = (e["page_size"],) if mode == "decode" else ()
-    return (*_family(e), e["gqa"], *extra)
+    return (*_family(e), e["gqa"], *extra, e.get("modifiers", ""))
 
 
-def _call_kind(mode: str, shape: Any) -> tuple:
+def _call_kind(mode: str, shape: Any, modifiers: str = "") -> tuple:
     extra = (shape.page_size,) if mode == "decode" else ()
-    return (shape.dtype, shape.causal, shape.head_dim, shape.group, *extra)
+    return (shape.dtype, shape.causal, shape.head_dim, shape.group, *extra, modifiers)
 
 
 class Table:
@@ -172,8 +195,48 @@ class Table:
 
     def lookup(self, mode: str, shape: Shape, check: Check) -> tuple[Entry | None, str, str]:
         """(entry, how, reason): the exact or nearest tuned entry that `check` and the tile
-        and whole-heads rules let serve `shape`, or (None, "fallback", why) if none does."""
-        family = _call_kind(mode, shape)
+        and whole-heads rules let serve `shape`, or (None, "fallback", why) if none does.
+        A modified call looks among the entries tuned with its own modifiers first, then
+        among the plain ones (their variants run with the modifiers rendered in)."""
+        mods = modifier_key(shape) if mode != "decode" else ""
+        skipped: list[str] = []
+        if mods:
+            found = self._search(mode, shape, check, mods, skipped)
+            if found is not None:
+                e, got, want = found
+                passed = f" (passed over: {'; '.join(skipped)})" if skipped else ""
+                what = f"tuned winner with modifiers {mods!r}"
+                if got == want:
+                    return e, "exact", f"{e.get('role', what)} for this bucket {got}{passed}"
+                return e, "nearest", (f"no {what} for bucket {want}; nearest bucket {got} "
+                                      f"is valid here{passed}")
+        found = self._search(mode, shape, check, "", skipped)
+        passed = f" (passed over: {'; '.join(skipped)})" if skipped else ""
+        if found is not None:
+            e, got, want = found
+            if mods:
+                # Rows tuned on plain attention; a valid one's variant serves the call with
+                # the modifiers rendered in (the validity rules judged it with them).
+                names = ", ".join(n for n in MODIFIERS if getattr(shape, n, False))
+                none = f"nothing tuned with modifiers {mods!r}; "
+                return e, "nearest", (f"{none}tuned winner of plain attention, bucket {got}, "
+                                      f"run with {names}{passed}")
+            if got == want:
+                role = e.get("role", "tuned winner")
+                return e, "exact", f"{role} for this bucket {got}{passed}"
+            return e, "nearest", (f"no winner for bucket {want}; nearest tuned "
+                                  f"bucket {got} is valid here{passed}")
+        if skipped:
+            return None, "fallback", "tuned buckets of this kind are invalid here: " + "; ".join(
+                skipped)
+        return None, "fallback", (f"nothing tuned ({mode}) for {shape.dtype} causal="
+                                  f"{shape.causal} D={shape.head_dim} GQA={shape.group} on "
+                                  f"{self.name}")
+
+    def _search(self, mode: str, shape: Shape, check: Check, mods: str,
+                skipped: list[str]) -> tuple[Entry, tuple, tuple] | None:
+        """The nearest entry of `shape`'s kind tuned with modifiers `mods` that may serve
+        it, with its bucket and the call's; each passed over is added to `skipped`."""
         want_q, want_k = bucket(shape.seq_q), bucket(shape.seq_k)
         want_bh = bucket(shape.batch * shape.heads_kv)
 
@@ -184,8 +247,9 @@ class Table:
                 d += abs(math.log2(e["bh_bucket"] / want_bh))
             return d, -e["seq_q_bucket"]  # ties: the longer bucket (better tuned for big work)
 
-        skipped: list[str] = []
-        for e in sorted(self.tuned[mode].get(family, ()), key=distance):  # stable: precedence
+        label = f" {mods}" if mods else ""
+        entries = self.tuned[mode].get(_call_kind(mode, shape, mods), ())
+        for e in sorted(entries, key=distance):  # stable: precedence
             got = (e["seq_q_bucket"], e["seq_k_bucket"])
             if "bh_bucket" in e:  # decode: batch x Hkv is part of the bucket
                 got, want = (*got, e["bh_bucket"]), (want_q, want_k, want_bh)
@@ -195,28 +259,11 @@ class Table:
                       or head_units_leave_programs_idle(knobs(e["variant"]), shape,
                                                         self.sm_count)
                       or check(e))
-            passed = f" (passed over: {'; '.join(skipped)})" if skipped else ""
             if reason:
-                skipped.append(f"bucket Nq{got[0]}/Nk{got[1]}: {reason}")
-            elif any(getattr(shape, name, False) for name in MODIFIERS):
-                # Rows are tuned on plain attention; a valid one's variant serves the call
-                # with the modifiers rendered in (the validity rules judged it with them).
-                return e, "nearest", (f"tuned winner of plain attention, bucket {got}, run "
-                                      "with " + ", ".join(n for n in MODIFIERS
-                                                          if getattr(shape, n, False))
-                                      + passed)
-            elif got == want:
-                role = e.get("role", "tuned winner")
-                return e, "exact", f"{role} for this bucket {got}{passed}"
+                skipped.append(f"bucket{label} Nq{got[0]}/Nk{got[1]}: {reason}")
             else:
-                return e, "nearest", (f"no winner for bucket {want}; nearest tuned "
-                                      f"bucket {got} is valid here{passed}")
-        if skipped:
-            return None, "fallback", "tuned buckets of this kind are invalid here: " + "; ".join(
-                skipped)
-        return None, "fallback", (f"nothing tuned ({mode}) for {shape.dtype} causal="
-                                  f"{shape.causal} D={shape.head_dim} GQA={shape.group} on "
-                                  f"{self.name}")
+                return e, got, want
+        return None
 
     @staticmethod
     def _too_short(e: Entry, shape: Shape) -> str | None:

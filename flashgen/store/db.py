@@ -271,8 +271,17 @@ def m010_decode_keys(db: sqlite_utils.Database) -> None:
             db[table].add_column(column, int, not_null_default=0)
 
 
+@migrations()
+def m011_modifier_keys(db: sqlite_utils.Database) -> None:
+    """Tuning modified and packed problems: their keys add the modifiers
+    (`TuningKey.modifiers`, such as "w" or "v4"); plain rows hold "" there and keep their
+    ids."""
+    for table in ("trials", "winners"):
+        db[table].add_column("modifiers", str, not_null_default="")
+
+
 #: The number of migrations above; a test checks that a fresh file reaches it.
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 
 
 def _migration_names() -> list[str]:

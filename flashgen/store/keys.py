@@ -26,6 +26,9 @@ MODES: tuple[str, ...] = ("fwd", "bwd", "decode")
 #: Key fields only decode keys use; other modes' ids leave them out, so they are what they
 #: were before decode existed.
 DECODE_ONLY: tuple[str, ...] = ("page_size", "bh_bucket")
+#: Key fields that ids and columns leave out where empty: plain problems' keys are what they
+#: were before modified problems were tuned.
+OMIT_EMPTY: tuple[str, ...] = ("modifiers",)
 
 
 def seq_bucket(n: int) -> int:
@@ -79,6 +82,9 @@ class TuningKey:
     # programs a split launches besides its splits: a winner at B 1 is not one at B 128).
     page_size: int = 0
     bh_bucket: int = 0
+    # Modified and packed problems: `Problem.modifier_key` ("w", "k", "s", "v4", "wv2"...),
+    # "" for plain attention.
+    modifiers: str = ""
 
     @classmethod
     def for_problem(
@@ -106,27 +112,35 @@ class TuningKey:
             **({"page_size": problem.page_size,
                 "bh_bucket": seq_bucket(problem.batch * problem.heads_kv)}
                if mode == "decode" and isinstance(problem, DecodeProblem) else {}),
+            modifiers="" if mode == "decode" else problem.modifier_key,
         )
+
+    def _kept(self, name: str, value: Any) -> bool:
+        """Whether field `name` is part of this key's id and columns."""
+        if name in DECODE_ONLY:
+            return self.mode == "decode"
+        return name not in OMIT_EMPTY or bool(value)
 
     @property
     def id(self) -> str:
         """Every field joined in a fixed order: equal keys give equal ids, and nothing else."""
         return "|".join(str(int(v) if isinstance(v, bool) else v)
-                        for name, v in asdict(self).items()
-                        if self.mode == "decode" or name not in DECODE_ONLY)
+                        for name, v in asdict(self).items() if self._kept(name, v))
 
     def to_columns(self) -> dict[str, Any]:
         """The key as database columns (booleans as 0/1, as SQLite stores them). Other modes
-        leave the decode-only columns to their default, 0, as files before them lacked them."""
-        row = {k: v for k, v in asdict(self).items()
-               if self.mode == "decode" or k not in DECODE_ONLY}
+        leave the decode-only columns to their default, 0, and plain keys the modifiers to
+        theirs, "", as files before them lacked them."""
+        row = {k: v for k, v in asdict(self).items() if self._kept(k, v)}
         row["causal"] = int(self.causal)
         return row
 
     @classmethod
     def from_columns(cls, row: dict[str, Any]) -> TuningKey:
-        values = {f.name: row[f.name] for f in fields(cls) if f.name not in DECODE_ONLY}
+        values = {f.name: row[f.name] for f in fields(cls)
+                  if f.name not in DECODE_ONLY + OMIT_EMPTY}
         values |= {name: row.get(name) or 0 for name in DECODE_ONLY}
+        values |= {name: row.get(name) or "" for name in OMIT_EMPTY}
         values["causal"] = bool(values["causal"])
         return cls(**values)
 
