@@ -236,6 +236,22 @@ def tune(
              "backward, the separate dQ kernel (no fp32 atomics). What dispatch serves under "
              "torch.use_deterministic_algorithms(True). The forward is deterministic "
              "already: every forward variant qualifies.")] = False,
+    window: Annotated[str | None, typer.Option(
+        metavar="L,R",
+        help="Tune with a sliding window (attention's window=(L, R), -1 unbounded). A key "
+             "records that a window is used, not its size: the bench times a representative "
+             "one (a quarter of Nk to the left; right unbounded, or 0 under causal), and "
+             "its winners serve every window.")] = None,
+    softcap: Annotated[float | None, typer.Option(
+        metavar="C",
+        help="Tune with a logit softcap (C > 0); timed at 30.0, served to every cap.")] = None,
+    sinks: Annotated[bool, typer.Option(
+        "--sinks", help="Tune with attention sinks (random per-head logits).")] = False,
+    varlen: Annotated[int | None, typer.Option(
+        metavar="S", min=1,
+        help="Tune packed variable-length batches: each problem's B x N tokens cut into S "
+             "sequences of seeded random lengths, as `flashgen bench --varlen` does; the "
+             "key holds the longest length's bucket and the mix (max / mean length).")] = None,
     db: DbOption = None,
     wide: WideOption = False,
 ) -> None:
@@ -273,7 +289,11 @@ def tune(
         else:
             problems = presets.expand(shape or [], preset or [], presets.parse_dtypes(dtype),
                                       presets.parse_causal(causal))
-    except ValueError as exc:
+            problems = _modified(problems, window, softcap, sinks, varlen, seed)
+        if mode == "decode" and (window or softcap is not None or sinks or varlen):
+            raise ValueError("--mode decode tunes plain decode: drop --window, --softcap, "
+                             "--sinks and --varlen")
+    except (ValueError, TypeError) as exc:
         raise _fail(str(exc)) from None
     from flashgen.tune.search import RunOptions
 
@@ -283,6 +303,37 @@ def tune(
         _run_workers(problems, run, _worker_slots(run, gpus, workers), storage)
     else:
         _run_tuning(problems, run)
+
+
+def _modified(problems: list[Problem], window: str | None, softcap: float | None,
+              sinks: bool, varlen: int | None, seed: int) -> list[Problem]:
+    """`flashgen tune`'s problems with the modifiers asked for. Their values are checked as
+    `attention` checks them; only which modifiers there are is part of a key. `--varlen S`
+    cuts each problem's B x N tokens into S sequences as `flashgen bench --varlen` does:
+    the problem becomes S sequences, the longest of them its length, and their mix."""
+    from flashgen.bench.layouts import Layout
+    from flashgen.kernels.problem import mix_bucket
+    from flashgen.runtime.modifiers import check_softcap, check_window
+
+    if window is not None:
+        parts = window.split(",")
+        if len(parts) != 2 or not all(p.strip().lstrip("-").isdigit() for p in parts):
+            raise ValueError(f"--window must be L,R (ints, -1 unbounded), got {window!r}")
+        if check_window(tuple(int(p) for p in parts)) is None:
+            raise ValueError("--window -1,-1 cuts nothing: leave --window out")
+    check_softcap(softcap)
+    out = []
+    for p in problems:
+        p = p.with_(window=window is not None, softcap=softcap is not None, sinks=sinks)
+        if varlen is not None:
+            if p.seq_q != p.seq_k:
+                raise ValueError(f"--varlen packs self-attention: {p} has Nq != Nk")
+            lengths = Layout(None, varlen).lengths(p, seed)
+            longest = max(lengths)
+            p = p.with_(batch=len(lengths), seq_q=longest, seq_k=longest, varlen=True,
+                        mix=mix_bucket(len(lengths), longest, sum(lengths)))
+        out.append(p)
+    return list(dict.fromkeys(out))
 
 
 def _check_storage(url: str) -> None:

@@ -36,6 +36,7 @@ from flashgen.runtime.backward import BwdLauncher, prepare_backward
 from flashgen.runtime.forward import Launcher, default_scale
 from flashgen.runtime.forward import prepare_forward as _prepare_entry
 from flashgen.runtime.kvcache import DecodeLauncher, DecodeShape, prepare_decode
+from flashgen.runtime.modifiers import Mods
 from flashgen.runtime.table import Choice, Entry, Shape, Table
 from flashgen.store.table import default_paths, device_table, entry, entry_is_current
 
@@ -204,10 +205,14 @@ def _forward(variant: Variant, problem: Problem) -> Launcher:
 
 
 def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant,
-                problem: Problem, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run `variant` on checked inputs; returns (output like q, log-sum-exp (B, Hq, Nq) fp32)."""
+                problem: Problem, scale: float | None = None,
+                mods: Mods | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run `variant` on checked inputs; returns (output like q, log-sum-exp (B, Hq, Nq) fp32;
+    packed, (Hq, total_q)). `mods`: the values of `problem`'s modifiers."""
     scale = default_scale(problem.head_dim) if scale is None else float(scale)
-    return _forward(variant, problem)(q, k, v, scale)
+    if mods is None:
+        return _forward(variant, problem)(q, k, v, scale)
+    return _forward(variant, problem)(q, k, v, scale, mods)
 
 
 @functools.lru_cache(maxsize=256)
@@ -219,12 +224,17 @@ def _backward(variant: BwdVariant, problem: Problem, dev: DeviceInfo) -> BwdLaun
 
 def run_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, variant: BwdVariant, problem: Problem,
-                 scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients (dq, dk, dv) of `variant` given the upstream gradient `do` and the forward's
-    `out` and `lse` (see the runtime's `prepare_backward`). A variant with Gluon kernels runs
-    its all-Triton twin on inputs TMA cannot address. Inputs are not validated here."""
+                 scale: float | None = None,
+                 mods: Mods | None = None) -> tuple[torch.Tensor, ...]:
+    """Gradients (dq, dk, dv; dsinks after them where `mods` has sinks) of `variant` given
+    the upstream gradient `do` and the forward's `out` and `lse` (see the runtime's
+    `prepare_backward`). A variant with Gluon kernels runs its all-Triton twin on inputs TMA
+    cannot address. Inputs are not validated here."""
     scale = default_scale(problem.head_dim) if scale is None else float(scale)
-    return _backward(variant, problem, device_info(q.device))(do, q, k, v, out, lse, scale)
+    run = _backward(variant, problem, device_info(q.device))
+    if mods is None:
+        return run(do, q, k, v, out, lse, scale)
+    return run(do, q, k, v, out, lse, scale, mods)
 
 
 @functools.lru_cache(maxsize=256)

@@ -22,11 +22,12 @@ import torch
 from flashgen.kernels.bwd_variant import BwdVariant
 from flashgen.kernels.modes import AnyVariant
 from flashgen.kernels.problem import Problem
+from flashgen.runtime.modifiers import Mods
 from flashgen.serve import Dispatcher, default_dispatcher, run_backward
 from flashgen.tune.baseline import Baseline, sdpa_backward_baseline
-from flashgen.tune.check import make_inputs
-from flashgen.tune.fwd_bench import KernelBench, Measurement, describe_failure
+from flashgen.tune.fwd_bench import KernelBench, Measurement, _inputs, describe_failure
 from flashgen.tune.grads import compare_grads
+from flashgen.tune.modified import ModifiedInputs
 from flashgen.tune.timing import tflops
 
 #: Backward FLOPs per forward FLOP. The forward does two matmuls (S = Q K^T, O = P V); the
@@ -47,10 +48,13 @@ class BwdInputs:
     do: torch.Tensor
     out: torch.Tensor
     lse: torch.Tensor
+    mods: Mods | None = None
+    reference: dict | None = None  # the modifiers as the reference takes them
+    cu: tuple[list[int], list[int]] | None = None
 
     def run(self, variant: BwdVariant, problem: Problem) -> tuple[torch.Tensor, ...]:
         return run_backward(self.do, self.q, self.k, self.v, self.out, self.lse, variant,
-                            problem)
+                            problem, mods=self.mods)
 
 
 class BwdKernelBench(KernelBench):
@@ -69,21 +73,20 @@ class BwdKernelBench(KernelBench):
         self._saved: BwdInputs | None = None
         self._gate_warm: BwdInputs | None = None
 
-    def _make(self, problem: Problem, seed: int,
-              qkv: tuple[torch.Tensor, ...] | None = None) -> BwdInputs:
-        p = problem
-        q, k, v = qkv or make_inputs(p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k,
-                                     p.head_dim, p.torch_dtype, self.device, seed)
+    def _make(self, problem: Problem, seed: int, made: ModifiedInputs | None = None,
+              ) -> BwdInputs:
+        made = made or _inputs(problem, self.device, seed)
+        q, k, v = made.q, made.k, made.v
         gen = torch.Generator(device="cpu").manual_seed(seed + 1)
         do = torch.randn(q.shape, generator=gen).to(device=self.device, dtype=q.dtype)
-        out, lse = self.dispatcher.forward(q, k, v, problem.causal)
-        return BwdInputs(q, k, v, do, out, lse)
+        out, lse = self.dispatcher.forward(q, k, v, problem.causal, mods=made.mods)
+        return BwdInputs(q, k, v, do, out, lse, made.mods, made.reference, made.cu)
 
     @property
     def saved(self) -> BwdInputs:
         """The timing inputs (`inputs`) with their dO and forward outputs, made once."""
         if self._saved is None:
-            self._saved = self._make(self.problem, self.seed, self.inputs)
+            self._saved = self._make(self.problem, self.seed, self.modified_inputs)
         return self._saved
 
     def compile(self, variants: Sequence[AnyVariant]) -> dict[AnyVariant, str]:
@@ -111,7 +114,8 @@ class BwdKernelBench(KernelBench):
             grads = gate.run(variant, self.gate)
         except Exception as exc:
             return Measurement.failed(describe_failure(exc))
-        check = compare_grads(grads, gate.q, gate.k, gate.v, gate.do, self.problem.causal)
+        check = compare_grads(grads, gate.q, gate.k, gate.v, gate.do, self.problem.causal,
+                              modifiers=gate.reference, cu=gate.cu)
         if not check.ok:
             error = check.error if math.isfinite(check.error) else None
             return Measurement.failed(f"wrong answer: {check.reason}", error, check.bound)
@@ -125,5 +129,7 @@ class BwdKernelBench(KernelBench):
                            error=check.error, bound=check.bound)
 
     def baseline(self) -> Baseline | None:
+        if self.problem.modifiers:
+            return None  # SDPA has no windows, caps, sinks or packed sequences
         s = self.saved
         return sdpa_backward_baseline(s.q, s.k, s.v, s.do, self.problem.causal, self._time)

@@ -7,7 +7,9 @@ honest implementation in this dtype can land, measured rather than guessed.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -67,12 +69,17 @@ def compare(
     causal: bool = False,
     scale: float | None = None,
     lse: torch.Tensor | None = None,
+    *,
+    modifiers: Mapping[str, Any] | None = None,
+    cu: tuple[Sequence[int], Sequence[int]] | None = None,
 ) -> CheckResult:
-    """Compare a kernel's output (and optionally LSE) with the float64 reference."""
+    """Compare a kernel's output (and optionally LSE) with the float64 reference; with
+    `modifiers` (window, softcap, sinks as `reference.attention` takes them) and, for packed
+    q, k, v, the offsets `cu`, the reference computes the same modified call."""
     if not torch.isfinite(out).all():
         return CheckResult(False, float("inf"), 0.0, "output has NaN or Inf")
-    truth, truth_lse = reference.attention(q, k, v, causal, scale, dtype=torch.float64)
-    eager, eager_lse = reference.attention(q, k, v, causal, scale)
+    truth, truth_lse = reference_call(q, k, v, causal, scale, torch.float64, modifiers, cu)
+    eager, eager_lse = reference_call(q, k, v, causal, scale, None, modifiers, cu)
     eager_err = (eager.double() - truth).abs().max().item()
     # One rounding of the output to its dtype is the least any implementation must make.
     rounding = torch.finfo(out.dtype).eps * truth.abs().max().item()
@@ -97,6 +104,18 @@ def compare(
                 False, err, bound, f"log-sum-exp error {lse_err:.3g} over bound {lse_bound:.3g}"
             )
     return CheckResult(True, err, bound)
+
+
+def reference_call(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None,
+    dtype: torch.dtype | None, modifiers: Mapping[str, Any] | None = None,
+    cu: tuple[Sequence[int], Sequence[int]] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference.attention`, or `attention_varlen` where `cu` gives packed offsets."""
+    mods = dict(modifiers or {})
+    if cu is not None:
+        return reference.attention_varlen(q, k, v, *cu, causal, scale, dtype, **mods)
+    return reference.attention(q, k, v, causal, scale, dtype, **mods)
 
 
 def _max_abs(t: torch.Tensor, where: torch.Tensor) -> float:

@@ -24,7 +24,8 @@ from flashgen.kernels.problem import Problem
 from flashgen.kernels.variant import Variant
 from flashgen.serve import run_forward
 from flashgen.tune.baseline import Baseline, sdpa_baseline
-from flashgen.tune.check import CheckResult, compare, make_inputs
+from flashgen.tune.check import CheckResult, compare
+from flashgen.tune.modified import ModifiedInputs, make_modified_inputs
 from flashgen.tune.timing import Timing, tflops, time_cpu, time_cuda
 
 #: A problem whose float64 reference has at most this many score elements (256 MB of
@@ -171,11 +172,10 @@ def gate_problem(problem: Problem) -> Problem:
                          heads_kv=hkv_small, seq_q=nq, seq_k=nk)
 
 
-def _inputs(problem: Problem, device: torch.device,
-            seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    p = problem
-    return make_inputs(p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim,
-                       p.torch_dtype, device, seed)
+def _inputs(problem: Problem, device: torch.device, seed: int) -> ModifiedInputs:
+    """Seeded q, k, v of `problem`, with representative values of its modifiers
+    (`tune.modified`): the same call the gate's reference computes."""
+    return make_modified_inputs(problem, device, seed)
 
 
 class KernelBench:
@@ -183,7 +183,9 @@ class KernelBench:
 
     Timing inputs are made once from `seed`. Every candidate's correctness gate gets fresh
     inputs, seeded from `seed` and the variant, so a run is repeatable and a variant that is
-    right only on one lucky input is still caught by another.
+    right only on one lucky input is still caught by another. A modified or packed problem
+    runs with representative modifier values (`tune.modified`), checked against the
+    reference given the same.
     """
 
     def __init__(self, problem: Problem, device: torch.device | str, *, seed: int = 0,
@@ -194,13 +196,19 @@ class KernelBench:
         self.gate = gate_problem(problem)
         self.compile_workers = compile_workers or min(16, os.cpu_count() or 1)
         self.on_gpu = self.device.type == "cuda"
-        self._inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._inputs: ModifiedInputs | None = None
 
     @property
-    def inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def modified_inputs(self) -> ModifiedInputs:
+        """The timing inputs with their modifiers, made once."""
         if self._inputs is None:
             self._inputs = _inputs(self.problem, self.device, self.seed)
         return self._inputs
+
+    @property
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        made = self.modified_inputs
+        return made.q, made.k, made.v
 
     def _gate_seed(self, variant: Variant) -> int:
         return (self.seed * 1_000_003 + zlib.crc32(variant.to_json().encode())) % 2**31
@@ -212,11 +220,13 @@ class KernelBench:
         torch.cuda.set_device(self.device)
         torch.cuda.synchronize(self.device)
         with torch.cuda.device(self.device):
-            run_forward(*self.inputs, variant, self.problem)
+            made = self.modified_inputs
+            run_forward(made.q, made.k, made.v, variant, self.problem, mods=made.mods)
             if self.gate != self.problem:
                 # Other lengths and head counts can specialise the kernel differently
                 # (Triton specialises integers divisible by 16), so compile both.
-                run_forward(*_inputs(self.gate, self.device, 0), variant, self.gate)
+                gate = _inputs(self.gate, self.device, 0)
+                run_forward(gate.q, gate.k, gate.v, variant, self.gate, mods=gate.mods)
 
     def compile(self, variants: Sequence[Variant]) -> dict[Variant, str]:
         """Compile on CPU threads by launching each variant once (the interpreter has nothing
@@ -242,17 +252,21 @@ class KernelBench:
         return time_cuda(fn, self.device) if self.on_gpu else time_cpu(fn)
 
     def measure(self, variant: Variant) -> Measurement:
-        gq, gk, gv = _inputs(self.gate, self.device, self._gate_seed(variant))
+        gate = _inputs(self.gate, self.device, self._gate_seed(variant))
         try:
-            out, lse = run_forward(gq, gk, gv, variant, self.gate)
+            out, lse = run_forward(gate.q, gate.k, gate.v, variant, self.gate, mods=gate.mods)
         except Exception as exc:
             return Measurement.failed(describe_failure(exc))
-        check = compare(out, gq, gk, gv, self.problem.causal, None, lse)
-        q, k, v = self.inputs
+        check = compare(out, gate.q, gate.k, gate.v, self.problem.causal, None, lse,
+                        modifiers=gate.reference, cu=gate.cu)
+        made = self.modified_inputs
         return checked_and_timed(
-            check, lambda: self._time(lambda: run_forward(q, k, v, variant, self.problem)),
+            check, lambda: self._time(lambda: run_forward(
+                made.q, made.k, made.v, variant, self.problem, mods=made.mods)),
             self.problem.flops())
 
     def baseline(self) -> Baseline | None:
+        if self.problem.modifiers:
+            return None  # SDPA has no windows, caps, sinks or packed sequences
         q, k, v = self.inputs
         return sdpa_baseline(q, k, v, self.problem.causal, self._time)

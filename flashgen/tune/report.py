@@ -122,12 +122,15 @@ def is_current(winner: WinnerRow, versions: Versions | None = None) -> bool:
 
 def key_label(key: TuningKey) -> str:
     """`presets.kind_label` of a key: its lengths are the buckets' upper ends. A decode key
-    adds its cache (p<page size>, or contig) and its batch x Hkv bucket (bh<n>)."""
+    adds its cache (p<page size>, or contig) and its batch x Hkv bucket (bh<n>); a key of a
+    modified problem its modifiers (mods:w, mods:v4: `Problem.modifier_key`)."""
     label = kind_label(key.dtype, key.causal, key.head_dim, key.gqa, key.seq_q_bucket,
                        key.seq_k_bucket)
     if key.mode == "decode":
         cache = f"p{key.page_size}" if key.page_size else "contig"
         label += f" {cache} bh{key.bh_bucket}"
+    if key.modifiers:
+        label += f" mods:{key.modifiers}"
     return label
 
 

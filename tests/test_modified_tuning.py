@@ -1,0 +1,91 @@
+"""Tuning modified and packed problems under keys of their own (`TuningKey.modifiers`), and
+dispatch serving their winners to matching calls, on the CPU interpreter."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from flashgen.bench.layouts import Layout
+from flashgen.cli import app
+from flashgen.kernels.problem import Problem, mix_bucket
+from flashgen.runtime import table as runtime_table
+from flashgen.runtime.modifiers import Mods, Varlen
+from flashgen.serve import Dispatcher
+from flashgen.store.db import TuningDB
+from flashgen.tune.check import make_inputs
+
+runner = CliRunner()
+DENSE = "1,2,1,32,32,16"
+
+
+def _tune(db: Path, shape: str, *extra: str) -> None:
+    result = runner.invoke(app, ["tune", "--device", "cpu", "--shape", shape, "--dtype",
+                                 "fp32", "--trials", "2", "--db", str(db), *extra])
+    assert result.exit_code == 0, result.output
+
+
+def _keys(db: Path) -> set[str]:
+    with TuningDB(db) as opened:
+        return {r.key.modifiers for r in opened.trials() if r.status == "ok"}
+
+
+def test_runtime_and_problem_agree_on_the_modifier_key() -> None:
+    for window, softcap, sinks, varlen in itertools.product((False, True), repeat=4):
+        p = Problem(3, 2, 1, 40, 40, 16, window=window, softcap=softcap, sinks=sinks,
+                    varlen=varlen, mix=4 if varlen else 0)
+        assert runtime_table.modifier_key(runtime_table.Shape(*vars(p).values())) == \
+            p.modifier_key
+    for batch, longest, tokens in ((4, 10, 40), (4, 10, 21), (16, 2048, 16384), (3, 7, 9)):
+        assert runtime_table.mix_bucket(batch, longest, tokens) == mix_bucket(batch, longest,
+                                                                             tokens)
+    assert mix_bucket(16, 2048, 16384) == 2 and mix_bucket(4, 10, 40) == 1
+
+
+@pytest.mark.interpreter
+def test_tuned_window_rows_are_served_to_window_calls_and_plain_rows_still_back_them(
+        tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    q, k, v = make_inputs(1, 2, 1, 32, 32, 16, torch.float32)
+    window = Mods(window=(8, 0))
+    # Only plain rows: a window call runs the plain winner, as before modifier keys.
+    _tune(db, DENSE, "--causal", "yes")
+    choice = Dispatcher(db).explain(q, k, v, causal=True, mods=window)
+    assert choice.how == "nearest" and "nothing tuned with modifiers 'w'" in choice.reason
+    assert "tuned winner of plain attention" in choice.reason and "|w" not in choice.source
+    # Tuned with a window: its own rows, served first.
+    _tune(db, DENSE, "--causal", "yes", "--window", "8,0")
+    assert _keys(db) == {"", "w"}
+    choice = Dispatcher(db).explain(q, k, v, causal=True, mods=window)
+    assert choice.how == "exact" and "tuned winner with modifiers 'w'" in choice.reason
+    assert choice.source.split("winners[")[1].split("]")[0].endswith("|w")
+    # A softcap call has no rows of its own: the plain winner, still.
+    capped = Dispatcher(db).explain(q, k, v, causal=True, mods=Mods(softcap=2.0))
+    assert "nothing tuned with modifiers 'k'" in capped.reason
+    assert not capped.source.split("]")[0].endswith("|w")
+
+
+@pytest.mark.interpreter
+def test_tuned_varlen_rows_are_served_to_packed_calls_of_their_mix(tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    _tune(db, "2,2,1,32,32,16", "--varlen", "3")
+    lengths = Layout(None, 3).lengths(Problem(2, 2, 1, 32, 32, 16, "fp32"), 0)
+    mix = mix_bucket(3, max(lengths), sum(lengths))
+    assert _keys(db) == {f"v{mix}"}
+    with TuningDB(db) as opened:
+        (winner,) = opened.all_winners()
+    assert winner.problem.varlen and winner.problem.batch == 3
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    q, k, v = (t[0].transpose(0, 1).contiguous()
+               for t in make_inputs(1, 2, 1, sum(lengths), sum(lengths), 16, torch.float32))
+    packed = Mods(varlen=Varlen(cu, cu, max(lengths), max(lengths)))
+    choice = Dispatcher(db).explain(q, k, v, mods=packed)
+    assert choice.how == "exact" and f"modifiers 'v{mix}'" in choice.reason
+    assert choice.source.split("]")[0].endswith(f"|v{mix}")
+    # A dense call of the same kind finds no plain rows: the default.
+    dense = make_inputs(1, 2, 1, 32, 32, 16, torch.float32)
+    assert Dispatcher(db).explain(*dense).how == "fallback"
