@@ -309,6 +309,8 @@ def test_selection_precedence_gpu_filter_and_stale_rows(tmp_path: Path) -> None:
     _store(second, P_FP16, loser, INTERPRETER)
     _store(second, P_FP32, loser, H200, stale=True)
     _store(second, P_FP32, BwdVariant(32, 64, 4, 1), H200, mode="bwd")
+    # A window problem's row of the same bucket: packages run plain attention only.
+    _store(first, P_FP16.with_(window=True), loser, H200)
     sel = select_winners([first, second])
     assert [g.device.name for g in sel.gpus] == ["NVIDIA H200", "cpu-interpreter"]
     h200 = sel.gpus[0]
@@ -316,6 +318,7 @@ def test_selection_precedence_gpu_filter_and_stale_rows(tmp_path: Path) -> None:
     assert [s.winner.variant for s in h200.bwd] == [BwdVariant(32, 64, 4, 1)]
     assert h200.device.shared_memory == H200.shared_memory
     assert any("other template text" in n for n in sel.notes)
+    assert any("modified problems (modifiers w)" in n for n in sel.notes)
     only = select_winners([first, second], gpu="cpu-interpreter")
     assert [g.device.name for g in only.gpus] == ["cpu-interpreter"]
 

@@ -122,6 +122,7 @@ def device_of(gpu_name: str, capability: str, sm_count: int) -> DeviceInfo:
 def _read(paths: Sequence[Path], gpu: str | None, notes: list[str]) -> dict[str, list[Sourced]]:
     found: dict[str, list[Sourced]] = {}
     stale = 0
+    modified: set[str] = set()
     for path in paths:
         if not path.is_file():
             continue
@@ -132,10 +133,18 @@ def _read(paths: Sequence[Path], gpu: str | None, notes: list[str]) -> dict[str,
                 if not row_is_current(w):
                     stale += 1
                     continue
+                if w.key.modifiers:
+                    # A package renders no modifiers and refuses modifier calls by name: it
+                    # has no use for these rows, whose buckets must not replace plain ones.
+                    modified.add(w.key.modifiers)
+                    continue
                 found.setdefault(w.key.gpu_name, []).append(
                     Sourced(w, path, db.fastest_deterministic(w)))
     if stale:
         notes.append(f"{stale} winner(s) tuned on other template text left out (re-tune them)")
+    if modified:
+        notes.append(f"winners of modified problems (modifiers {', '.join(sorted(modified))}) "
+                     "left out: exported packages run plain attention only")
     return found
 
 
