@@ -63,6 +63,8 @@ def test_tuned_window_rows_are_served_to_window_calls_and_plain_rows_still_back_
     choice = Dispatcher(db).explain(q, k, v, causal=True, mods=window)
     assert choice.how == "exact" and "tuned winner with modifiers 'w'" in choice.reason
     assert choice.source.split("winners[")[1].split("]")[0].endswith("|w")
+    shown = runner.invoke(app, ["show", "--db", str(db), "--wide"])
+    assert shown.exit_code == 0 and "mods:w" in shown.output, shown.output
     # A softcap call has no rows of its own: the plain winner, still.
     capped = Dispatcher(db).explain(q, k, v, causal=True, mods=Mods(softcap=2.0))
     assert "nothing tuned with modifiers 'k'" in capped.reason
@@ -89,3 +91,16 @@ def test_tuned_varlen_rows_are_served_to_packed_calls_of_their_mix(tmp_path: Pat
     # A dense call of the same kind finds no plain rows: the default.
     dense = make_inputs(1, 2, 1, 32, 32, 16, torch.float32)
     assert Dispatcher(db).explain(*dense).how == "fallback"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--window", "8"], "--window must be L,R"),
+    (["--window", "-1,-1"], "cuts nothing"),
+    (["--softcap", "0"], "softcap must be a finite number > 0"),
+    (["--varlen", "2", "--shape", "1,2,1,16,32,16"], "Nq != Nk"),
+])
+def test_tune_refuses_bad_modifier_options(args: list[str], message: str) -> None:
+    base = ["tune", "--device", "cpu", "--trials", "0"]
+    shape = [] if "--shape" in args else ["--shape", DENSE]
+    result = runner.invoke(app, [*base, *shape, *args])
+    assert result.exit_code != 0 and message in result.output, result.output

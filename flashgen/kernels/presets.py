@@ -192,8 +192,8 @@ def kind_label(dtype: str, causal: bool, head_dim: int, gqa: int, seq_q: int,
 
 def problem_label(p: Problem) -> str:
     """`kind_label` of a whole problem, then its batch and query heads: "bf16 c D128 g4 2k
-    B8 H32"."""
-    cache = ""
+    B8 H32"; a modified problem adds its modifier key ("... B3 H2 w", "... v4")."""
+    cache = f" {p.modifier_key}" if p.modifier_key else ""
     if isinstance(p, DecodeProblem):
         cache = f" p{p.page_size}" if p.page_size else " contig"
     return (f"{kind_label(p.dtype, p.causal, p.head_dim, p.group, p.seq_q, p.seq_k)} "
