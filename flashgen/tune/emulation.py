@@ -82,10 +82,13 @@ def rmse(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def scheme_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scheme: Scheme, *,
-                 causal: bool = False, p_fp8: bool = False, seed: int = 0) -> float:
+                 causal: bool = False, p_fp8: bool = False, seed: int = 0,
+                 truth: torch.Tensor | None = None) -> float:
     """RMSE of `scheme`'s emulated fp8 attention against the float64 reference of the
-    unquantized inputs (power-of-two head dims: no padding to undo)."""
-    truth = reference.attention(q, k, v, causal, dtype=torch.float64)[0]
+    unquantized inputs (`truth`, if already computed; power-of-two head dims: no padding
+    to undo)."""
+    if truth is None:
+        truth = reference.attention(q, k, v, causal, dtype=torch.float64)[0]
     qz = quantize(q, k, v, block=scheme.block, incoherent=scheme.incoherent, seed=seed)
     out = emulate_fp8_attention(qz, causal, block=scheme.block, p_fp8=p_fp8)
     return rmse(out, truth)
