@@ -35,6 +35,8 @@ _PUBLIC: dict[str, str] = {
     "search_space": "flashgen.kernels.fwd_space",
     "why_invalid": "flashgen.kernels.fwd_space",
 }
+#: Public submodules, imported on first use like the names (`flashgen.fp8.quantize`).
+_SUBMODULES = frozenset({"fp8"})
 
 __all__ = [
     "BwdVariant",
@@ -50,6 +52,7 @@ __all__ = [
     "default_variant",
     "device_info",
     "explain",
+    "fp8",
     "kernel_hash",
     "render",
     "scaled_dot_product_attention",
@@ -58,6 +61,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from flashgen import fp8 as fp8
     from flashgen.kernels.bwd_variant import BwdVariant
     from flashgen.kernels.decode_variant import DecodeVariant
     from flashgen.kernels.fwd_space import default_variant, search_space, why_invalid
@@ -75,6 +79,10 @@ def __getattr__(name: str) -> Any:
     """Import the module behind public name `name` on its first use, and keep the name.
     `flashgen.serve` comes first whatever the name: importing it makes flashgen's dispatcher
     the one behind `attention` and its torch.library op."""
+    if name in _SUBMODULES:
+        value = importlib.import_module(f"flashgen.{name}")
+        globals()[name] = value
+        return value
     module = _PUBLIC.get(name)
     if module is None:
         raise AttributeError(f"module 'flashgen' has no attribute {name!r}")
@@ -85,4 +93,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_PUBLIC})
+    return sorted({*globals(), *_PUBLIC, *_SUBMODULES})

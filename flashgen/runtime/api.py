@@ -9,7 +9,7 @@ import torch
 
 from . import ops
 from .dispatch import Dispatcher, default_dispatcher
-from .inputs import check_inputs, check_options
+from .inputs import check_fp8, check_fp8_device, check_inputs, check_options
 from .modifiers import Mods, check_packed, check_sinks, check_softcap, check_varlen, check_window
 from .table import Choice
 
@@ -53,6 +53,10 @@ def attention(
     variant: Any = None,
     bwd_variant: Any = None,
     dispatcher: Dispatcher | None = None,
+    descale_q: torch.Tensor | None = None,
+    descale_k: torch.Tensor | None = None,
+    descale_v: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention softmax(q k^T * scale) v with q (B, Hq, Nq, D) and k, v (B, Hkv, Nk, D).
 
@@ -71,9 +75,21 @@ def attention(
     `softcap=c` turns each scaled score s into c * tanh(s / c); `sinks` (Hq,), q's dtype or
     float32, are per-head logits in each row's softmax denominator (no value), with their
     gradient. The log-sum-exp then includes the sinks.
+    FP8: q, k, v in torch.float8_e4m3fn (all three) with fp32 `descale_q`, `descale_k`,
+    `descale_v` (per tensor, or per (batch, head, block of 128 rows); `flashgen.fp8.quantize`
+    makes both), on a GPU with fp8 tensor cores (compute capability 8.9+); the output is bf16,
+    or `out_dtype=torch.float16`. The inputs are checked, but the fp8 kernels are not built
+    yet: a valid fp8 call raises NotImplementedError.
     Returns the output (like q), and with `return_lse` also the log-sum-exp (B, Hq, Nq) fp32.
     """
     check_options(causal, scale)
+    if check_fp8(q, k, v, (descale_q, descale_k, descale_v), out_dtype):
+        check_fp8_device(q.device)
+        # Refused rather than upcast: a bf16 answer under an fp8 call would hide that no fp8
+        # kernel ran (neither its speed nor its accuracy).
+        raise NotImplementedError(
+            "fp8 kernels are not built yet: flashgen checks fp8 inputs but has no fp8 "
+            "forward to run them; dequantize (flashgen.fp8.dequantize) and call with bf16")
     if window is not None or softcap is not None or sinks is not None:
         check_inputs(q, k, v)
         mods = Mods(check_window(window), check_softcap(softcap),

@@ -7,6 +7,8 @@ import os
 
 import torch
 
+from .quantize import FP8_DTYPE, QUANT_BLOCK
+
 #: The dtypes the kernels take, by the short names tables and tuning keys use.
 DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float16: "fp16",
@@ -17,8 +19,18 @@ DTYPE_NAMES: dict[torch.dtype, str] = {
 MAX_HEAD_DIM = 256
 
 
-def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Raise TypeError/ValueError naming the problem if q, k, v cannot go to a kernel."""
+#: Every fp8 dtype torch has; only `FP8_DTYPE` (e4m3fn) is taken.
+FP8_DTYPES = frozenset({torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz,
+                        torch.float8_e5m2fnuz})
+#: The output dtypes of fp8 attention (bf16 the default), and the least compute capability
+#: with fp8 tensor cores (Ada, sm89; Hopper and Blackwell after it).
+FP8_OUT_DTYPES = (torch.bfloat16, torch.float16)
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fp8: bool = False) -> None:
+    """Raise TypeError/ValueError naming the problem if q, k, v cannot go to a kernel
+    (`fp8`: `check_fp8` has vetted their dtypes)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -26,7 +38,7 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             raise ValueError(
                 f"{name} must be 4-D (batch, heads, seq, head_dim); got shape {tuple(t.shape)}"
             )
-        if t.dtype not in DTYPE_NAMES:
+        if t.dtype not in DTYPE_NAMES and not (fp8 and t.dtype == FP8_DTYPE):
             raise TypeError(
                 f"{name} has unsupported dtype {t.dtype}; use float16, bfloat16 or float32"
             )
@@ -86,3 +98,76 @@ def check_runnable(device: torch.device, dtype: torch.dtype | None = None) -> No
             "bf16 (torch.bfloat16) needs a GPU: Triton's interpreter computes bf16 dot "
             "products wrongly; use float16 or float32 on the CPU, or move the tensors to a GPU"
         )
+
+
+def _is_fp8(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype in FP8_DTYPES
+
+
+def check_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              descales: tuple[torch.Tensor | None, ...], out_dtype: torch.dtype | None) -> bool:
+    """Whether q, k, v are fp8 inputs, all checked: True when all three are `FP8_DTYPE` with
+    good (descale_q, descale_k, descale_v) and `out_dtype`; False when none is fp8 (then
+    descales are refused and `out_dtype` must be None or q's dtype). Anything between is a
+    named error: mixed dtypes, another fp8 format, missing or misshapen descales."""
+    names = ("descale_q", "descale_k", "descale_v")
+    if not any(_is_fp8(t) for t in (q, k, v)):
+        for name, d in zip(names, descales, strict=True):
+            if d is not None:
+                raise ValueError(f"{name} is only for fp8 inputs; q is {_dtype_of(q)}")
+        if out_dtype is not None and out_dtype != getattr(q, "dtype", None):
+            raise ValueError(f"out_dtype is only for fp8 inputs (the output of {_dtype_of(q)} "
+                             "inputs is in their dtype); leave it None")
+        return False
+    if not all(_is_fp8(t) for t in (q, k, v)):
+        raise TypeError(f"mixed fp8 and non-fp8 inputs: q {_dtype_of(q)}, k {_dtype_of(k)}, "
+                        f"v {_dtype_of(v)}; quantize all three (flashgen.fp8.quantize)")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype != FP8_DTYPE:
+            raise TypeError(f"{name} is {t.dtype}, which flashgen does not support: fp8 "
+                            f"inputs must be {FP8_DTYPE} (flashgen.fp8.quantize makes them)")
+    check_inputs(q, k, v, fp8=True)
+    for name, t, d in zip(names, (q, k, v), descales, strict=True):
+        _check_descale(name, t, d)
+    if out_dtype is not None and out_dtype not in FP8_OUT_DTYPES:
+        raise TypeError(f"out_dtype of fp8 attention must be torch.bfloat16 (the default) or "
+                        f"torch.float16, got {out_dtype}")
+    return True
+
+
+def _dtype_of(t: object) -> str:
+    return str(t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def _check_descale(name: str, t: torch.Tensor, d: object) -> None:
+    """A descale is fp32 on t's device: 0-d or (1,) for a per-tensor scale, else one per
+    (batch, head, block of QUANT_BLOCK rows) of t."""
+    if d is None:
+        raise ValueError(f"fp8 inputs need descale_q, descale_k and descale_v (fp32, per "
+                         f"tensor or per block of {QUANT_BLOCK} rows); {name} is missing: "
+                         "flashgen.fp8.quantize returns them")
+    if not isinstance(d, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(d).__name__}")
+    if d.dtype != torch.float32:
+        raise TypeError(f"{name} must be float32, got {d.dtype}")
+    if d.device != t.device:
+        raise ValueError(f"{name} is on {d.device} but its input is on {t.device}")
+    b, h, n, _ = t.shape
+    blocked = (b, h, -(-n // QUANT_BLOCK))
+    if tuple(d.shape) not in ((), (1,), blocked):
+        raise ValueError(f"{name} has shape {tuple(d.shape)}; expected () or (1,) for a "
+                         f"per-tensor scale, or {blocked} (batch, heads, "
+                         f"ceil({n} / {QUANT_BLOCK})) for per-block scales")
+
+
+def check_fp8_device(device: torch.device, capability: tuple[int, int] | None = None) -> None:
+    """fp8 needs fp8 tensor cores (compute capability >= 8.9); the CPU and Triton's
+    interpreter have none. `capability` stands in for the device's (tests)."""
+    if device.type != "cuda":
+        raise TypeError("fp8 attention needs a GPU with fp8 tensor cores (compute capability "
+                        f"8.9 or newer); {device.type} tensors cannot run it, nor can Triton's "
+                        "interpreter: use bf16 or fp16 here")
+    major, minor = capability or torch.cuda.get_device_capability(device)
+    if (major, minor) < FP8_MIN_CAPABILITY:
+        raise TypeError(f"fp8 attention needs fp8 tensor cores (compute capability 8.9 or "
+                        f"newer); {device} has {major}.{minor}: use bf16 or fp16 on it")

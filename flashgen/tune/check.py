@@ -13,7 +13,9 @@ from typing import Any
 
 import torch
 
+from flashgen.runtime.quantize import QUANT_BLOCK, Quantized, dequantize
 from flashgen.tune import reference
+from flashgen.tune.emulation import emulate_fp8_attention
 
 #: A kernel may be this many times worse than eager attention in the same dtype. Kernels
 #: accumulate in fp32 and usually beat eager; the slack covers a different summation order
@@ -116,6 +118,45 @@ def reference_call(
     if cu is not None:
         return reference.attention_varlen(q, k, v, *cu, causal, scale, dtype, **mods)
     return reference.attention(q, k, v, causal, scale, dtype, **mods)
+
+
+def _fp8_truth_and_bound(qz: Quantized, out_dtype: torch.dtype, causal: bool,
+                         scale: float | None, block: int | None
+                         ) -> tuple[torch.Tensor, float, float]:
+    """The float64 truth of fp8 inputs (attention of their dequantized values: what the
+    kernel was given), the bound, and the emulation's own error."""
+    q, k, v = (dequantize(t, d, block) for t, d in ((qz.q, qz.descale_q),
+                                                     (qz.k, qz.descale_k),
+                                                     (qz.v, qz.descale_v)))
+    truth = reference.attention(q, k, v, causal, scale, dtype=torch.float64)[0]
+    # fp8's "same-dtype eager": fp32 products with P rounded to fp8, as an fp8 kernel does.
+    emulated = emulate_fp8_attention(qz, causal, scale, block=block, p_fp8=True)
+    emulated_err = (emulated.double() - truth).abs().max().item()
+    rounding = torch.finfo(out_dtype).eps * truth.abs().max().item()
+    return truth, ERROR_FACTOR * emulated_err + rounding, emulated_err
+
+
+def fp8_bound(qz: Quantized, out_dtype: torch.dtype = torch.bfloat16, causal: bool = False,
+              scale: float | None = None, block: int | None = QUANT_BLOCK) -> float:
+    """The largest error an fp8 kernel's output (in `out_dtype`) may have on inputs `qz`,
+    against the float64 attention of their dequantized values: `ERROR_FACTOR` times the
+    error of the fp32 emulation with P in fp8 (`emulation.emulate_fp8_attention`), plus one
+    rounding to `out_dtype`. The same derivation `compare` makes from same-dtype eager: the
+    inputs' own quantization error is not the kernel's and is not counted."""
+    return _fp8_truth_and_bound(qz, out_dtype, causal, scale, block)[1]
+
+
+def compare_fp8(out: torch.Tensor, qz: Quantized, causal: bool = False,
+                scale: float | None = None, block: int | None = QUANT_BLOCK) -> CheckResult:
+    """`compare` for an fp8 kernel's output on quantized inputs `qz` (`fp8_bound`)."""
+    if not torch.isfinite(out).all():
+        return CheckResult(False, float("inf"), 0.0, "output has NaN or Inf")
+    truth, bound, emulated_err = _fp8_truth_and_bound(qz, out.dtype, causal, scale, block)
+    err = (out.double() - truth).abs().max().item()
+    if err > bound:
+        return CheckResult(False, err, bound, f"max error {err:.3g} over fp8 bound {bound:.3g} "
+                                              f"(fp8 emulation {emulated_err:.3g})")
+    return CheckResult(True, err, bound)
 
 
 def _max_abs(t: torch.Tensor, where: torch.Tensor) -> float:
