@@ -47,7 +47,11 @@ def pull(storage: BaseStorage, db: TuningDB, version: str) -> PullReport:
         report.studies += 1
         key, problem = info.key, info.problem
         variant_type = space_of(key.mode).variant_type
-        held = {(r.variant_json, r.status, r.created_at) for r in db.trials(key, problem)}
+        rows = db.trials(key, problem)
+        held = {(r.variant_json, r.status, r.created_at) for r in rows}
+        # A pruned point is stored once per problem, whoever pruned it and when: two
+        # workers' pruned rows of one variant are one row here.
+        pruned = {r.variant_json for r in rows if r.status == "pruned"}
         for trial in storage.get_all_trials(frozen._study_id, deepcopy=False):
             row = trial.user_attrs.get(ROW_ATTR)
             if not row:
@@ -57,8 +61,9 @@ def pull(storage: BaseStorage, db: TuningDB, version: str) -> PullReport:
             except (TypeError, ValueError):
                 report.unreadable += 1
                 continue
-            if (json.dumps(row["variant"], sort_keys=True), row["status"],
-                    row["created_at"]) in held:
+            text = json.dumps(row["variant"], sort_keys=True)
+            if ((text, row["status"], row["created_at"]) in held
+                    or (row["status"] == "pruned" and text in pruned)):
                 report.present += 1
                 continue
             timing = None
@@ -69,6 +74,8 @@ def pull(storage: BaseStorage, db: TuningDB, version: str) -> PullReport:
                             bound=row["bound"], seed=row["seed"], run_id=row["run_id"],
                             kernel_hash=row["kernel_hash"], once=row["status"] == "pruned",
                             created_at=row["created_at"])
+            if row["status"] == "pruned":
+                pruned.add(text)
             report.copied += 1
         baseline = frozen.user_attrs.get(BASELINE_ATTR)
         if baseline and db.baseline(key.device_key, key.torch_version, problem,
