@@ -381,3 +381,16 @@ def test_explain_names_the_modifiers() -> None:
     choice = flashgen.explain(q, q, q, causal=True, window=(2, -1), softcap=5.0)
     assert choice.variant.loop_order in ("fa1", "fa2") and not choice.variant.use_tma
     assert choice.backward is not None and choice.backward.variant.fa3 == "none"
+
+
+@pytest.mark.parametrize("seed", [0, 2])
+def test_fp32_softcap_passes_the_gate_near_zero_scores(seed: int) -> None:
+    """fp32 kernels take `_cap_tanh`'s polynomial near 0: the exp form's ~1e-7 cancellation,
+    times a cap of 30, put these causal cases past the gate (2.3e-6 and 3.5e-6 against
+    bounds of 2.1e-6 and 3.1e-6) before it."""
+    from flashgen.tune.check import compare, make_inputs
+
+    q, k, v = make_inputs(1, 2, 2, 96, 96, 64, torch.float32, "cpu", seed=seed)
+    out, lse = flashgen.attention(q, k, v, causal=True, softcap=30.0, return_lse=True)
+    result = compare(out, q, k, v, True, None, lse, modifiers={"softcap": 30.0})
+    assert result.ok and result.error < result.bound / 2, result
