@@ -273,3 +273,53 @@ def test_decode_bench_checks_and_times_each_competitor(tmp_path: Path) -> None:
     assert rows[3].note == "contiguous twin's figure" and rows[3].us == rows[1].us
     assert all(r.gbps and r.gbps > 0 for r in rows)
     assert len(out.read_text().splitlines()) == 5
+
+
+@interpreter
+@pytest.mark.parametrize("mods", [
+    {"window": (7, -1)}, {"softcap": 5.0}, {"sinks": True},
+    {"window": (5, 0), "softcap": 3.0, "sinks": True}])
+@pytest.mark.parametrize("page,nq,splits", [(0, 1, 3), (0, 3, 1), (16, 3, 0)])
+def test_modifiers_on_the_kv_cache(mods: dict, page: int, nq: int, splits: int) -> None:
+    """Window, softcap and sinks on ragged caches, against the reference per sequence: three
+    splits (the window's splits start at the first query's left edge; sinks in the combine),
+    one split (sinks folded in the split pass), and the automatic count on pages of 16."""
+    p = DecodeProblem(2, 8, 2, nq, 48, 32, "fp32", True, page_size=page)
+    cache = make_kvcache(p, "cpu", 3, seqlens=[48, 21])
+    kwargs = dict(mods)
+    if kwargs.get("sinks") is True:
+        kwargs["sinks"] = torch.randn(8, generator=torch.Generator().manual_seed(1))
+    out, lse = flashgen.attention_with_kvcache(
+        cache.q, cache.k, cache.v, cache.seqlens, block_table=cache.block_table,
+        return_lse=True, variant=DecodeVariant(16, 16, splits, 1, 1), **kwargs)
+    got = compare_kvcache(out, cache, True, lse=lse, modifiers=kwargs)
+    assert got.ok, f"{p} {mods}: {got.reason}"
+
+
+def test_modified_decode_kernels_compile_for_hopper_as_plain_ones_do() -> None:
+    """Window, softcap and sinks compiled for sm_90a (Triton's own compiler, no GPU): the
+    split pass keeps the plain kernel's shared memory and pipelined K/V copies."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    code = (
+        "import json\n"
+        "from flashgen.tune.decode_compile import compile_decode\n"
+        "from flashgen.kernels.problem import DecodeProblem\n"
+        "from flashgen.kernels.decode_variant import DecodeVariant\n"
+        "out = {}\n"
+        "for mods in ({}, {'window': True, 'softcap': True, 'sinks': True}):\n"
+        "    p = DecodeProblem(2, 32, 8, 1, 8192, 128, 'bf16', True, page_size=16, **mods)\n"
+        "    ks = compile_decode(DecodeVariant(16, 64, 0, 4, 3), p)\n"
+        "    out[bool(mods)] = [ks['decode'].metadata.shared,\n"
+        "                       ks['decode'].asm['ttgir'].count('async_copy_global_to_local')]\n"
+        "print(json.dumps(out))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["true"] == found["false"] and found["true"][1] > 0, found

@@ -37,7 +37,8 @@ def decode_render_context(kernel: DecodeKernel, variant: DecodeVariant,
     context: dict[str, Any] = {"head_dim": problem.head_dim,
                                "block_d": problem.padded_head_dim}
     if kernel == "decode_combine":
-        return context
+        # The combine folds the sinks in; other modifiers are the split pass's alone.
+        return context | {"sinks": problem.sinks, "tile_mods": " SINKS," if problem.sinks else ""}
     decode_template_name(kernel)
     paged = isinstance(problem, DecodeProblem) and problem.paged
     return context | {
@@ -48,7 +49,8 @@ def decode_render_context(kernel: DecodeKernel, variant: DecodeVariant,
         "paged": paged,
         # fp32 inputs get true fp32 products: tf32 would lose ~3 decimal digits.
         "dot_precision": "ieee" if problem.dtype == "fp32" else "tf32",
-        # The shared online-softmax fragment reads the modifiers' flags (none here).
+        # Window, softcap and sinks as structure (the shared online-softmax fragment reads
+        # the same flags); none of them changes a plain kernel's text.
         **render.modifier_context(problem),
     }
 

@@ -181,6 +181,9 @@ def attention_with_kvcache(
     block_table: torch.Tensor | None = None,
     causal: bool = True,
     scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     return_lse: bool = False,
     variant: Any = None,
     dispatcher: Dispatcher | None = None,
@@ -198,12 +201,22 @@ def attention_with_kvcache(
     on the host where the lengths are (CPU tensors) or with FLASHGEN_DEBUG=1, which also checks
     page ids; without it GPU lengths are clamped to the cache in the kernel, and pages are
     trusted (a check would cost a GPU sync each call). Inference only: no gradient.
+    `window`, `softcap` and `sinks` as `attention` takes them, query i of a sequence of L
+    keys at position i + L - Nq (the window's splits start at the first query's left edge).
     `variant=` (flashgen: a `flashgen.DecodeVariant`) runs exactly that variant.
     Returns the output (like q), and with `return_lse` the log-sum-exp (B, Hq, Nq) fp32.
     """
     check_options(causal, scale)
+    mods = None
+    if window is not None or softcap is not None or sinks is not None:
+        if not isinstance(q, torch.Tensor) or q.dim() != 4:
+            raise TypeError("q must be a 4-D torch.Tensor (B, Hq, Nq, D)")
+        mods = Mods(check_window(window), check_softcap(softcap),
+                    _kernel_sinks(check_sinks(sinks, q.shape[1], q.dtype, q.device)))
+        if mods.flags == (False, False, False, False):
+            mods = None
     out, lse = (dispatcher or default_dispatcher()).kvcache(
-        q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, variant)
+        q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, variant, mods)
     return (out, lse) if return_lse else out
 
 

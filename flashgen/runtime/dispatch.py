@@ -338,7 +338,7 @@ class Dispatcher:
 
     def _decode_plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      seqlens: torch.Tensor, block_table: torch.Tensor | None, causal: bool,
-                     variant: Any) -> _Plan:
+                     variant: Any, mods: Mods | None = None) -> _Plan:
         """The decode plan of a call's shape (`runtime.kvcache`), checked and chosen on the
         first call of its shape; later calls of the shape are a dict lookup (the value checks
         run again where they need no GPU sync: CPU tensors, or FLASHGEN_DEBUG=1)."""
@@ -347,7 +347,7 @@ class Dispatcher:
                           else (block_table.shape, block_table.dtype, block_table.device))
             key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device,
                    v.device, seqlens.shape, seqlens.dtype, seqlens.device, table_kind, causal,
-                   variant)  # fmt: skip
+                   variant, None if mods is None else mods.plan_key)  # fmt: skip
             plan = self._decode_plans.get(key)
         except (AttributeError, TypeError):  # not tensors, or an unhashable variant
             key, plan = None, None
@@ -356,8 +356,11 @@ class Dispatcher:
                 check_kvcache(q, k, v, seqlens, block_table, causal)
             return plan
         check_options(causal, None)
-        plan = self._decode_prepared(check_kvcache(q, k, v, seqlens, block_table, causal),
-                                     q.device, variant)
+        shape = check_kvcache(q, k, v, seqlens, block_table, causal)
+        if mods is not None:  # the structure its kernels render
+            window, softcap, sinks, _ = mods.flags
+            shape = shape._replace(window=window, softcap=softcap, sinks=sinks)
+        plan = self._decode_prepared(shape, q.device, variant)
         if key is not None:
             self._decode_plans[key] = plan
         return plan
@@ -365,12 +368,14 @@ class Dispatcher:
     def kvcache(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 cache_seqlens: torch.Tensor, block_table: torch.Tensor | None = None,
                 causal: bool = True, scale: float | None = None,
-                variant: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(output, log-sum-exp) of the decode family on a KV cache (`attention_with_kvcache`)."""
+                variant: Any = None,
+                mods: Mods | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output, log-sum-exp) of the decode family on a KV cache (`attention_with_kvcache`);
+        `mods`: its window, softcap and sinks (checked), None for none."""
         plan = self._decode_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal,
-                                 variant)
+                                 variant, mods)
         return plan.launch(q, k_cache, v_cache, cache_seqlens, block_table,
-                           plan.scale if scale is None else scale)
+                           plan.scale if scale is None else scale, mods)
 
     def explain_kvcache(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         cache_seqlens: torch.Tensor, block_table: torch.Tensor | None = None,

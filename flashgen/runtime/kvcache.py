@@ -23,6 +23,7 @@ import torch
 
 from .forward import cdiv, padded_head_dim, sm_count
 from .inputs import DTYPE_NAMES, MAX_HEAD_DIM
+from .modifiers import Mods
 from .table import Entry, knobs
 
 #: (q, k_cache, v_cache, cache_seqlens or None (every sequence full), block_table or None,
@@ -46,12 +47,15 @@ MIN_TILES_PER_SPLIT = 2
 #: flashgen's `DecodeProblem` fields, in its order, as one list (as `table.Shape` does).
 _DECODE_SHAPE = NamedTuple("_DECODE_SHAPE", [  # noqa: UP014
     ("batch", int), ("heads_q", int), ("heads_kv", int), ("seq_q", int), ("seq_k", int),
-    ("head_dim", int), ("dtype", str), ("causal", bool), ("page_size", int)])
+    ("head_dim", int), ("dtype", str), ("causal", bool), ("page_size", int),
+    ("window", bool), ("softcap", bool), ("sinks", bool)])
+_DECODE_SHAPE.__new__.__defaults__ = (False, False, False)
 
 
 class DecodeShape(_DECODE_SHAPE):
     """What a decode call asks for. seq_k is the cache capacity (Nmax, or max_pages x
-    page_size: the lengths are on the device); page_size 0 is a contiguous cache."""
+    page_size: the lengths are on the device); page_size 0 is a contiguous cache; window,
+    softcap and sinks say which modifiers its kernels render."""
 
     __slots__ = ()
 
@@ -62,8 +66,9 @@ class DecodeShape(_DECODE_SHAPE):
     def __str__(self) -> str:
         mask = "causal" if self.causal else "full"
         cache = f"paged{self.page_size}" if self.page_size else "contiguous"
+        mods = "".join(f" {n}" for n in ("window", "softcap", "sinks") if getattr(self, n))
         return (f"B{self.batch} Hq{self.heads_q} Hkv{self.heads_kv} Nq{self.seq_q} "
-                f"Nk{self.seq_k} D{self.head_dim} {self.dtype} {mask} decode {cache}")
+                f"Nk{self.seq_k} D{self.head_dim} {self.dtype} {mask} decode {cache}{mods}")
 
 
 def serves_as_decode(nq: int, nk: int) -> bool:
@@ -199,7 +204,8 @@ def prepare_decode(entry: Entry, shape: DecodeShape, kernel: KernelOf) -> Decode
     padded = padded_head_dim(shape.head_dim)
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: torch.Tensor | None,
-            block_table: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+            block_table: torch.Tensor | None, scale: float,
+            mods: Mods | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         b, hq, nq, d = q.shape
         if paged:
             assert block_table is not None
@@ -226,10 +232,11 @@ def prepare_decode(entry: Entry, shape: DecodeShape, kernel: KernelOf) -> Decode
             part = torch.empty((b, hq, nq, splits, d), device=q.device, dtype=torch.float32)
             part_lse = torch.empty((b, hq, nq, splits), device=q.device, dtype=torch.float32)
             part_strides, lse_strides = part.stride(), part_lse.stride()
+        extra = [] if mods is None else mods.kernel_args(shape.causal, nq, n_max)
         split_kernel[(splits, b * hkv, row_tiles)](
             q, k, v, seqlens, table, part, part_lse,
             *q.stride(), *k_strides, *v_strides, table_stride, *part_strides, *lse_strides,
-            scale, nq, n_max, hkv, group, splits, PAGE_SIZE=page, **launch,
+            scale, nq, n_max, hkv, group, splits, *extra, PAGE_SIZE=page, **launch,
         )  # fmt: skip
         if splits > 1:
             if not combine:
@@ -237,7 +244,8 @@ def prepare_decode(entry: Entry, shape: DecodeShape, kernel: KernelOf) -> Decode
             width = _pow2(splits)
             combine[0][(b * hq * nq,)](
                 part, part_lse, out, lse, *part.stride(), *part_lse.stride(), *out.stride(),
-                *lse.stride(), nq, hq, splits, SPLITS=width,
+                *lse.stride(), nq, hq, splits,
+                *([] if mods is None or mods.sinks is None else [mods.sinks]), SPLITS=width,
                 num_warps=4 if width * padded <= 4096 else 8,
             )  # fmt: skip
         return out, lse

@@ -12,6 +12,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -86,14 +87,16 @@ def make_kvcache(problem: DecodeProblem, device: torch.device | str = "cpu", see
 
 
 def compare_kvcache(out: torch.Tensor, cache: KVCache, causal: bool,
-                    scale: float | None = None, lse: torch.Tensor | None = None) -> CheckResult:
-    """`check.compare` of each sequence against the reference on its valid cache; the first
-    failure, else the worst error (with its bound)."""
+                    scale: float | None = None, lse: torch.Tensor | None = None,
+                    modifiers: dict[str, Any] | None = None) -> CheckResult:
+    """`check.compare` of each sequence against the reference on its valid cache (with the
+    call's `modifiers`: window, softcap, sinks); the first failure, else the worst error
+    (with its bound)."""
     worst: CheckResult | None = None
     for b in range(cache.q.shape[0]):
         k, v = cache.valid(b)
         got = compare(out[b:b + 1], cache.q[b:b + 1], k, v, causal, scale,
-                      None if lse is None else lse[b:b + 1])
+                      None if lse is None else lse[b:b + 1], modifiers=modifiers)
         if not got.ok:
             return CheckResult(False, got.error, got.bound, f"sequence {b}: {got.reason}")
         if worst is None or got.error > worst.error:

@@ -57,6 +57,11 @@ def compile_decode(variant: DecodeVariant, problem: DecodeProblem,
                  "SEQLENS": "*i32", "BLOCK_TABLE": "*i32", "O": "*fp32", "LSE": "*fp32",
                  "sm_scale": "fp32"}
     combine_sig = {"OP": "*fp32", "LP": "*fp32", "O": f"*{element}", "LSE": "*fp32"}
+    # Modifiers' arguments where the kernels take them (window sides stay i32).
+    if problem.softcap:
+        split_sig["SOFTCAP"] = "fp32"
+    if problem.sinks:
+        split_sig["SINKS"] = combine_sig["SINKS"] = "*fp32"
     width = 1 << (splits - 1).bit_length()
     return {
         "decode": compile_triton(load_decode_kernel("decode", variant, problem), split_sig,
