@@ -15,6 +15,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import flashgen  # noqa: E402
 from flashgen.integrations.transformers import register  # noqa: E402
 
 SMALL = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
@@ -123,6 +124,36 @@ def test_batched_generate_matches_sdpa(name: str) -> None:
             tokens[attn] = model.generate(ids, attention_mask=mask, max_new_tokens=4,
                                           do_sample=False, pad_token_id=0)
     assert torch.equal(tokens[baseline], tokens["flashgen"])
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("name", [n for n in ("mistral", "gemma2", "gpt_oss") if n in CONFIGS])
+def test_generate_steps_with_modifiers_run_the_decode_family(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One unpadded prompt of 9 tokens past a 4-token window: new tokens' steps go to
+    `attention_with_kvcache` with the layer's modifiers (Gemma 2's softcap, gpt-oss's sinks;
+    the sliding layers' caches reach it already cut to the window), and the greedy tokens
+    are the eager model's."""
+    register()
+    ids = torch.randint(1, 96, (1, 9), generator=torch.Generator().manual_seed(3))
+    calls: list[dict] = []
+    real = flashgen.attention_with_kvcache
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(flashgen, "attention_with_kvcache", spy)
+    tokens = {}
+    for attn in ("eager", "flashgen"):
+        model = _model(name, attn, torch.float32)
+        with torch.no_grad():
+            tokens[attn] = model.generate(ids, max_new_tokens=3, do_sample=False,
+                                          pad_token_id=0)
+    assert torch.equal(tokens["eager"], tokens["flashgen"])
+    assert calls
+    wanted = {"gemma2": "softcap", "gpt_oss": "sinks"}.get(name)
+    assert wanted is None or any(c.get(wanted) is not None for c in calls), calls[:2]
 
 
 @pytest.mark.interpreter

@@ -8,8 +8,8 @@ sequences for `flashgen.attention_varlen` and padded back (pad rows give 0), and
 documents (batch 1, position ids restarting at 0, or `cu_seq_lens_*` given) run as separate
 sequences. A layer's `sliding_window`, `softcap` and `s_aux` (attention sinks) are honoured.
 
-Generation: a step of a few new tokens against a cache of an unpadded batch, without
-modifiers, runs the decode family (`flashgen.attention_with_kvcache`). A dynamic cache hands
+Generation: a step of a few new tokens against a cache of an unpadded batch, with the
+layer's modifiers, runs the decode family (`flashgen.attention_with_kvcache`). A dynamic cache hands
 over exactly the keys seen so far; a static cache hands over all of its Nmax slots, and
 transformers' flash-style mask (a 2-D all-ones mask as long as the keys seen, shorter than
 the cache) says how many are valid.
@@ -85,7 +85,6 @@ def flashgen_attention_forward(
         s_aux = s_aux.float()  # under autocast the sinks keep the parameters' dtype
     options = {"causal": causal, "scale": scaling, "window": window, "softcap": softcap,
                "sinks": s_aux}
-    modified = window is not None or softcap is not None or s_aux is not None
     nq = query.shape[2]
     if padded:
         assert attention_mask is not None
@@ -96,11 +95,12 @@ def flashgen_attention_forward(
                    for t in (query, key, value))
         out = flashgen.attention_varlen(q, k, v, cu, cu, longest, longest, **options)
         out = out.view(query.shape[0], nq, query.shape[1], query.shape[3])
-    elif not modified and nq <= DECODE_MAX_NEW_TOKENS and valid > nq:
-        # New tokens against a cache: the decode family, every sequence `valid` keys long.
+    elif nq <= DECODE_MAX_NEW_TOKENS and valid > nq:
+        # New tokens against a cache: the decode family, every sequence `valid` keys long
+        # (window, softcap and sinks included).
         lengths = torch.full((query.shape[0],), valid, dtype=torch.int32, device=query.device)
-        out = flashgen.attention_with_kvcache(query, key, value, lengths, causal=causal,
-                                              scale=scaling).transpose(1, 2)
+        out = flashgen.attention_with_kvcache(query, key, value, lengths, **options
+                                              ).transpose(1, 2)
     else:
         out = flashgen.attention(query, key[:, :, :valid], value[:, :, :valid],
                                  **options).transpose(1, 2)
