@@ -122,11 +122,21 @@ def _shared(url: str, worker: str, campaign: str = "c", version: str = "0.1.test
                   worker)
 
 
+class _Slow(FakeBench):
+    """A FakeBench whose measurement takes a few milliseconds, as a real one takes longer:
+    without it one thread could take the whole budget before the others had asked once
+    (seen on a loaded CI machine)."""
+
+    def measure(self, variant: Any) -> Any:
+        time.sleep(0.01)
+        return super().measure(variant)
+
+
 def _tune_together(url: str, db_path: Path, problem: Problem, workers: int,
                    **options: Any) -> tuple[list[FakeBench], list[TuneResult]]:
     """`workers` threads tuning `problem` through `url`, each with its FakeBench and its
     own connections, into one database file."""
-    benches = [FakeBench(problem) for _ in range(workers)]
+    benches = [_Slow(problem) for _ in range(workers)]
     results: list[TuneResult] = []
     errors: list[BaseException] = []
 
