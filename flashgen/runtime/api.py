@@ -9,7 +9,7 @@ import torch
 
 from . import ops
 from .dispatch import Dispatcher, default_dispatcher
-from .inputs import check_fp8, check_fp8_device, check_inputs, check_options
+from .inputs import asks_for_fp8, check_fp8, check_fp8_device, check_inputs, check_options
 from .modifiers import Mods, check_packed, check_sinks, check_softcap, check_varlen, check_window
 from .table import Choice
 
@@ -83,7 +83,8 @@ def attention(
     Returns the output (like q), and with `return_lse` also the log-sum-exp (B, Hq, Nq) fp32.
     """
     check_options(causal, scale)
-    if check_fp8(q, k, v, (descale_q, descale_k, descale_v), out_dtype):
+    descales = (descale_q, descale_k, descale_v)
+    if asks_for_fp8(q, k, v, descales, out_dtype) and check_fp8(q, k, v, descales, out_dtype):
         check_fp8_device(q.device)
         # Refused rather than upcast: a bf16 answer under an fp8 call would hide that no fp8
         # kernel ran (neither its speed nor its accuracy).

@@ -104,6 +104,17 @@ def _is_fp8(t: object) -> bool:
     return isinstance(t, torch.Tensor) and t.dtype in FP8_DTYPES
 
 
+def asks_for_fp8(q: object, k: object, v: object, descales: tuple[object, ...],
+                 out_dtype: object) -> bool:
+    """Whether a call has anything fp8 about it (an fp8 input, a descale, an `out_dtype`):
+    the cheap gate in front of `check_fp8`, which a plain call then skips (~0.2 us against
+    ~0.8 us on the CPU machine; every `attention` call pays it)."""
+    dq, dk, dv = descales
+    return (out_dtype is not None or dq is not None or dk is not None or dv is not None
+            or getattr(q, "dtype", None) in FP8_DTYPES or getattr(k, "dtype", None) in FP8_DTYPES
+            or getattr(v, "dtype", None) in FP8_DTYPES)
+
+
 def check_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               descales: tuple[torch.Tensor | None, ...], out_dtype: torch.dtype | None) -> bool:
     """Whether q, k, v are fp8 inputs, all checked: True when all three are `FP8_DTYPE` with
