@@ -289,6 +289,43 @@ def test_a_killed_worker_loses_only_its_running_trial(
     assert not [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.RUNNING]
 
 
+# ---- workers lease problems -------------------------------------------------------------
+
+
+def slow_bench(mode: str, problem: Problem, *args: Any) -> _Slow:
+    return _Slow(problem)
+
+
+def test_workers_lead_different_problems_and_pay_their_fixed_costs_once(
+        tmp_path: Path) -> None:
+    from flashgen.tune.storage import LEASE_ATTR
+    from flashgen.tune.workers import run_workers
+
+    problems = tuple(PROBLEM.with_(seq_q=n, seq_k=n) for n in (32, 48, 64, 80))
+    url = str(tmp_path / "studies.log")
+    run = RunOptions("cpu", trials=3, db_path=tmp_path / "tuning.db")
+    plan = WorkerPlan(problems, run, url, "lease", "0.1.test", BEAT_S, CALM_GRACE_S,
+                      slow_bench)
+    results, ends = run_workers(plan, [None, None])
+    assert [e.status for e in ends] == ["ok", "ok"]
+    assert sorted(r.measured for r in results) == [3] * 4
+    with TuningDB(tmp_path / "tuning.db") as db:
+        rows = list(db.db["trials"].rows_where("status = 'ok'"))
+    assert len(rows) == 12 == len({(r["problem_json"], r["variant_json"]) for r in rows})
+    # Each problem is led by one worker; the other joins at most the problems still
+    # running when it ran out of its own (without leases, both tuned all four).
+    pairs = {(r["problem_json"], r["run_id"]) for r in rows}
+    assert {run_id for _, run_id in pairs} == {"lease-w0", "lease-w1"}
+    assert len(pairs) <= 6
+    storage = open_storage(url)
+    leases = [t for s in optuna.get_all_study_summaries(storage)
+              if s.study_name.endswith(" claims")
+              for t in optuna.load_study(study_name=s.study_name, storage=storage)
+              .get_trials(deepcopy=False) if LEASE_ATTR in t.user_attrs]
+    finished = [t for t in leases if t.state == TrialState.COMPLETE]
+    assert len(finished) == 4 and all(t.state != TrialState.RUNNING for t in leases)
+
+
 # ---- the command -----------------------------------------------------------------------
 
 

@@ -59,6 +59,8 @@ INFO_ATTR = "flashgen"
 BASELINE_ATTR = "flashgen_baseline"
 #: Suffix of a claims study's name.
 CLAIMS_SUFFIX = " claims"
+#: The claims-study trial attribute naming the campaign a problem lease belongs to.
+LEASE_ATTR = "lease"
 #: The system attribute of a journal trial holding its latest heartbeat (seconds since epoch).
 _BEAT_ATTR = "flashgen_heartbeat"
 
@@ -283,6 +285,69 @@ class Shared:
     def study(self, key: TuningKey, problem: Problem,
               sampler: optuna.samplers.BaseSampler) -> SharedStudy:
         return SharedStudy(self, key, problem, sampler)
+
+    # ---- problem leases ------------------------------------------------------------------
+
+    def _claims(self, key: TuningKey, problem: Problem) -> optuna.Study:
+        return optuna.create_study(
+            storage=self.storage, study_name=study_name(key, problem, self.version)
+            + CLAIMS_SUFFIX, direction="minimize", load_if_exists=True)
+
+    def _leases(self, claims: optuna.Study) -> list[FrozenTrial]:
+        """This campaign's live and finished leases of one problem, oldest first."""
+        fail_stale(claims)
+        return sorted((t for t in claims.get_trials(
+            deepcopy=False, states=(TrialState.RUNNING, TrialState.COMPLETE))
+            if t.user_attrs.get(LEASE_ATTR) == self.campaign), key=lambda t: t._trial_id)
+
+    def lease(self, key: TuningKey, problem: Problem) -> Lease:
+        """Ask to lead `problem` for this campaign: "ours" if no other worker of the campaign
+        holds or has finished it, else "held" or "done". Workers that lead different problems
+        do not each pay a problem's fixed costs (inputs, reference, compiles, baseline) for a
+        share of its trials. A lease is a claim-like trial (lowest id wins); a dead worker's
+        lease goes stale and fails, so the problem can be leased again."""
+        claims = self._claims(key, problem)
+        leases = self._leases(claims)
+        if leases:
+            return Lease("done" if leases[0].state == TrialState.COMPLETE else "held")
+        template = optuna.trial.create_trial(
+            state=TrialState.RUNNING,
+            user_attrs={LEASE_ATTR: self.campaign, "worker": self.worker})
+        trial_id = self.storage.create_new_trial(claims._study_id, template_trial=template)
+        self.beater.hold(trial_id)
+        first = self._leases(claims)[0]
+        if first._trial_id == trial_id:
+            return Lease("ours", trial_id)
+        self.end_lease(Lease("ours", trial_id), finished=False)
+        return Lease("done" if first.state == TrialState.COMPLETE else "held")
+
+    def end_lease(self, lease: Lease, finished: bool = True) -> None:
+        """Close a lease this worker holds: COMPLETE when the problem is finished, FAIL when
+        given back."""
+        if lease.trial_id is None:
+            return
+        state = TrialState.COMPLETE if finished else TrialState.FAIL
+        with contextlib.suppress(UpdateFinishedTrialError):
+            self.storage.set_trial_state_values(
+                lease.trial_id, state, [0.0] if finished else None)
+        self.beater.drop(lease.trial_id)
+
+    def room(self, key: TuningKey, problem: Problem, budget: int) -> bool:
+        """Whether this campaign has claimed fewer than `budget` variants of `problem`."""
+        claims = self._claims(key, problem)
+        fail_stale(claims)
+        return sum(1 for t in claims.get_trials(
+            deepcopy=False, states=(TrialState.RUNNING, TrialState.COMPLETE))
+            if t.user_attrs.get("campaign") == self.campaign) < budget
+
+
+@dataclass(frozen=True)
+class Lease:
+    """The answer to `Shared.lease`: `kind` is "ours" (lead the problem), "held" (another
+    live worker of the campaign leads it) or "done" (one finished it)."""
+
+    kind: str
+    trial_id: int | None = None
 
 
 class SharedStudy:

@@ -1,9 +1,13 @@
 """Worker processes: `flashgen tune --gpus 0,1` (one per GPU) or `--workers N` (N on one
 device), all tuning the same problems through studies in one shared Optuna storage.
 
-Every worker goes through the problems in the same order and joins each problem's shared
-study (`tune.storage`): the campaign's trial budget is shared, TPE on each worker sees every
-trial, and claims keep any variant from being measured twice. Each worker writes its trials,
+Every worker goes through the problems in the same order. A first pass leases each problem
+to the first worker that asks (`Shared.lease`), so workers tune different problems and each
+problem's fixed costs (inputs, reference, compiles, SDPA baseline) are paid once; a second
+pass joins problems still being tuned whose budget has room, and takes over a dead worker's.
+Workers on one problem share its study (`tune.storage`): the campaign's trial budget is
+shared, TPE on each worker sees every trial, and claims keep any variant from being
+measured twice. Each worker writes its trials,
 winners and a `runs` row into the same `--db` (SQLite queues the writers), and reports its
 progress to the parent through a queue, which shows one line per worker. A worker killed
 with `kill -9` loses the trial it was measuring: its heartbeat stops, and another worker
@@ -30,6 +34,7 @@ import optuna
 
 from flashgen.kernels.problem import Problem
 from flashgen.store.db import TuningDB
+from flashgen.store.keys import TuningKey
 from flashgen.tune.fwd_bench import Bench
 from flashgen.tune.search import RunOptions, TuneOptions, TuneResult, tune_problem
 from flashgen.tune.storage import GRACE_S, HEARTBEAT_S, Shared, open_storage
@@ -131,21 +136,48 @@ def _work(index: int, gpu: int | None, plan: WorkerPlan, report: Any) -> str:
                     worker=f"{socket.gethostname()}:{os.getpid()}")
     run_id = f"{plan.campaign}-w{index}"
     status = "failed"
+
+    def tune(problem: Problem) -> None:
+        for mode in run.modes:
+            bench = plan.bench_factory(mode, problem, target, run.seed + index,
+                                       run.compile_workers, database.path)
+            options = TuneOptions(mode, run.trials, run.timeout, run.seed + index, batch,
+                                  exhaustive=run.exhaustive, deterministic=run.deterministic)
+            result = tune_problem(
+                problem, bench, database, info, options, run_id=run_id,
+                on_progress=lambda r: report.put(("progress", index, _light(r))),
+                shared=shared)
+            report.put(("result", index, _light(result)))
+
+    def lead(problem: Problem, key: TuningKey) -> str:
+        """Tune `problem` if this worker gets its lease: the lease's kind ("ours" if so)."""
+        lease = shared.lease(key, problem)
+        if lease.kind != "ours":
+            return lease.kind
+        finished = False
+        try:
+            tune(problem)
+            finished = True
+        finally:
+            shared.end_lease(lease, finished)
+        return lease.kind
+
     with TuningDB(run.db_path) as database:
         database.start_run(run_id, info)
         try:
-            for problem in plan.problems:
-                for mode in run.modes:
-                    bench = plan.bench_factory(mode, problem, target, run.seed + index,
-                                               run.compile_workers, database.path)
-                    options = TuneOptions(mode, run.trials, run.timeout, run.seed + index,
-                                          batch, exhaustive=run.exhaustive,
-                                          deterministic=run.deterministic)
-                    result = tune_problem(
-                        problem, bench, database, info, options, run_id=run_id,
-                        on_progress=lambda r: report.put(("progress", index, _light(r))),
-                        shared=shared)
-                    report.put(("result", index, _light(result)))
+            # The lease is taken in the study of a problem's first mode: one worker tunes
+            # all of a problem's modes, so the backward is fed the forward just tuned.
+            keys = {p: TuningKey.for_problem(p, info, run.modes[0]) for p in plan.problems}
+            # First pass: each problem goes to the first worker that asks, so workers tune
+            # different problems and pay each problem's fixed costs once.
+            led = {p for p in plan.problems if lead(p, keys[p]) == "ours"}
+            # Second pass: take over problems whose worker died (its lease went stale), and
+            # join those others still tune where the budget has room.
+            for problem in (p for p in plan.problems if p not in led):
+                room = run.exhaustive or (run.trials is not None and shared.room(
+                    keys[problem], problem, run.trials))
+                if lead(problem, keys[problem]) == "held" and room:
+                    tune(problem)
             status = "ok"
         except KeyboardInterrupt:
             status = "interrupted"
