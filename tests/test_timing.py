@@ -126,3 +126,32 @@ def test_one_slow_call_does_not_set_the_host_time(monkeypatch) -> None:
     log.install(monkeypatch)
     pauses = [0.03, 0.0, 0.0, 0.0, 0.0]
     assert timing.queue_seconds(lambda: time.sleep(pauses.pop(0)), calls=5) < 0.01
+
+
+# ---- the GPU lock ----------------------------------------------------------------------
+
+
+def _try_lock(path: str) -> str:
+    """Whether another process can take `path`'s lock right now."""
+    import subprocess
+    import sys
+
+    code = ("import fcntl, sys\nf = open(sys.argv[1], 'a')\n"
+            "try:\n    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)\n    print('free')\n"
+            "except BlockingIOError:\n    print('held')\n")
+    return subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def test_the_gpu_lock_keeps_other_processes_out_and_nests_in_one(
+        tmp_path, monkeypatch) -> None:
+    lock = tmp_path / "gpu.lock"
+    monkeypatch.setattr(timing, "gpu_lock_path", lambda device: lock)
+    gpu = torch.device("cuda", 0)  # only named: the lock never touches the GPU
+    with timing.gpu_lock(gpu):
+        with timing.gpu_lock(gpu):  # the tuner's measure holds it around time_cuda's
+            assert _try_lock(str(lock)) == "held"
+        assert _try_lock(str(lock)) == "held"  # the outer hold still stands
+    assert _try_lock(str(lock)) == "free"
+    with timing.gpu_lock(torch.device("cpu")):  # no lock off CUDA
+        assert _try_lock(str(lock)) == "free"

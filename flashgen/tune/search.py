@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+import torch
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import Trial, TrialState
 
@@ -54,6 +55,7 @@ from flashgen.store.keys import TuningKey, Versions
 from flashgen.tune.baseline import Baseline
 from flashgen.tune.fwd_bench import Bench, Measurement, describe_failure
 from flashgen.tune.storage import ROW_ATTR, Shared, SharedStudy, row_of
+from flashgen.tune.timing import gpu_lock
 
 
 def knob_choices(points: list[AnyVariant],
@@ -574,7 +576,8 @@ def _measure_batch(
             m = Measurement.failed(f"compile: {failures[variant]}")
         else:
             try:
-                m = bench.measure(variant)
+                with _holding(bench):
+                    m = bench.measure(variant)
             except Exception as exc:
                 m = Measurement.failed(describe_failure(exc))
         outcome = Outcome(m.status, m.timing.median_ms if m.timing else None, m.tflops,
@@ -595,8 +598,18 @@ def _measure_batch(
             on_progress(result)
 
 
+def _holding(bench: Bench) -> contextlib.AbstractContextManager[None]:
+    """The lock on the bench's GPU, held while a variant is checked and timed (see
+    `timing.gpu_lock`); nothing for a bench with no GPU."""
+    device = getattr(bench, "device", None)
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return gpu_lock(device)
+    return contextlib.nullcontext()
+
+
 def _baseline(bench: Bench) -> Baseline | None:
     try:
-        return bench.baseline()
+        with _holding(bench):
+            return bench.baseline()
     except Exception:  # no baseline is a missing column in the report, not a failed run
         return None

@@ -21,11 +21,17 @@ docs/timing.md.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import functools
 import statistics
+import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO
 
 import torch
 
@@ -89,6 +95,48 @@ def steady(measure: Callable[[], Timing], retries: int = STEADY_RETRIES,
     return best
 
 
+#: Per lock file: how deep this process holds it, and the open file that holds it.
+_HELD: dict[Path, tuple[int, IO[str]]] = {}
+_HELD_GUARD = threading.RLock()
+
+
+def gpu_lock_path(device: torch.device) -> Path:
+    """This host's lock file of `device`, named by the GPU's UUID so processes that see it
+    under different indices (CUDA_VISIBLE_DEVICES) share it."""
+    try:
+        name = str(getattr(torch.cuda.get_device_properties(device), "uuid", ""))
+    except (RuntimeError, AssertionError):  # no CUDA here (tests that fake the timer)
+        name = ""
+    name = name or f"index{device.index or 0}"
+    return Path(tempfile.gettempdir()) / f"flashgen-gpu-{name}.lock"
+
+
+@contextlib.contextmanager
+def gpu_lock(device: torch.device) -> Iterator[None]:
+    """Hold `device` while its work is checked and timed. Tuners sharing one GPU (`--gpus
+    0,0`, or two `flashgen tune` processes) then never time a kernel while the other's run,
+    and still compile in parallel. Reentrant within a process; a no-op off CUDA."""
+    if device.type != "cuda":
+        yield
+        return
+    path = gpu_lock_path(device)
+    with _HELD_GUARD:
+        depth, handle = _HELD.get(path, (0, None))
+        if handle is None:
+            handle = path.open("a")
+            fcntl.flock(handle, fcntl.LOCK_EX)  # waits while another process holds it
+        _HELD[path] = (depth + 1, handle)
+        try:
+            yield
+        finally:
+            depth, handle = _HELD.pop(path)
+            if depth > 1:
+                _HELD[path] = (depth - 1, handle)
+            else:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+                handle.close()
+
+
 def time_cuda(
     fn: Callable[[], object], device: torch.device, *, warmup_ms: float = 25.0,
     rep_ms: float = 100.0, min_reps: int = 10, max_reps: int = 200, timer: str = "gpu",
@@ -102,8 +150,9 @@ def time_cuda(
     """
     if timer not in TIMERS:
         raise ValueError(f"timer must be one of {TIMERS}, not {timer!r}")
-    return steady(lambda: _time_cuda_once(fn, device, warmup_ms, rep_ms, min_reps, max_reps,
-                                          spin=timer == "gpu"))
+    with gpu_lock(device):
+        return steady(lambda: _time_cuda_once(fn, device, warmup_ms, rep_ms, min_reps,
+                                              max_reps, spin=timer == "gpu"))
 
 
 def _time_cuda_once(fn: Callable[[], object], device: torch.device, warmup_ms: float,
