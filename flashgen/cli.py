@@ -177,7 +177,8 @@ def tune(
     shape: ShapeOption = None,
     preset: PresetOption = None,
     dtype: Annotated[str, typer.Option(
-        metavar="LIST", help="Comma-separated input dtypes to tune: fp16, bf16, fp32.")] = "fp16",
+        metavar="LIST", help="Comma-separated input dtypes to tune: fp16, bf16, fp32, fp8 "
+                             "(e4m3 forward, quantized inputs).")] = "fp16",
     causal: Annotated[str, typer.Option(
         metavar="yes|no|both", help="Masking to tune: yes (causal), no (full), or both.")] = "no",
     trials: Annotated[int | None, typer.Option(
@@ -631,14 +632,17 @@ def list_presets() -> None:
 
     from flashgen.kernels.presets import DECODE_PRESETS, PRESETS
 
-    table = Table(title="flashgen presets")
-    for column in ("name", "problems", "description", "(B, Hq, Hkv, Nq, Nk, D)"):
-        table.add_column(column)
+    table = Table(title="flashgen presets",
+                  caption="n: problems; first: the first one's B,Hq,Hkv,Nq,Nk,D")
+    table.add_column("name", no_wrap=True)
+    table.add_column("n", justify="right")
+    table.add_column("description")
+    table.add_column("first", no_wrap=True)
     for name, p in [*PRESETS.items(), *DECODE_PRESETS.items()]:
         shapes = p.shapes()
-        table.add_row(name, str(len(shapes)), p.description,
-                      " ".join(",".join(map(str, s)) for s in shapes[:2]) + " ...")
-    _console().print(table)
+        table.add_row(name, str(len(shapes)), p.description, ",".join(map(str, shapes[0])))
+    console = _console()
+    console.print(table, width=min(80, console.width))  # the description wraps
 
 
 @app.command()
@@ -646,8 +650,8 @@ def bench(
     shape: ShapeOption = None,
     preset: PresetOption = None,
     dtype: Annotated[str | None, typer.Option(
-        metavar="LIST", help="Comma-separated input dtypes: fp16, bf16, fp32. Default "
-                             "fp16,bf16 on cuda, fp16 on cpu (the interpreter's bf16 dots "
+        metavar="LIST", help="Comma-separated input dtypes: fp16, bf16, fp32, fp8 (forward). "
+                             "Default fp16,bf16 on cuda, fp16 on cpu (the interpreter's bf16 dots "
                              "are wrong).")] = None,
     causal: Annotated[str, typer.Option(
         metavar="yes|no|both", help="Masking: yes (causal), no (full), or both.")] = "both",

@@ -2,7 +2,7 @@
 # GPU validation on the device machine, from the repo root, with the device kit copied to
 # .device-kit/ (git-ignored). Each stage has its own time limit so one slow stage cannot eat
 # the lease; logs and the tuning database land in $OUT (or ./gpu-out).
-#   source .device-kit/install.sh && bash scripts/gpu-validate.sh [tests|quick|fa3|tune|tune-all|bench]...
+#   source .device-kit/install.sh && bash scripts/gpu-validate.sh [tests|quick|fa3|tune|tune-all|bench|fp8]...
 # tune-all tunes fa-bench and llama3-8b, fp16 and bf16, causal and not, into $DB (default
 # $out/tuning.db), with a time cap per preset (TUNE_S); scripts/retune.sh is the shipped
 # database's recipe.
@@ -56,6 +56,24 @@ for what in "${@:-tests}"; do
       timeout 270 python3 -m flashgen tune --gpu 0 --preset fa-bench --dtype fp16 --causal both \
         --trials 16 --timeout 10 --compile-workers 12 --db "$out/tuning.db" \
         >"$out/t/tune.log" 2>&1; tail -32 "$out/t/tune.log"
+      ;;
+    fp8)
+      # The fa2 fp8 forward: its gate on the GPU, a short tune, then fp8 against flashgen's
+      # own bf16 in one wall-timed run (issue 32's target: 1.5x at D64 and D128, N >= 4k).
+      fp8_shapes=(--shape 4,32,32,4096,4096,64 --shape 4,16,16,4096,4096,128
+                  --shape 2,16,16,8192,8192,128)
+      stage "fp8 gpu tests"
+      timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fp8.py \
+        >"$out/t/fp8.log" 2>&1; tail -3 "$out/t/fp8.log"
+      stage "tune fp8"
+      timeout -s INT 240 python3 -m flashgen tune --gpu 0 "${fp8_shapes[@]}" --dtype fp8 \
+        --causal both --trials 12 --db "${DB:-$out/tuning.db}" >"$out/t/tune-fp8.log" 2>&1
+      tail -12 "$out/t/tune-fp8.log"
+      stage "bench bf16 and fp8 forward"
+      timeout -s INT 240 python3 -m flashgen bench --gpu 0 "${fp8_shapes[@]}" --dtype bf16,fp8 \
+        --causal both --mode fwd --competitors flashgen,sdpa-cudnn --db "${DB:-$out/tuning.db}" \
+        --no-plot --out "$out/fp8-bench" >"$out/t/bench-fp8.log" 2>&1
+      tail -c 4000 "$out/t/bench-fp8.log"
       ;;
     bench)
       stage "bench fa-bench fp16 fwd and fwd+bwd"

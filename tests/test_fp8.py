@@ -1,11 +1,13 @@
 """FP8 inputs (issue 32): the quantization (random Hadamard rotation, block scales), its
 measured accuracy on FlashAttention 3's outlier inputs, the fp8 error bound of the tuner's
-gate, and the named errors of `flashgen.attention` for fp8 inputs. CPU only: no fp8 kernel
-runs here (the interpreter cannot run fp8 dot products; none is built yet)."""
+gate, the named errors of `flashgen.attention` for fp8 inputs, and the fa2 fp8 forward
+checked against that gate: on the CPU through Triton's interpreter (which computes e4m3
+products exactly, once its rounding to e4m3 is fixed: `e4m3_rounding`), and on a GPU."""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -22,10 +24,9 @@ from flashgen.fp8 import (
     rotate,
     unrotate,
 )
-from flashgen.runtime import api
 from flashgen.runtime.inputs import check_fp8_device
 from flashgen.tune import reference
-from flashgen.tune.check import compare_fp8, fp8_bound
+from flashgen.tune.check import ERROR_FACTOR, compare_fp8, fp8_bound
 from flashgen.tune.emulation import SCHEMES, emulate_fp8_attention, outlier_inputs, scheme_error
 
 
@@ -147,9 +148,11 @@ def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dq: object, dk: obje
     return flashgen.attention(q, k, v, descale_q=dq, descale_k=dk, descale_v=dv, **kw)
 
 
-def test_fp8_on_the_cpu_is_a_named_error() -> None:
+def test_fp8_on_the_cpu_without_the_interpreter_is_a_named_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(TypeError, match=r"fp8 tensor cores.*interpreter"):
-        call(*fp8_inputs())
+        check_fp8_device(torch.device("cpu"))
 
 
 def test_fp8_without_descales_is_a_named_error() -> None:
@@ -172,13 +175,6 @@ def test_a_bad_descale_is_a_named_error(bad: str) -> None:
                      (ValueError, r"\(1, 2, 2\)"))
     with pytest.raises(error, match=needle):
         call(q, k, v, dq, wrong, dv)
-
-
-def test_per_tensor_descales_pass_the_checks() -> None:
-    q, k, v, *_ = fp8_inputs()
-    one = torch.ones(())
-    with pytest.raises(TypeError, match="fp8 tensor cores"):  # the checks passed: device next
-        call(q, k, v, one, torch.ones(1), one)
 
 
 def test_e5m2_is_a_named_error() -> None:
@@ -214,19 +210,172 @@ def test_fp8_needs_compute_capability_8_9() -> None:
         check_fp8_device(cuda, capability=capable)
 
 
-def test_a_valid_fp8_call_on_a_capable_device_is_not_implemented_yet(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """No fp8 kernel exists: a valid call must say so, never answer from an upcast."""
-    monkeypatch.setattr(api, "check_fp8_device", lambda device: None)  # as on an H100
-    with pytest.raises(NotImplementedError, match="fp8 kernels are not built yet"):
-        call(*fp8_inputs(), causal=True, out_dtype=torch.float16)
+# ---- the fa2 fp8 forward ------------------------------------------------------------------
+
+
+@pytest.fixture
+def e4m3_rounding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton 3.6's interpreter rounds fp32 to e4m3 wrongly when the rounding carries into
+    the exponent: it adds the carry to the 3-bit mantissa and ORs it into the exponent, so
+    0.4872 becomes 0.25 instead of 0.5 (P near 1 becomes 0.5). That one conversion is done as
+    the GPU's cvt does it (torch's round to nearest even), so the kernel is what is checked."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter._convert_float
+
+    def convert(data: Any, src: Any, dst: Any, rounding: Any) -> Any:
+        if src == tl.float32 and dst == tl.float8e4nv:
+            values = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
+            return values.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        return original(data, src, dst, rounding)
+
+    monkeypatch.setattr(interpreter, "_convert_float", convert)
+
+
+def blocky_inputs(b: int, hq: int, hkv: int, nq: int, nk: int, d: int, *,
+                  seed: int = 5) -> tuple[torch.Tensor, ...]:
+    """Inputs whose 128-row blocks differ in magnitude (8x), so a kernel reading the wrong
+    block's descale fails the gate (`fp8_bound`'s docstring)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, nq, d, generator=gen)
+    k, v = (torch.randn(b, hkv, nk, d, generator=gen) for _ in range(2))
+    for t in (q, k, v):
+        t[:, :, 128:] *= 8
+    return q, k, v
+
+
+FP8_CASES = [
+    # b, hq, hkv, nq, nk, d, causal, block
+    (1, 2, 1, 150, 200, 64, True, 128),    # GQA, Nq != Nk (bottom-right causal), odd lengths
+    (2, 2, 2, 130, 130, 32, False, 128),
+    (1, 2, 2, 140, 260, 64, False, None),  # per-tensor descales
+    (1, 4, 1, 33, 300, 16, True, 128),     # MQA, three key blocks
+]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("case", FP8_CASES)
+def test_the_fp8_forward_passes_the_fp8_gate(case: tuple, e4m3_rounding: None) -> None:
+    b, hq, hkv, nq, nk, d, causal, block = case
+    q, k, v = blocky_inputs(b, hq, hkv, nq, nk, d)
+    qz = quantize(q, k, v, block=block, incoherent=block is not None)
+    out, lse = call(*qz, causal=causal, out_dtype=torch.float16, return_lse=True)
+    assert out.dtype == torch.float16 and out.shape == q.shape and lse.shape == q.shape[:3]
+    result = compare_fp8(out, qz, causal=causal, block=block)
+    assert result.ok, result.reason
+    # A kernel that ignored the blocks' descales (block 0's everywhere) would fail.
+    if block is not None and max(nq, nk) > 128:
+        wrong = quantize(q, k, v, block=block, incoherent=True)
+        flat = wrong._replace(descale_k=wrong.descale_k[..., :1].expand_as(wrong.descale_k))
+        assert not compare_fp8(out, flat, causal=causal, block=block).ok
+
+
+def emulate_modified(deq: list[torch.Tensor], window: tuple[int, int], cap: float,
+                     sinks: torch.Tensor, p_fp8: bool) -> torch.Tensor:
+    """`emulation.emulate_fp8_attention` with causal, a window, a softcap and sinks: fp32
+    attention of the dequantized inputs, P rounded to e4m3 before P V (row sums in fp32)."""
+    q, k, v = deq
+    k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    s = cap * torch.tanh(s / cap)
+    i = torch.arange(q.shape[2])[:, None] + k.shape[2] - q.shape[2]
+    j = torch.arange(k.shape[2])[None, :]
+    s = s.masked_fill((j > i) | (j < i - window[0]), float("-inf"))
+    sink = sinks.view(1, -1, 1, 1)
+    top = torch.maximum(s.amax(-1, keepdim=True), sink)
+    p = torch.exp(s - top)
+    total = p.sum(-1, keepdim=True) + torch.exp(sink - top)
+    return ((p.to(FP8_DTYPE).float() if p_fp8 else p) @ v) / total
+
+
+@pytest.mark.interpreter
+def test_fp8_takes_the_modifiers(e4m3_rounding: None) -> None:
+    q, k, v = blocky_inputs(1, 2, 1, 140, 140, 32)
+    qz = quantize(q, k, v)
+    deq = [dequantize(t, dsc) for t, dsc in ((qz.q, qz.descale_q), (qz.k, qz.descale_k),
+                                             (qz.v, qz.descale_v))]
+    window, cap, sinks = (40, 0), 20.0, torch.tensor([0.5, -1.0])
+    out = call(*qz, causal=True, window=window, softcap=cap, sinks=sinks,
+               out_dtype=torch.float16).float()
+    exact = emulate_modified(deq, window, cap, sinks, p_fp8=False)
+    # The gate's derivation (`fp8_bound`): the factor times the P-in-fp8 emulation's error,
+    # plus one rounding to fp16.
+    emulated = (emulate_modified(deq, window, cap, sinks, p_fp8=True) - exact).abs().max()
+    bound = ERROR_FACTOR * emulated.item() + exact.abs().max().item() * 2.0 ** -11
+    assert (out - exact).abs().max().item() <= bound
+    plain = call(*qz, causal=True, out_dtype=torch.float16).float()
+    assert (plain - exact).abs().max().item() > bound  # the modifiers were applied
+
+
+def test_fp8_is_forward_only() -> None:
+    q, k, v, *ds = fp8_inputs()
+    q.requires_grad_(True)
+    with pytest.raises(NotImplementedError, match="forward only"):
+        call(q, k, v, *ds)
+
+
+def test_fp8_variants_are_fa2_pointer_kernels_with_tiles_inside_a_block() -> None:
+    from flashgen.kernels.fwd_space import default_variant, search_space, why_invalid
+    from flashgen.kernels.hardware import DeviceInfo
+    from flashgen.kernels.problem import Problem
+    from flashgen.kernels.variant import Variant
+
+    hopper = DeviceInfo("H-test", (9, 0), 132, 232448)
+    p = Problem(2, 8, 2, 4096, 4096, 128, "fp8", True)
+    space = search_space(p, hopper)
+    assert space and all(v.loop_order == "fa2" and not v.use_tma for v in space)
+    assert all(128 % v.block_m == 0 and 128 % v.block_n == 0 for v in space)
+    assert why_invalid(default_variant(p, hopper), p, hopper) is None
+    assert "fa2 without use_tma" in why_invalid(Variant("fa3", 128, 128, 4, 2), p, hopper)
+    assert "quantization block" in why_invalid(Variant("fa2", 256, 64, 8, 2), p, hopper)
+    ampere = DeviceInfo("A-test", (8, 0), 108, 232448)
+    assert "8.9" in why_invalid(Variant("fa2", 128, 64, 4, 2), p, ampere)
 
 
 @pytest.mark.gpu
-def test_fp8_on_a_gpu_is_not_implemented_or_refused_by_capability() -> None:
-    q, k, v, *ds = (t.cuda() for t in fp8_inputs())
-    capable = torch.cuda.get_device_capability() >= (8, 9)
-    error, needle = ((NotImplementedError, "not built yet") if capable
-                     else (TypeError, "fp8 tensor cores"))
-    with pytest.raises(error, match=needle):
-        call(q, k, v, *ds)
+@pytest.mark.parametrize("case", FP8_CASES)
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_gpu_fp8_forward_passes_the_fp8_gate(case: tuple, out_dtype: torch.dtype) -> None:
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs compute capability 8.9")
+    b, hq, hkv, nq, nk, d, causal, block = case
+    q, k, v = (t.cuda() for t in blocky_inputs(b, hq, hkv, nq, nk, d))
+    qz = quantize(q, k, v, block=block, incoherent=block is not None)
+    out = call(*qz, causal=causal, out_dtype=out_dtype)
+    assert out.dtype == out_dtype
+    result = compare_fp8(out, qz, causal=causal, block=block)
+    assert result.ok, result.reason
+
+
+@pytest.mark.interpreter
+def test_fp8_problems_are_tuned_and_their_winner_served(tmp_path: Any,
+                                                        e4m3_rounding: None) -> None:
+    from flashgen.kernels.hardware import INTERPRETER
+    from flashgen.kernels.problem import Problem
+    from flashgen.serve import Dispatcher
+    from flashgen.store.db import TuningDB
+    from flashgen.tune.fwd_bench import KernelBench
+    from flashgen.tune.search import TuneOptions, tune_problem
+
+    problem = Problem(1, 2, 1, 150, 150, 32, "fp8", True)
+    with TuningDB(tmp_path / "t.db") as db:
+        result = tune_problem(problem, KernelBench(problem, "cpu"), db, INTERPRETER,
+                              TuneOptions(trials=2))
+        rows = [r for r in db.trials() if r.status != "pruned"]
+    assert result.measured == 2 and result.winner is not None
+    assert all(r.status == "ok" and r.error <= r.bound for r in rows)  # the fp8 gate passed
+    assert result.winner.key.dtype == "fp8"
+    q, k, v = blocky_inputs(1, 2, 1, 150, 150, 32)
+    qz = quantize(q, k, v)
+    choice = flashgen.explain(qz.q, qz.k, qz.v, causal=True,
+                              dispatcher=Dispatcher([tmp_path / "t.db"]))
+    assert choice.how == "exact" and choice.variant == result.winner.variant
+    assert choice.backward is None  # forward only
+
+
+def test_the_kernels_and_the_runtime_agree_on_the_fp8_block() -> None:
+    from flashgen.kernels.problem import FP8_BLOCK
+
+    assert FP8_BLOCK == QUANT_BLOCK

@@ -66,9 +66,9 @@ def _flashgen(problem: Problem, device: torch.device,
     if layout:
         return Prepared(flashgen_fn(problem, layout, fwd.variant, bwd.variant), note)
 
-    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **fp8: torch.Tensor) -> torch.Tensor:
         out = attention(q, k, v, causal=problem.causal, variant=fwd.variant,
-                        bwd_variant=bwd.variant)
+                        bwd_variant=bwd.variant, **fp8)  # type: ignore[arg-type]
         assert isinstance(out, torch.Tensor)
         return out
 

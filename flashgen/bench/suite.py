@@ -43,9 +43,11 @@ from flashgen.bench import layouts
 from flashgen.bench.competitors import AttentionFn, Competitor
 from flashgen.bench.layouts import Layout
 from flashgen.kernels.problem import Problem
-from flashgen.tune.check import CheckResult, compare, make_inputs
+from flashgen.runtime.quantize import Quantized
+from flashgen.tune.check import CheckResult, compare, compare_fp8, make_inputs
 from flashgen.tune.fwd_bench import describe_failure, gate_problem
 from flashgen.tune.grads import compare_grads
+from flashgen.tune.modified import make_fp8_inputs
 from flashgen.tune.timing import Timing, tflops, time_cpu, time_cuda
 
 Mode = Literal["fwd", "bwd", "both"]
@@ -107,7 +109,8 @@ class _Inputs:
     k: torch.Tensor
     v: torch.Tensor
     do: torch.Tensor  # the upstream gradient of the output
-    extra: dict = field(default_factory=dict)  # a layout's arguments (packed offsets)
+    extra: dict = field(default_factory=dict)  # a layout's arguments, or fp8's descales
+    quantized: Quantized | None = None  # fp8: what the fp8 gate compares against
 
     @classmethod
     def make(cls, p: Problem, device: torch.device, seed: int,
@@ -115,6 +118,15 @@ class _Inputs:
         """Inputs seeded by `seed` and the problem's shape and dtype (not its mask, nor its
         place in the grid): a causal and a full problem of one shape share them."""
         seed = (seed * 1_000_003 + zlib.crc32(str(p.with_(causal=False)).encode())) % 2**31
+        if p.dtype == "fp8":  # quantized as users should; forward only, so no layouts
+            if layout:
+                raise ValueError("fp8 problems are benchmarked without a layout")
+            qz = make_fp8_inputs(p, device, seed).quantized
+            assert qz is not None
+            descales = {"descale_q": qz.descale_q, "descale_k": qz.descale_k,
+                        "descale_v": qz.descale_v}
+            return cls(qz.q, qz.k, qz.v, torch.zeros(qz.q.shape, device=device,
+                                                     dtype=torch.bfloat16), descales, qz)
         q, k, v = make_inputs(p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim,
                               p.torch_dtype, device, seed)
         gen = torch.Generator(device="cpu").manual_seed(seed + 1)
@@ -148,6 +160,11 @@ def _check(fn: AttentionFn, inp: _Inputs, causal: bool, grads: bool,
     if layout:
         return layouts.check(fn, layout, causal, inp.q, inp.k, inp.v, inp.do, inp.extra,
                              grads)
+    if inp.quantized is not None:
+        if grads:
+            raise NotImplementedError("fp8 attention is forward only")
+        with torch.no_grad():
+            return compare_fp8(fn(inp.q, inp.k, inp.v, **inp.extra), inp.quantized, causal)
     if not grads:
         with torch.no_grad():
             return compare(fn(inp.q, inp.k, inp.v), inp.q, inp.k, inp.v, causal)

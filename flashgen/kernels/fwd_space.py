@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from flashgen.kernels.hardware import DeviceInfo, device_info
-from flashgen.kernels.problem import MAX_HEAD_DIM, Problem
+from flashgen.kernels.problem import FP8_BLOCK, MAX_HEAD_DIM, Problem
 from flashgen.kernels.variant import LOOP_ORDERS, Variant
 
 if TYPE_CHECKING:
@@ -238,7 +238,26 @@ def modifiers_need_pointer_kernels(v: Variant, p: Problem, dev: DeviceInfo) -> s
     return None
 
 
+def fp8_runs_in_fa2_pointer_kernels(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
+    # The fp8 path is written into the fa2 template with pointer loads only, and reads one
+    # descale per tile: a tile must lie inside one quantization block of rows.
+    if p.dtype != "fp8":
+        return None
+    if v.loop_order != "fa2" or v.use_tma:
+        return (f"fp8 runs in fa2 without use_tma only (not {v.loop_order}"
+                f"{' use_tma' if v.use_tma else ''})")
+    if FP8_BLOCK % v.block_m or FP8_BLOCK % v.block_n:
+        return (f"fp8 tiles must divide the {FP8_BLOCK}-row quantization block "
+                f"(block_m {v.block_m}, block_n {v.block_n})")
+    if p.varlen:
+        return "fp8 packed sequences are not built"
+    if not dev.is_interpreter and dev.capability < (8, 9):
+        return f"fp8 needs compute capability 8.9 or newer (this GPU has {dev.capability})"
+    return None
+
+
 RULES: tuple[Rule, ...] = (
+    fp8_runs_in_fa2_pointer_kernels,
     modifiers_need_pointer_kernels,
     programs_per_sm_out_of_range,
     block_m_longer_than_queries,
@@ -337,7 +356,7 @@ class Pick(Generic[V]):
     max_d: int = MAX_HEAD_DIM
     min_keys: int = 0
     causal: bool | None = None
-    dtypes: tuple[str, ...] = ("fp16", "bf16", "fp32")
+    dtypes: tuple[str, ...] = ("fp16", "bf16", "fp32", "fp8")
     hopper: bool | None = None
 
     def serves(self, problem: Problem, dev: DeviceInfo) -> bool:

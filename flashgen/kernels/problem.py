@@ -13,13 +13,18 @@ from typing import Any
 
 import torch
 
-#: dtypes the kernels accept, by the short names the CLI and the database use.
+#: dtypes the kernels accept, by the short names the CLI and the database use. fp8 is e4m3
+#: Q, K, V with fp32 descales (`flashgen.fp8.quantize`), a forward of the fa2 family only.
 DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
     "bf16": torch.bfloat16,
     "fp32": torch.float32,
+    "fp8": torch.float8_e4m3fn,
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+#: Rows of q, k or v that share one fp8 descale: `runtime.quantize.QUANT_BLOCK`, repeated
+#: because kernels and runtime import nothing of each other (a test keeps them equal).
+FP8_BLOCK = 128
 MAX_HEAD_DIM = 256
 #: The structure flags beyond causal, in field order.
 MODIFIERS: tuple[str, ...] = ("window", "softcap", "sinks", "varlen")
@@ -198,7 +203,7 @@ class DecodeProblem(Problem):
     def kv_bytes(self) -> int:
         """Bytes of K and V a call reads: every valid key of every sequence, once per K/V
         head (the decode kernels' GQA packing reads each K/V head once)."""
-        elem = 4 if self.dtype == "fp32" else 2
+        elem = {"fp32": 4, "fp8": 1}.get(self.dtype, 2)
         return 2 * self.batch * self.heads_kv * self.seq_k * self.head_dim * elem
 
     @classmethod

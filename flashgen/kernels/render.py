@@ -22,7 +22,7 @@ from typing import Any
 
 import jinja2
 
-from flashgen.kernels.problem import Problem
+from flashgen.kernels.problem import FP8_BLOCK, Problem
 from flashgen.kernels.resources import data_dir
 from flashgen.kernels.variant import Variant
 
@@ -150,6 +150,10 @@ def modifier_context(problem: Problem) -> dict[str, Any]:
         "CAP_SCALE, SOFTCAP," if problem.softcap else "")
     tile = ("WIN_LEFT, WIN_RIGHT," if problem.window else "") + (
         "SOFTCAP," if problem.softcap else "") + ("SINKS," if problem.sinks else "")
+    fp8 = problem.dtype == "fp8"
+    if fp8:  # the descales, (B, H, blocks) each, after every modifier's arguments
+        tile += ("DQ, DK, DV, stride_dqb, stride_dqh, stride_dqn, stride_dkb, stride_dkh, "
+                 "stride_dkn, stride_dvb, stride_dvh, stride_dvn,")
     return {
         "window": problem.window,
         "softcap": problem.softcap,
@@ -157,6 +161,9 @@ def modifier_context(problem: Problem) -> dict[str, Any]:
         "varlen": problem.varlen,
         "step_mods": f" {step}" if step else "",
         "tile_mods": f" {tile}" if tile else "",
+        "fp8": fp8,
+        "fp8_range": " dq, dk_base, dv_base, stride_dkn, stride_dvn," if fp8 else "",
+        "quant_block": FP8_BLOCK,
     }
 
 

@@ -3,14 +3,31 @@ exported package's)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
 from . import ops
 from .dispatch import Dispatcher, default_dispatcher
-from .inputs import asks_for_fp8, check_fp8, check_fp8_device, check_inputs, check_options
-from .modifiers import Mods, check_packed, check_sinks, check_softcap, check_varlen, check_window
+from .inputs import (
+    FP8_DTYPE,
+    asks_for_fp8,
+    check_fp8,
+    check_fp8_device,
+    check_inputs,
+    check_options,
+)
+from .modifiers import (
+    Fp8,
+    Mods,
+    check_packed,
+    check_sinks,
+    check_softcap,
+    check_varlen,
+    check_window,
+)
+from .quantize import QUANT_BLOCK
 from .table import Choice
 
 
@@ -78,19 +95,17 @@ def attention(
     FP8: q, k, v in torch.float8_e4m3fn (all three) with fp32 `descale_q`, `descale_k`,
     `descale_v` (per tensor, or per (batch, head, block of 128 rows); `flashgen.fp8.quantize`
     makes both), on a GPU with fp8 tensor cores (compute capability 8.9+); the output is bf16,
-    or `out_dtype=torch.float16`. The inputs are checked, but the fp8 kernels are not built
-    yet: a valid fp8 call raises NotImplementedError.
+    or `out_dtype=torch.float16`. The fa2 family's fp8 path runs it (P rounded to e4m3 for
+    P V, as in FlashAttention 3), with GQA, causal and the modifiers; forward only.
     Returns the output (like q), and with `return_lse` also the log-sum-exp (B, Hq, Nq) fp32.
     """
     check_options(causal, scale)
     descales = (descale_q, descale_k, descale_v)
     if asks_for_fp8(q, k, v, descales, out_dtype) and check_fp8(q, k, v, descales, out_dtype):
         check_fp8_device(q.device)
-        # Refused rather than upcast: a bf16 answer under an fp8 call would hide that no fp8
-        # kernel ran (neither its speed nor its accuracy).
-        raise NotImplementedError(
-            "fp8 kernels are not built yet: flashgen checks fp8 inputs but has no fp8 "
-            "forward to run them; dequantize (flashgen.fp8.dequantize) and call with bf16")
+        out, lse = _fp8(q, k, v, descales, out_dtype, causal, scale, window, softcap, sinks,
+                        variant, dispatcher)
+        return (out, lse) if return_lse else out
     if window is not None or softcap is not None or sinks is not None:
         check_inputs(q, k, v)
         mods = Mods(check_window(window), check_softcap(softcap),
@@ -153,6 +168,27 @@ def attention_varlen(
 def _kernel_sinks(sinks: torch.Tensor | None) -> torch.Tensor | None:
     """The kernels read the sinks as a contiguous fp32 (Hq,) vector."""
     return None if sinks is None else sinks.detach().float().contiguous()
+
+
+def _fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descales: tuple[Any, ...],
+         out_dtype: torch.dtype | None, causal: bool, scale: float | None,
+         window: tuple[int, int] | None, softcap: float | None, sinks: torch.Tensor | None,
+         variant: Any, dispatcher: Dispatcher | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """An fp8 call (inputs checked): the fa2 fp8 forward, with any modifiers. Forward only:
+    training keeps bf16, as in FlashAttention 3."""
+    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False)
+                                       for t in (q, k, v, sinks)):
+        raise NotImplementedError("fp8 attention is forward only: it has no backward (train in "
+                                  "bf16, or call it under torch.no_grad())")
+    if torch.compiler.is_compiling():
+        raise NotImplementedError("fp8 attention does not run under torch.compile yet")
+    sink = None if sinks is None else _kernel_sinks(
+        check_sinks(sinks, q.shape[1], torch.float32, q.device))
+    mods = Mods(check_window(window), check_softcap(softcap), sink,
+                fp8=Fp8.of(q, k, descales, out_dtype, QUANT_BLOCK))
+    d = dispatcher or default_dispatcher()
+    d.check_variant("fwd", variant)
+    return d.forward(q, k, v, causal, scale, variant, mods)
 
 
 @torch.compiler.disable
@@ -236,7 +272,8 @@ def explain(
 ) -> Choice:
     """Which variant `attention` would run for these inputs (and modifiers), why (exact hit,
     nearest bucket, fallback, explicit) and from which database row; its `backward` answers
-    the same for the backward pass. `print()` it for a short answer."""
+    the same for the backward pass (none for fp8 inputs: forward only). `print()` it for a
+    short answer."""
     check_options(causal, None)
     mods = None
     if window is not None or softcap is not None or sinks is not None:
@@ -244,5 +281,9 @@ def explain(
         mods = Mods(check_window(window), check_softcap(softcap),
                     _kernel_sinks(check_sinks(sinks, q.shape[1], q.dtype, q.device)))
         mods = None if mods.flags == (False, False, False, False) else mods
+    if getattr(q, "dtype", None) == FP8_DTYPE:  # the fp8 family; its descales change nothing
+        one = torch.ones((), device=q.device)
+        mods = dataclasses.replace(mods or Mods(), fp8=Fp8.of(q, k, (one, one, one), None,
+                                                              QUANT_BLOCK))
     return (dispatcher or default_dispatcher()).explain(q, k, v, causal=causal, variant=variant,
                                                         bwd_variant=bwd_variant, mods=mods)

@@ -246,13 +246,18 @@ class Dispatcher:
             shape = Shape(lens.batch, q.shape[1], k.shape[1], lens.max_q, lens.max_k,
                           q.shape[2], DTYPE_NAMES[q.dtype], bool(causal),
                           mix=mix_bucket(lens.batch, lens.max_q, q.shape[0]))
+        elif mods is not None and mods.fp8 is not None:
+            check_inputs(q, k, v, fp8=True)  # the public call checked dtypes and descales
+            b, hq, nq, d = q.shape
+            shape = Shape(b, hq, k.shape[1], nq, k.shape[2], d, "fp8", bool(causal))
         else:
             check_inputs(q, k, v)
             shape = Shape.of(q, k, causal)
         if mods is not None:
             if not self.renders_modifiers:
                 raise ValueError(f"{PACKAGE} ships plain attention kernels only: window, "
-                                 "softcap, sinks and attention_varlen need flashgen itself")
+                                 "softcap, sinks, attention_varlen and fp8 inputs need "
+                                 "flashgen itself")
             window, softcap, sinks, varlen = mods.flags
             shape = shape._replace(window=window, softcap=softcap, sinks=sinks, varlen=varlen)
         table = self.table(q.device)
@@ -510,6 +515,8 @@ class Dispatcher:
         `backward` says the same of the backward pass (`bwd_variant`: an explicit one).
         `mods`: the call's modifiers (see `forward`)."""
         choice = self._plan(q, k, v, causal, variant, mods).choice
+        if mods is not None and mods.fp8 is not None:
+            return choice  # fp8 is forward only
         return dataclasses.replace(
             choice, backward=self._bwd_plan(q, k, v, causal, bwd_variant, mods).choice)
 

@@ -214,7 +214,7 @@ def _prepare_pointers(variant: Any, shape: Shape, kernel: Any) -> Launcher:
             nk = k.shape[2]
             lse = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
             lse_strides = lse.stride()[:2]
-        out = torch.empty_like(q)
+        out = torch.empty_like(q, dtype=mods.fp8.out_dtype) if mods.fp8 else torch.empty_like(q)
         args: tuple = (q, k, v, out, lse)
         if fa1:  # its fp32 scratch, as in `run` (never packed: the rules keep varlen to fa2)
             args = (*args, torch.zeros((b * hq, nq, padded), device=q.device,

@@ -172,12 +172,15 @@ def _check_descale(name: str, t: torch.Tensor, d: object) -> None:
 
 
 def check_fp8_device(device: torch.device, capability: tuple[int, int] | None = None) -> None:
-    """fp8 needs fp8 tensor cores (compute capability >= 8.9); the CPU and Triton's
-    interpreter have none. `capability` stands in for the device's (tests)."""
+    """fp8 needs fp8 tensor cores (compute capability >= 8.9). On the CPU only Triton's
+    interpreter runs it (it computes e4m3 products exactly: for tests, not speed).
+    `capability` stands in for the device's (tests)."""
     if device.type != "cuda":
+        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+            return
         raise TypeError("fp8 attention needs a GPU with fp8 tensor cores (compute capability "
-                        f"8.9 or newer); {device.type} tensors cannot run it, nor can Triton's "
-                        "interpreter: use bf16 or fp16 here")
+                        f"8.9 or newer), or Triton's interpreter (TRITON_INTERPRET=1) for CPU "
+                        f"tensors; {device.type} tensors cannot run it here")
     major, minor = capability or torch.cuda.get_device_capability(device)
     if (major, minor) < FP8_MIN_CAPABILITY:
         raise TypeError(f"fp8 attention needs fp8 tensor cores (compute capability 8.9 or "

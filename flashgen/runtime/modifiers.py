@@ -5,7 +5,8 @@ Each modifier is a structure choice of the kernels (a flag of the call's `Shape`
 values (window sizes, the cap, the sink logits, the sequence offsets) are runtime arguments,
 so one compiled kernel serves every window, cap and length mix. The kernels take the extra
 arguments after their common ones, in this order: CU_Q, CU_K (varlen), WIN_LEFT, WIN_RIGHT
-(window), SOFTCAP (softcap), SINKS (sinks).
+(window), SOFTCAP (softcap), SINKS (sinks), then for fp8 inputs the descales and their
+strides.
 """
 
 from __future__ import annotations
@@ -36,6 +37,33 @@ class Varlen:
 
 
 @dataclass(frozen=True)
+class Fp8:
+    """fp8 (e4m3) inputs: their descales as (B, H, blocks of QUANT_BLOCK rows) fp32 views (a
+    per-tensor descale expanded with zero strides, so the kernel reads one layout), and the
+    output dtype."""
+
+    descale_q: torch.Tensor
+    descale_k: torch.Tensor
+    descale_v: torch.Tensor
+    out_dtype: torch.dtype
+
+    @classmethod
+    def of(cls, q: torch.Tensor, k: torch.Tensor, descales: tuple[torch.Tensor, ...],
+           out_dtype: torch.dtype | None, block: int) -> Fp8:
+        """From checked descales (`inputs.check_fp8`): 0-d, (1,) or (B, H, blocks)."""
+        views = []
+        for t, d in zip((q, k, k), descales, strict=True):
+            b, h, n = t.shape[0], t.shape[1], t.shape[2]
+            views.append(d.reshape(1, 1, 1).expand(b, h, -(-n // block)) if d.numel() == 1
+                         and d.dim() < 3 else d)
+        return cls(*views, out_dtype or torch.bfloat16)
+
+    def kernel_args(self) -> list[Any]:
+        return [self.descale_q, self.descale_k, self.descale_v, *self.descale_q.stride(),
+                *self.descale_k.stride(), *self.descale_v.stride()]
+
+
+@dataclass(frozen=True)
 class Mods:
     """What a call adds to plain attention; None: not asked for. `window` is normalised:
     (-1, -1) (nothing cut) is None."""
@@ -44,6 +72,7 @@ class Mods:
     softcap: float | None = None
     sinks: torch.Tensor | None = None  # (Hq,) fp32, contiguous
     varlen: Varlen | None = None
+    fp8: Fp8 | None = None  # not a modifier flag: the Shape's dtype says fp8
 
     @property
     def flags(self) -> tuple[bool, bool, bool, bool]:
@@ -55,7 +84,8 @@ class Mods:
     def plan_key(self) -> tuple:
         """What a cached launch plan depends on beyond the tensors' shapes."""
         lens = (self.varlen.batch, self.varlen.max_q, self.varlen.max_k) if self.varlen else ()
-        return (*self.flags, *lens)
+        fp8 = (self.fp8.out_dtype,) if self.fp8 else ()
+        return (*self.flags, *lens, *fp8)
 
     def kernel_args(self, causal: bool, n_q: int, n_k: int) -> list[Any]:
         """The extra kernel arguments, in the kernels' order (see the module docstring).
@@ -73,6 +103,8 @@ class Mods:
             args.append(float(self.softcap))
         if self.sinks is not None:
             args.append(self.sinks)
+        if self.fp8 is not None:
+            args += self.fp8.kernel_args()
         return args
 
 

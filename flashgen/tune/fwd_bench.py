@@ -24,7 +24,7 @@ from flashgen.kernels.problem import Problem
 from flashgen.kernels.variant import Variant
 from flashgen.serve import run_forward
 from flashgen.tune.baseline import Baseline, sdpa_baseline
-from flashgen.tune.check import CheckResult, compare
+from flashgen.tune.check import CheckResult, compare, compare_fp8
 from flashgen.tune.modified import ModifiedInputs, make_modified_inputs
 from flashgen.tune.timing import Timing, tflops, time_cpu, time_cuda
 
@@ -257,8 +257,11 @@ class KernelBench:
             out, lse = run_forward(gate.q, gate.k, gate.v, variant, self.gate, mods=gate.mods)
         except Exception as exc:
             return Measurement.failed(describe_failure(exc))
-        check = compare(out, gate.q, gate.k, gate.v, self.problem.causal, None, lse,
-                        modifiers=gate.reference, cu=gate.cu)
+        if gate.quantized is not None:  # fp8: against the dequantized inputs' attention
+            check = compare_fp8(out, gate.quantized, self.problem.causal)
+        else:
+            check = compare(out, gate.q, gate.k, gate.v, self.problem.causal, None, lse,
+                            modifiers=gate.reference, cu=gate.cu)
         made = self.modified_inputs
         return checked_and_timed(
             check, lambda: self._time(lambda: run_forward(
@@ -266,7 +269,7 @@ class KernelBench:
             self.problem.flops())
 
     def baseline(self) -> Baseline | None:
-        if self.problem.modifiers:
-            return None  # SDPA has no windows, caps, sinks or packed sequences
+        if self.problem.modifiers or self.problem.dtype == "fp8":
+            return None  # SDPA has no windows, caps, sinks, packed sequences or fp8
         q, k, v = self.inputs
         return sdpa_baseline(q, k, v, self.problem.causal, self._time)

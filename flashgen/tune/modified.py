@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from flashgen.kernels.problem import Problem
-from flashgen.runtime.modifiers import Mods, Varlen
+from flashgen.runtime.modifiers import Fp8, Mods, Varlen
+from flashgen.runtime.quantize import QUANT_BLOCK, Quantized, quantize
 from flashgen.tune.check import make_inputs
 
 #: The softcap benches time (Gemma 2's attention cap is 50, its final logits' 30).
@@ -64,12 +65,33 @@ class ModifiedInputs:
     mods: Mods | None = None
     reference: dict[str, Any] = field(default_factory=dict)  # window, softcap, sinks
     cu: tuple[list[int], list[int]] | None = None  # the packed offsets, for the reference
+    quantized: Quantized | None = None  # fp8: what the fp8 gate (`check.compare_fp8`) takes
+
+
+def make_fp8_inputs(problem: Problem, device: torch.device, seed: int) -> ModifiedInputs:
+    """Seeded fp8 inputs of `problem`: normal values whose 128-row blocks differ in magnitude
+    (up to 8x), so a kernel that reads the wrong block's descale fails the gate, quantized as
+    users should (`fp8.quantize`: block scales, incoherent)."""
+    p = problem
+    q, k, v = make_inputs(p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim,
+                          torch.float32, device, seed)
+    for t in (q, k, v):
+        blocks = -(-t.shape[2] // QUANT_BLOCK)
+        gain = 2.0 ** (torch.arange(blocks, device=device) % 4).float()
+        t.mul_(gain.repeat_interleave(QUANT_BLOCK)[: t.shape[2]].view(1, 1, -1, 1))
+    qz = quantize(q, k, v, seed=seed)
+    fp8 = Fp8.of(qz.q, qz.k, (qz.descale_q, qz.descale_k, qz.descale_v), None, QUANT_BLOCK)
+    return ModifiedInputs(qz.q, qz.k, qz.v, Mods(fp8=fp8), quantized=qz)
 
 
 def make_modified_inputs(problem: Problem, device: torch.device,
                          seed: int) -> ModifiedInputs:
     """Seeded inputs of `problem` with its representative modifier values (module doc)."""
     p = problem
+    if p.dtype == "fp8":
+        if p.modifiers:
+            raise ValueError("fp8 problems are tuned without modifiers")
+        return make_fp8_inputs(p, device, seed)
     if not p.modifiers:
         return ModifiedInputs(*make_inputs(p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k,
                                            p.head_dim, p.torch_dtype, device, seed))
