@@ -315,7 +315,7 @@ def test_workers_lead_different_problems_and_pay_their_fixed_costs_once(
     # Each problem is led by one worker; the other joins at most the problems still
     # running when it ran out of its own (without leases, both tuned all four).
     pairs = {(r["problem_json"], r["run_id"]) for r in rows}
-    assert {run_id for _, run_id in pairs} == {"lease-w0", "lease-w1"}
+    assert {run_id for _, run_id in pairs} == {plan.run_id(0), plan.run_id(1)}
     assert len(pairs) <= 6
     storage = open_storage(url)
     leases = [t for s in optuna.get_all_study_summaries(storage)
