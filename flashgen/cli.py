@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from flashgen.kernels.problem import Problem
     from flashgen.store.db import TuningDB
     from flashgen.tune.search import RunOptions, TuneResult
+    from flashgen.tune.workers import WorkerEnd
 
 def _explained(invoke: Callable[[typer.Context], Any], ctx: typer.Context) -> Any:
     """Run a command; a known database or file error (not a database, damaged, read-only,
@@ -231,6 +232,13 @@ def tune(
              "file path ending in .log on a shared filesystem (needs flashgen[distributed] "
              "for PostgreSQL). Each worker still writes its --db; `flashgen pull` gathers "
              "every host's rows.")] = None,
+    campaign: Annotated[str | None, typer.Option(
+        metavar="NAME",
+        help="Join campaign NAME in --storage: invocations (say one per host) giving the same "
+             "name share each problem's --trials budget and lead different problems, as the "
+             "workers of one invocation do. Reusing a name resumes its campaign: problems it "
+             "finished are not tuned again, even with a larger --trials (a new name brings a "
+             "new budget). Default: a campaign of this invocation alone.")] = None,
     deterministic: Annotated[bool, typer.Option(
         "--deterministic",
         help="Search only variants whose gradients are bitwise equal run to run: for the "
@@ -275,6 +283,17 @@ def tune(
     distributed = storage is not None or gpus is not None or workers is not None
     if remeasure and distributed:
         raise _fail("--remeasure runs in one process: drop --storage, --gpus and --workers")
+    if campaign is not None:
+        # Through a temporary journal nobody else could join the campaign, nor resume it.
+        if storage is None:
+            raise _fail("--campaign needs --storage: invocations join a campaign through the "
+                        "storage they share")
+        from flashgen.tune.workers import check_campaign
+
+        try:
+            check_campaign(campaign)
+        except ValueError as exc:
+            raise _fail(str(exc)) from None
     if trials is None and timeout is None and not exhaustive:
         trials = DEFAULT_TRIALS
     if storage is not None:
@@ -301,7 +320,7 @@ def tune(
     run = RunOptions(device, gpu, trials, timeout, seed, compile_workers, db, modes, remeasure,
                      wide, exhaustive, deterministic)
     if distributed:
-        _run_workers(problems, run, _worker_slots(run, gpus, workers), storage)
+        _run_workers(problems, run, _worker_slots(run, gpus, workers), storage, campaign)
     else:
         _run_tuning(problems, run)
 
@@ -365,12 +384,12 @@ def _worker_slots(run: RunOptions, gpus: str | None, workers: int | None) -> lis
 
 
 def _run_workers(problems: list[Problem], run: RunOptions, slots: list[int | None],
-                 storage: str | None) -> None:
+                 storage: str | None, campaign: str | None = None) -> None:
     """Tune `problems` with one worker process per slot, sharing studies through `storage`
-    (default: a journal file in a temporary folder, for this run only); one progress line
-    per worker, then the merged summary."""
+    (default: a journal file in a temporary folder, for this run only) in `campaign`
+    (default: this invocation's own); one progress line per worker, then the merged
+    summary."""
     import tempfile
-    import uuid
 
     from rich.console import Console
     from rich.progress import Progress
@@ -379,16 +398,19 @@ def _run_workers(problems: list[Problem], run: RunOptions, slots: list[int | Non
     from flashgen.store.db import TuningDB, default_db_path
     from flashgen.store.keys import package_version
     from flashgen.tune.report import progress_columns, results_tables, tflops_text
-    from flashgen.tune.workers import WorkerPlan, run_workers
+    from flashgen.tune.workers import WorkerPlan, new_id, run_workers
 
     run = replace(run, db_path=run.db_path or default_db_path())
     with tempfile.TemporaryDirectory(prefix="flashgen-studies-") as folder:
         url = storage or str(Path(folder) / "studies.log")
-        plan = WorkerPlan(tuple(problems), run, url, uuid.uuid4().hex[:12],
-                          package_version("flashgen"))
+        invocation = new_id()
+        plan = WorkerPlan(tuple(problems), run, url, campaign or invocation,
+                          package_version("flashgen"), invocation=invocation)
         console = _console()
         with Progress(*progress_columns(run.wide), console=Console(stderr=True)) as progress:
             where = f"storage {_redacted(storage)}" if storage else "a temporary journal"
+            if campaign:
+                where += f", campaign {campaign}"
             progress.console.print(
                 f"tuning {len(problems)} problem(s) with {len(slots)} worker(s) through "
                 f"{where} (db: {run.db_path})")
@@ -404,15 +426,25 @@ def _run_workers(problems: list[Problem], run: RunOptions, slots: list[int | Non
                                     f"w{index} {'cpu' if gpu is None else f'gpu{gpu}'} "
                                     f"{r.mode} {problem_label(r.problem)}"))
 
+            def skip(index: int, problem: Problem, kind: str) -> None:
+                why = "done by the campaign" if kind == "done" else "led elsewhere"
+                progress.update(tasks[index], last=f"left {problem_label(problem)}: {why}")
+
             try:
-                results, ends = run_workers(plan, slots, show)
+                results, ends = run_workers(plan, slots, show, skip)
             except KeyboardInterrupt:  # the workers got it too, and stored what they had
                 progress.console.print("interrupted: results so far are in the database")
                 raise typer.Exit(130) from None
     with TuningDB(run.db_path) as database:
         for r in results:
             r.winner = database.winner(r.key)
-    _print_tables(console, results_tables(results, run.wide), run.wide)
+    tables = results_tables(results, run.wide)
+    _print_tables(console, tables, run.wide)
+    notes = _left_to_campaign(problems, results, ends, plan.campaign)
+    if tables and notes:
+        typer.echo()
+    for line in notes:
+        typer.echo(line)
     bad = [e for e in ends if e.status != "ok"]
     for end in bad:
         typer.echo(f"worker {end.index} ({'cpu' if end.gpu is None else f'gpu {end.gpu}'}) "
@@ -420,6 +452,43 @@ def _run_workers(problems: list[Problem], run: RunOptions, slots: list[int | Non
                    f"trials are stored, its running one goes back to the study", err=True)
     if bad:
         raise typer.Exit(1)
+
+
+def _left_to_campaign(problems: list[Problem], results: list[TuneResult],
+                      ends: list[WorkerEnd], campaign: str) -> list[str]:
+    """Lines on the problems no worker of this invocation tuned: finished by the campaign
+    (a rerun of a named one) or led by another of its workers and not joined. Without them
+    a rerun of a finished campaign would end with no table and no word."""
+    from flashgen.kernels.presets import problem_label
+    from flashgen.tune.storage import GRACE_S
+
+    tuned = {r.problem for r in results}
+    kinds: dict[Problem, str] = {}
+    for end in ends:
+        for problem, kind in end.skipped.items():
+            if problem not in tuned and kinds.get(problem) != "done":
+                kinds[problem] = kind
+
+    def named(group: list[Problem]) -> str:
+        labels = [problem_label(p) for p in group[:3]]
+        more = f" and {len(group) - 3} more" if len(group) > 3 else ""
+        return f"{len(group)} problem(s) ({', '.join(labels)}{more})"
+
+    done = [p for p in problems if kinds.get(p) == "done"]
+    held = [p for p in problems if kinds.get(p) == "held"]
+    lines = []
+    if done:
+        lead = "nothing new to tune: " if len(done) == len(problems) else ""
+        lines.append(f"{lead}{named(done)} already done by campaign {campaign}; a campaign "
+                     f"resumes, so give a new --campaign to tune them again. `flashgen pull` "
+                     f"gathers their rows")
+    if held:
+        # Not joined: its budget was taken, or --timeout alone left none to share.
+        lines.append(f"{named(held)} led by another worker of campaign {campaign} and left "
+                     f"to it; its rows go to that worker's --db (`flashgen pull` gathers them). "
+                     f"A dead worker's lease expires {GRACE_S} s after its last heartbeat: run "
+                     f"again to take it over")
+    return lines
 
 
 def _redacted(url: str | None) -> str:

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from flashgen.store.keys import TuningKey
 from flashgen.tune.pull import pull
 from flashgen.tune.search import RunOptions, TuneOptions, TuneResult, tune_problem
 from flashgen.tune.storage import (
+    LEASE_ATTR,
     ROW_ATTR,
     Shared,
     StorageError,
@@ -315,7 +317,7 @@ def test_workers_lead_different_problems_and_pay_their_fixed_costs_once(
     # Each problem is led by one worker; the other joins at most the problems still
     # running when it ran out of its own (without leases, both tuned all four).
     pairs = {(r["problem_json"], r["run_id"]) for r in rows}
-    assert {run_id for _, run_id in pairs} == {"lease-w0", "lease-w1"}
+    assert {run_id for _, run_id in pairs} == {plan.run_id(0), plan.run_id(1)}
     assert len(pairs) <= 6
     storage = open_storage(url)
     leases = [t for s in optuna.get_all_study_summaries(storage)
@@ -324,6 +326,149 @@ def test_workers_lead_different_problems_and_pay_their_fixed_costs_once(
               .get_trials(deepcopy=False) if LEASE_ATTR in t.user_attrs]
     finished = [t for t in leases if t.state == TrialState.COMPLETE]
     assert len(finished) == 4 and all(t.state != TrialState.RUNNING for t in leases)
+
+
+# ---- named campaigns: separately started invocations (hosts) join one --------------------
+
+
+def test_a_named_campaign_shares_its_leases_and_its_budget_between_invocations(
+        storage_url: str) -> None:
+    key = TuningKey.for_problem(PROBLEM, INTERPRETER, "fwd", VERSIONS)
+    a, b = _shared(storage_url, "host-a", "nightly"), _shared(storage_url, "host-b", "nightly")
+    other = _shared(storage_url, "host-c", "weekly")
+    try:
+        lease = a.lease(key, PROBLEM)
+        assert lease.kind == "ours" and b.lease(key, PROBLEM).kind == "held"
+        assert other.lease(key, PROBLEM).kind == "ours"  # another campaign leads its own
+        a.end_lease(lease)
+        assert b.lease(key, PROBLEM).kind == "done"  # a rerun finds it finished
+        study = a.study(key, PROBLEM, optuna.samplers.RandomSampler())
+        claimed = study.claim("variant-1", budget=2)
+        assert claimed.kind == "ours"
+        assert b.room(key, PROBLEM, 2) and not b.room(key, PROBLEM, 1)
+        assert other.room(key, PROBLEM, 1)  # its budget is its own
+    finally:
+        for shared in (a, b, other):
+            shared.close()
+
+
+def _ok_rows(*paths: Path) -> list[dict[str, Any]]:
+    rows = []
+    for path in paths:
+        with TuningDB(path) as db:
+            rows += list(db.db["trials"].rows_where("status = 'ok'"))
+    return rows
+
+
+def test_hosts_joining_a_campaign_split_its_problems_and_a_rerun_does_nothing_new(
+        tmp_path: Path) -> None:
+    import queue
+
+    from flashgen.kernels import presets
+    from flashgen.store.keys import package_version
+
+    # The command's problem for --shape 1,2,1,32,32,16, so that the command can rerun it.
+    first = presets.expand(["1,2,1,32,32,16"], [], presets.parse_dtypes("fp16"),
+                           presets.parse_causal("no"))[0]
+    problems = (first, *(first.with_(seq_q=n, seq_k=n) for n in (48, 64)))
+    url, version = str(tmp_path / "studies.log"), package_version("flashgen")
+
+    def plan(campaign: str, db: str, problems: tuple[Problem, ...]) -> WorkerPlan:
+        run = RunOptions("cpu", trials=3, db_path=tmp_path / db)
+        return WorkerPlan(problems, run, url, campaign, version, BEAT_S, CALM_GRACE_S,
+                          slow_bench)
+
+    # Hosts a and b, started separately, join campaign nightly; c runs one of its own on the
+    # first problem. Each is the one worker of its invocation, in a thread: three spawned
+    # processes each importing torch cost the test seconds, and the command below spawns one
+    # anyway. (Each problem's search space alone costs a second of CPU: few problems.)
+    plans = {"a": plan("nightly", "a.db", problems), "b": plan("nightly", "b.db", problems),
+             "c": plan("weekly", "c.db", problems[:1])}
+    said: dict[str, list[Any]] = {}
+
+    def host(name: str) -> None:
+        report: queue.Queue[Any] = queue.Queue()
+        worker_main(0, None, plans[name], report)
+        said[name] = [report.get() for _ in range(report.qsize())]
+
+    threads = [threading.Thread(target=host, args=(h,)) for h in plans]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(said[h][-1][:3] == ("done", 0, "ok") for h in plans), said
+    assert plans["a"].run_id(0) != plans["b"].run_id(0)  # one campaign, two run ids
+    assert plans["a"].run_id(0).startswith("nightly-")
+
+    nightly = _ok_rows(tmp_path / "a.db", tmp_path / "b.db")
+    weekly = _ok_rows(tmp_path / "c.db")
+    # Each campaign spent its own budget, once per problem.
+    assert sorted(Counter(r["problem_json"] for r in nightly).values()) == [3] * 3
+    assert sorted(Counter(r["problem_json"] for r in weekly).values()) == [3]
+    pairs = [(r["problem_json"], r["variant_json"]) for r in nightly + weekly]
+    assert len(pairs) == len(set(pairs))  # across campaigns too, nothing measured twice
+    # The hosts split the problems: each led some, and few were joined by both.
+    led = {host: {r["problem_json"] for r in _ok_rows(tmp_path / f"{host}.db")}
+           for host in "ab"}
+    assert led["a"] and led["b"] and len(led["a"] & led["b"]) < len(problems)
+    with TuningDB(tmp_path / "a.db") as db:
+        assert [r.id for r in db.runs()] == [plans["a"].run_id(0)]
+    storage = open_storage(url)
+    leases = Counter(t.user_attrs[LEASE_ATTR] for s in optuna.get_all_study_summaries(storage)
+                     if s.study_name.endswith(" claims")
+                     for t in optuna.load_study(study_name=s.study_name, storage=storage)
+                     .get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                     if LEASE_ATTR in t.user_attrs)
+    assert leases == {"nightly": 3, "weekly": 1}  # each problem led once per campaign
+
+    # Rerunning the finished campaign resumes it: nothing is left, and the command says so.
+    result = CliRunner().invoke(app, [
+        "tune", "--device", "cpu", "--shape", "1,2,1,32,32,16", "--trials", "3",
+        "--storage", url, "--campaign", "nightly", "--db", str(tmp_path / "again.db")])
+    assert result.exit_code == 0, result.output
+    assert "campaign nightly" in result.output
+    assert "nothing new to tune: 1 problem(s)" in result.output
+    assert "already done by campaign nightly" in result.output
+    with TuningDB(tmp_path / "again.db") as db:
+        assert not db.trials()
+        runs = db.runs()
+        assert len(runs) == 1 and runs[0].status == "ok"
+        assert runs[0].id.startswith("nightly-") and runs[0].id.endswith("-w0")
+
+
+def test_the_summary_names_the_problems_left_to_the_campaign() -> None:
+    from flashgen.cli import _left_to_campaign
+    from flashgen.tune.workers import WorkerEnd
+
+    other, third = PROBLEM.with_(seq_q=128, seq_k=128), PROBLEM.with_(seq_q=64, seq_k=64)
+    tuned = TuneResult(third, TuningKey.for_problem(third, INTERPRETER, "fwd", VERSIONS), 3)
+    ends = [WorkerEnd(0, None, "ok", 0, skipped={PROBLEM: "held", other: "held"}),
+            WorkerEnd(1, None, "ok", 0, skipped={PROBLEM: "done", third: "done"})]
+    done, held = _left_to_campaign([PROBLEM, other, third], [tuned], ends, "nightly")
+    # One worker found PROBLEM led, another found it done: done wins; `third` was tuned here.
+    assert done.startswith("1 problem(s) (") and "already done by campaign nightly" in done
+    assert held.startswith("1 problem(s) (") and "led by another worker" in held
+    assert _left_to_campaign([PROBLEM], [], ends[1:], "n")[0].startswith("nothing new")
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--campaign", "nightly"], "--campaign needs --storage"),
+    (["--campaign", "", "--storage", "{url}"], "--campaign is empty"),
+    (["--campaign", "night run", "--storage", "{url}"], "'night run': use only letters"),
+    (["--campaign", "-x", "--storage", "{url}"], "starting with a letter or digit"),
+    (["--campaign", "a/b", "--storage", "{url}"], "use only letters"),
+    (["--campaign", "n" * 65, "--storage", "{url}"], "65 characters, at most 64"),
+])
+def test_a_bad_campaign_is_one_error_line(args: list[str], needle: str,
+                                          tmp_path: Path) -> None:
+    url = str(tmp_path / "studies.log")
+    result = CliRunner().invoke(app, [
+        "tune", "--device", "cpu", "--shape", "1,2,1,32,32,16", "--db", str(tmp_path / "t.db"),
+        *(a.format(url=url) for a in args)])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --campaign") and needle in lines[0]
+    assert not (tmp_path / "t.db").exists() and not Path(url).exists()  # nothing was started
 
 
 # ---- the command -----------------------------------------------------------------------

@@ -8,8 +8,8 @@ carrying the variant (creation is one atomic write, and trial ids grow in write 
 of the live claims of one variant the lowest id holds it. A claim stays RUNNING while its
 variant is measured, then COMPLETE with the outcome (so later workers take it instead of
 measuring) or FAIL when given back. The same ordering shares a run's trial budget: of the
-live or complete claims of one campaign (`flashgen tune` invocation), only the first
-`budget` count.
+live or complete claims of one campaign (a `flashgen tune` invocation, or every invocation
+naming it with `--campaign`), only the first `budget` count.
 
 A worker that dies stops beating: Optuna's heartbeat (`heartbeat_interval`, `grace_period`,
 `fail_stale_trials`) turns its RUNNING trials and claims into FAIL, and the stale trial is
@@ -270,8 +270,8 @@ class SharedClaim:
 
 class Shared:
     """A worker's handle on the shared storage: which storage, which flashgen version its
-    studies belong to, and which campaign (the `flashgen tune` invocation whose workers share
-    each problem's trial budget)."""
+    studies belong to, and which campaign (the `flashgen tune` invocation, or invocations
+    naming one `--campaign`, whose workers share each problem's trial budget and lease)."""
 
     def __init__(self, storage: BaseStorage, version: str, campaign: str,
                  worker: str) -> None:

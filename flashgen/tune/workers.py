@@ -13,6 +13,11 @@ progress to the parent through a queue, which shows one line per worker. A worke
 with `kill -9` loses the trial it was measuring: its heartbeat stops, and another worker
 measures that variant again.
 
+A campaign is one invocation's by default (a random id). Invocations started separately,
+say one per host, join one campaign by giving it a name (`flashgen tune --campaign NAME`):
+they then share budgets and leases as one invocation's workers do, and each still writes
+run ids of its own (`WorkerPlan.run_id`).
+
 Processes are spawned, not forked: each imports torch and triton (or selects the
 interpreter, from the inherited TRITON_INTERPRET) on its own, and opens its own storage and
 database connections.
@@ -23,10 +28,12 @@ from __future__ import annotations
 import multiprocessing
 import os
 import queue as queue_module
+import re
 import socket
 import traceback
+import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +70,30 @@ def parse_gpus(text: str, visible: int) -> list[int]:
     return gpus
 
 
+#: A campaign name: kept to characters a shell, a URL and a run id take as they are, and
+#: short, since it is stored in every claim and lease.
+_CAMPAIGN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+CAMPAIGN_MAX = 64
+
+
+def check_campaign(name: str) -> str:
+    """`name` if it is a valid `--campaign` name, else a one-line ValueError saying why."""
+    if not name:
+        raise ValueError("--campaign is empty: give a name such as fa-bench-h100")
+    if len(name) > CAMPAIGN_MAX:
+        raise ValueError(f"--campaign {name[:CAMPAIGN_MAX]!r}...: {len(name)} characters, at "
+                         f"most {CAMPAIGN_MAX}")
+    if not _CAMPAIGN_NAME.fullmatch(name):
+        raise ValueError(f"--campaign {name!r}: use only letters, digits, '.', '_' and '-', "
+                         f"starting with a letter or digit")
+    return name
+
+
+def new_id() -> str:
+    """A random id: an unnamed campaign's, and an invocation's own."""
+    return uuid.uuid4().hex[:12]
+
+
 def make_bench(mode: str, problem: Problem, target: Any, seed: int, compile_workers: int,
                db_path: Path) -> Bench:
     """The bench of one problem and mode. The backward's input comes from the forward that
@@ -93,16 +124,28 @@ class WorkerPlan:
     problems: tuple[Problem, ...]
     run: RunOptions
     storage_url: str
-    campaign: str  # shared by the workers: each problem's trial budget is the campaign's
+    # Shared by the workers, and by other invocations that name the same campaign: each
+    # problem's trial budget and lease are the campaign's.
+    campaign: str
     version: str  # flashgen's: part of every study name
     heartbeat_s: int = HEARTBEAT_S
     grace_s: int = GRACE_S
     bench_factory: BenchFactory = make_bench
+    invocation: str = field(default_factory=new_id)  # this invocation's own id
+
+    def run_id(self, index: int) -> str:
+        """Worker `index`'s run id (its `runs` row and its trials' `run_id`). Invocations
+        sharing a named campaign each add their own id, so no two write the same run id;
+        an unnamed campaign is the invocation's own, and its ids stay `<campaign>-w<i>`."""
+        if self.invocation == self.campaign:
+            return f"{self.campaign}-w{index}"
+        return f"{self.campaign}-{self.invocation}-w{index}"
 
 
 def worker_main(index: int, gpu: int | None, plan: WorkerPlan, report: Any) -> None:
     """One worker: tune every problem of `plan` on `gpu` (None: the CPU interpreter),
-    sending ("progress", index, TuneResult), ("result", index, TuneResult) and finally
+    sending ("progress", index, TuneResult), ("result", index, TuneResult), ("skipped",
+    index, Problem, "done" or "held") for a problem it left to the campaign, and finally
     ("done", index, status, message) to `report`."""
     status, message = "failed", ""
     try:
@@ -134,7 +177,7 @@ def _work(index: int, gpu: int | None, plan: WorkerPlan, report: Any) -> str:
                            grace_s=plan.grace_s)
     shared = Shared(storage, plan.version, plan.campaign,
                     worker=f"{socket.gethostname()}:{os.getpid()}")
-    run_id = f"{plan.campaign}-w{index}"
+    run_id = plan.run_id(index)
     status = "failed"
 
     def tune(problem: Problem) -> None:
@@ -176,8 +219,13 @@ def _work(index: int, gpu: int | None, plan: WorkerPlan, report: Any) -> str:
             for problem in (p for p in plan.problems if p not in led):
                 room = run.exhaustive or (run.trials is not None and shared.room(
                     keys[problem], problem, run.trials))
-                if lead(problem, keys[problem]) == "held" and room:
+                kind = lead(problem, keys[problem])
+                if kind == "held" and room:
                     tune(problem)
+                elif kind != "ours":
+                    # Finished by the campaign (maybe in an earlier run of a named one), or
+                    # led elsewhere with its budget taken: the parent's summary says which.
+                    report.put(("skipped", index, problem, kind))
             status = "ok"
         except KeyboardInterrupt:
             status = "interrupted"
@@ -196,20 +244,25 @@ def _light(result: TuneResult) -> TuneResult:
 @dataclass
 class WorkerEnd:
     """How a worker ended: its status ("ok", "failed", "interrupted", or "killed" for a
-    process that died without a word), exit code and message."""
+    process that died without a word), exit code and message, and the problems it left to
+    the campaign, each "done" (finished by it) or "held" (led by another of its workers,
+    of this invocation or another, and not joined: no budget left to share)."""
 
     index: int
     gpu: int | None
     status: str
     exitcode: int | None
     message: str = ""
+    skipped: dict[Problem, str] = field(default_factory=dict)
 
 
 def run_workers(plan: WorkerPlan, gpus: list[int | None],
                 on_progress: Callable[[int, TuneResult], None] | None = None,
+                on_skip: Callable[[int, Problem, str], None] | None = None,
                 ) -> tuple[list[TuneResult], list[WorkerEnd]]:
     """Run one worker per entry of `gpus` until all end; return every (problem, mode)
-    result, merged over the workers, and how each worker ended."""
+    result, merged over the workers, and how each worker ended. `on_skip` hears of each
+    problem a worker left to the campaign (see `WorkerEnd.skipped`)."""
     context = multiprocessing.get_context("spawn")
     report = context.Queue()
     processes = [context.Process(target=worker_main, args=(i, gpu, plan, report),
@@ -219,6 +272,7 @@ def run_workers(plan: WorkerPlan, gpus: list[int | None],
         process.start()
     results: list[TuneResult] = []
     said: dict[int, tuple[str, str]] = {}
+    skipped: dict[int, dict[Problem, str]] = {}
     try:
         while True:
             try:
@@ -234,6 +288,10 @@ def run_workers(plan: WorkerPlan, gpus: list[int | None],
                 results.append(message[2])
                 if on_progress:
                     on_progress(index, message[2])
+            elif kind == "skipped":
+                skipped.setdefault(index, {})[message[2]] = message[3]
+                if on_skip:
+                    on_skip(index, message[2], message[3])
             elif kind == "done":
                 said[index] = (message[2], message[3])
     finally:
@@ -244,7 +302,7 @@ def run_workers(plan: WorkerPlan, gpus: list[int | None],
         status, text = said.get(i, ("killed", ""))
         if i not in said:
             text = f"exit code {process.exitcode}"
-        ends.append(WorkerEnd(i, gpu, status, process.exitcode, text))
+        ends.append(WorkerEnd(i, gpu, status, process.exitcode, text, skipped.get(i, {})))
     return merge_results(results), ends
 
 
