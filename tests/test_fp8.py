@@ -379,3 +379,12 @@ def test_the_kernels_and_the_runtime_agree_on_the_fp8_block() -> None:
     from flashgen.kernels.problem import FP8_BLOCK
 
     assert FP8_BLOCK == QUANT_BLOCK
+
+
+@pytest.mark.interpreter
+def test_v_with_keys_inner_is_the_same_attention(e4m3_rounding: None) -> None:
+    q, k, v = blocky_inputs(1, 2, 1, 150, 200, 32)
+    inner, rows = (quantize(q, k, v, v_keys_inner=flag) for flag in (True, False))
+    assert inner.v.stride()[-2:] == (1, 200) and rows.v.stride()[-1] == 1
+    assert torch.equal(inner.v.float(), rows.v.float())
+    assert torch.equal(call(*inner, causal=True), call(*rows, causal=True))

@@ -117,7 +117,7 @@ def dequantize(x: torch.Tensor, descale: torch.Tensor, block: int | None = QUANT
 
 def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
              block: int | None = QUANT_BLOCK, incoherent: bool = True,
-             seed: int = 0) -> Quantized:
+             seed: int = 0, v_keys_inner: bool = True) -> Quantized:
     """q, k, v (B, H, N, D) (k and v may have fewer heads) to `FP8_DTYPE` with fp32 descales,
     the step to run before `flashgen.attention(..., descale_q=, descale_k=, descale_v=)`.
 
@@ -132,6 +132,10 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     would use D') and keep `out[..., :D]`: the extra columns of the output are zero.
     `block`: rows per scale (default `QUANT_BLOCK`); `None` gives one scale per tensor.
     `incoherent=False, block=None` is plain per-tensor fp8, the baseline.
+    `v_keys_inner`: v comes back as a (B, H, N, D) view of (B, H, D, N) memory, each column's
+    keys contiguous: the layout fp8 tensor cores take for P V (the reduction runs over the
+    keys; Hopper's fp8 WGMMA reads that operand only K-major, and Triton specialises the
+    unit stride). Same values; any layout is accepted by attention.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -156,4 +160,6 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         work = torch.float64 if q.dtype == torch.float64 else torch.float32
         q, k = rotate(q.to(work), seed), rotate(k.to(work), seed)
     (q8, dq), (k8, dk), (v8, dv) = (quantize_one(t, block) for t in (q, k, v))
+    if v_keys_inner:
+        v8 = v8.transpose(-1, -2).contiguous().transpose(-1, -2)
     return Quantized(q8, k8, v8, dq, dk, dv)
