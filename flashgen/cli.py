@@ -315,6 +315,8 @@ def tune(
                              "--sinks and --varlen")
     except (ValueError, TypeError) as exc:
         raise _fail(str(exc)) from None
+    if device == "cuda" and any(p.dtype == "fp8" for p in problems):
+        _check_fp8_gpus(gpu, gpus)
     from flashgen.tune.search import RunOptions
 
     run = RunOptions(device, gpu, trials, timeout, seed, compile_workers, db, modes, remeasure,
@@ -354,6 +356,27 @@ def _modified(problems: list[Problem], window: str | None, softcap: float | None
                         mix=mix_bucket(len(lengths), longest, sum(lengths)))
         out.append(p)
     return list(dict.fromkeys(out))
+
+
+def _check_fp8_gpus(gpu: int, gpus: str | None) -> None:
+    """fp8 tuning needs fp8 tensor cores on every GPU it runs on: one error line, not a
+    search with no valid variant."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return  # the tuner says so itself
+    visible = torch.cuda.device_count()
+    if gpus is None:
+        indices = [gpu]
+    elif gpus.strip() == "all":
+        indices = list(range(visible))
+    else:
+        indices = [int(g) for g in gpus.split(",") if g.strip().isdigit()]
+    for index in sorted({i for i in indices if i < visible}):
+        major, minor = torch.cuda.get_device_capability(index)
+        if (major, minor) < (8, 9):
+            raise _fail(f"--dtype fp8 needs fp8 tensor cores (compute capability 8.9 or "
+                        f"newer); GPU {index} has {major}.{minor}")
 
 
 def _check_storage(url: str) -> None:

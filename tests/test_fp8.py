@@ -388,3 +388,18 @@ def test_v_with_keys_inner_is_the_same_attention(e4m3_rounding: None) -> None:
     assert inner.v.stride()[-2:] == (1, 200) and rows.v.stride()[-1] == 1
     assert torch.equal(inner.v.float(), rows.v.float())
     assert torch.equal(call(*inner, causal=True), call(*rows, causal=True))
+
+
+def test_tuning_fp8_on_a_gpu_without_fp8_tensor_cores_is_one_error_line(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from flashgen.cli import app
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (9, 0) if i else (8, 0))
+    result = CliRunner().invoke(app, ["tune", "--shape", "1,2,1,128,128,64", "--dtype", "fp8",
+                                      "--gpus", "1,0"])
+    assert result.exit_code == 2
+    assert "GPU 0 has 8.0" in result.output and "Traceback" not in result.output
