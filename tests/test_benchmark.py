@@ -330,7 +330,7 @@ def test_bench_on_the_cpu_interpreter(tmp_path: Path) -> None:
          "1,2,1,32,32,16", "--mode", "both", "--out", str(out)],
         env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr + done.stdout
-    assert "forward + backward" in done.stdout and "flashgen / best" in done.stdout
+    assert "forward + backward" in done.stdout and "vs best" in done.stdout
     # Nothing is tuned for the interpreter: the hint is the command that tunes it there
     # (it once said `--gpu 0 --preset fa-bench`, which fails on a CPU).
     assert "`flashgen tune --device cpu --shape 1,2,1,32,32,16 --dtype fp16" in done.stderr

@@ -12,10 +12,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from rich import box
 from rich.table import Table
 
 from flashgen.bench.competitors import FLASHGEN
 from flashgen.bench.suite import Mode, Row
+from flashgen.kernels.presets import problem_label
 from flashgen.kernels.problem import Problem
 from flashgen.tune.timing import UNSTEADY_SPREAD
 
@@ -87,19 +89,22 @@ def _cell(r: Row | None) -> str:
 
 def timing_table(summaries: Iterable[Summary], mode: Mode, competitors: Sequence[str],
                  device_name: str) -> Table:
-    """TFLOP/s of every competitor, one row per problem of `mode`, and flashgen's ratio."""
-    table = Table(title=f"flashgen bench: {MODE_TITLES[mode]}, TFLOP/s ({device_name})")
-    table.add_column("problem")
+    """TFLOP/s of every competitor, one row per problem of `mode`, and flashgen's ratio to
+    the best other. Compact, to read at 80 columns with three competitors: the tuner's
+    problem labels, and headers broken at their dashes."""
+    table = Table(title=f"flashgen bench: {MODE_TITLES[mode]}, TFLOP/s ({device_name})",
+                  box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False)
+    table.add_column("problem", no_wrap=True)
     for name in competitors:
-        table.add_column(name, justify="right")
+        table.add_column(name.replace("-", "-\n"), justify="right")
     table.add_column("best other", justify="left")
-    table.add_column(f"{FLASHGEN} / best", justify="right")
+    table.add_column(f"{FLASHGEN}\nvs best", justify="right")
     for s in summaries:
         if s.mode != mode:
             continue
         by_name = {r.competitor: r for r in s.rows}
         ratio = "-" if s.ratio is None else f"{s.ratio:.2f}x"
-        table.add_row(short_problem(s.problem), *(_cell(by_name.get(n)) for n in competitors),
+        table.add_row(problem_label(s.problem), *(_cell(by_name.get(n)) for n in competitors),
                       s.best.competitor if s.best else "-", ratio)
     return table
 
