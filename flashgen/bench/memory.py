@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from rich import box
 from rich.table import Table
 
 from flashgen.bench.competitors import AttentionFn, Competitor
@@ -152,11 +153,12 @@ def _size(row: MemoryRow | None) -> str:
 def memory_table(rows: Sequence[MemoryRow], device_name: str) -> Table:
     """Peak GiB per problem, a column per (mode, competitor), next to the inputs' size."""
     columns = list(dict.fromkeys((r.mode, r.competitor) for r in rows))
-    table = Table(title=f"flashgen bench: peak memory beyond the inputs, GiB ({device_name})")
-    table.add_column("problem")
+    table = Table(title=f"flashgen bench: peak memory beyond the inputs, GiB ({device_name})",
+                  box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False)
+    table.add_column("problem", no_wrap=True)
     table.add_column("q+k+v", justify="right")
-    for mode, name in columns:
-        table.add_column(f"{name} {'fwd+bwd' if mode == 'both' else mode}", justify="right")
+    for mode, name in columns:  # two header lines: the name, then the mode
+        table.add_column(f"{name}\n{'fwd+bwd' if mode == 'both' else mode}", justify="right")
     by_problem: dict[Problem, dict[tuple[str, str], MemoryRow]] = {}
     for r in rows:
         by_problem.setdefault(r.problem, {})[r.mode, r.competitor] = r
