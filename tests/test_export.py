@@ -430,6 +430,8 @@ def aot_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     _store(db, flashgen.Problem(1, 2, 1, 512, 512, 16, "fp16", True),
            flashgen.Variant("fa1", 64, 32, 4, 2), H200)
     _store(db, P_FA3, V_FA3, H200)
+    _store(db, flashgen.Problem(1, 2, 1, 256, 256, 32, "fp8", True),  # skipped: Python only
+           flashgen.Variant("fa2", 64, 32, 4, 2), H200)
     _store(db, P_FP16, V_FP16, INTERPRETER)
     output = _export("--db", str(db), "--out", str(tmp), "--name", "fgaot", "--format", "aot")
     assert "NVIDIA H200" in output
@@ -449,6 +451,7 @@ def test_aot_manifest_and_cubins(aot_export: Path) -> None:
     assert fa3["tuned_variant"]["loop_order"] == "fa3" and tuned["as_tuned"]
     reasons = [s["reason"] for s in manifest["skipped"]]
     assert any("fa1" in r for r in reasons) and any("interpreter" in r for r in reasons)
+    assert any("fp8" in r and "Python export" in r for r in reasons)
     assert len(manifest["defaults"]) == 2 * len(LENGTHS) ** 2  # two kinds: D16 fp16, D64 bf16
     kernels = {k["id"]: k for k in manifest["kernels"]}
     assert tuned["kernel"] in kernels and all(r["kernel"] in kernels for r in manifest["defaults"])
@@ -721,3 +724,32 @@ def test_decode_winners_ship_and_run(tmp_path: Path) -> None:
         assert dispatcher.explain_kvcache(c.q, c.k, c.v, c.seqlens, c.block_table).how == how
         checked = compare_kvcache(out, c, True, lse=lse)
         assert checked.ok, (p, checked.reason)
+
+
+@pytest.mark.interpreter
+def test_fp8_winners_ship_and_run(tmp_path: Path, e4m3_rounding: None) -> None:
+    """An fp8 winner ships with its fp8 kernel and forward defaults only (fp8 has no backward
+    nor decode kernels); the package serves it exactly and answers the fp8 gate."""
+    from flashgen.fp8 import quantize
+    from flashgen.tune.check import compare_fp8
+
+    problem = flashgen.Problem(1, 2, 1, 150, 150, 32, "fp8", True)
+    variant = flashgen.Variant("fa2", 64, 32, 4, 2)
+    _store(tmp_path / "t.db", problem, variant, INTERPRETER)
+    pkg = _export_and_import(tmp_path, "fgk_fp8")
+    table = json.loads((tmp_path / "fgk_fp8" / "table.json").read_text())
+    gpu = table["gpus"]["cpu-interpreter"]
+    assert [e["variant"] for e in gpu["fwd"]] == [variant.to_dict()]
+    for defaults in (gpu, table["generic"]):
+        assert {e["dtype"] for e in defaults["fwd_defaults"]} == {"fp8"}
+        assert not defaults["bwd_defaults"] and not defaults["decode_defaults"]
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 2, 150, 32, generator=gen)
+    k, v = (torch.randn(1, 1, 150, 32, generator=gen) for _ in range(2))
+    qz = quantize(q, k, v)
+    out = pkg.attention(qz.q, qz.k, qz.v, causal=True, descale_q=qz.descale_q,
+                        descale_k=qz.descale_k, descale_v=qz.descale_v)
+    assert out.dtype == torch.bfloat16  # fp8's default output
+    checked = compare_fp8(out, qz, causal=True)
+    assert checked.ok, checked.reason
+    assert pkg.explain(qz.q, qz.k, qz.v, causal=True).how == "exact"

@@ -280,6 +280,12 @@ def _plan_gpu(comp: _Compiler, gpu: GpuWinners, families: list[Family],
         variant: AnyVariant = w.variant
         bucket = {"dtype": k.dtype, "causal": k.causal, "head_dim": k.head_dim, "gqa": k.gqa,
                   "seq_q_bucket": k.seq_q_bucket, "seq_k_bucket": k.seq_k_bucket}
+        if k.dtype == "fp8":
+            manifest["skipped"].append(_bucket_row(
+                gpu, **bucket, variant=variant.to_dict(),
+                reason="fp8 kernels take descales and a bf16 or fp16 output the C ABI has no "
+                       "slots for; the Python export serves them"))
+            continue
         if not isinstance(variant, Variant) or variant.loop_order == "fa1":
             manifest["skipped"].append(_bucket_row(
                 gpu, **bucket, variant=variant.to_dict(),
@@ -299,7 +305,7 @@ def _plan_gpu(comp: _Compiler, gpu: GpuWinners, families: list[Family],
             gpu, **bucket, kernel=job.kid, need=list(tile_needs("fwd", variant, w.problem)),
             tuned_triton_version=gpu.triton_version, source=row.source(),
             kernel_hash=w.kernel_hash, **note))
-    for family in families:
+    for family in (f for f in families if f[0] != "fp8"):  # fp8: Python export only
         for nq, nk, variant, problem in default_grid("fwd", family, gpu.device):
             assert isinstance(variant, Variant)
             job = comp.kernel(variant.pointer_twin() if variant.needs_tma else variant, problem,

@@ -165,7 +165,7 @@ def _defaults(kernels: _Kernels, families: list[Family], decode_families: list[F
             {"dtype": fam[0], "causal": fam[1], "head_dim": fam[2],
              "seq_q_bucket": nq, "seq_k_bucket": nk,
              **_entry(kernels, mode, variant, problem, device)}
-            for fam in families
+            for fam in families if mode == "fwd" or fam[0] != "fp8"  # fp8: forward only
             for nq, nk, variant, problem in default_grid(mode, fam, device)
         ]
     out["decode_defaults"] = [

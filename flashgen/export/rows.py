@@ -44,6 +44,9 @@ LENGTHS: tuple[int, ...] = (16, 32, 64, 128, 256)
 #: The device the generic defaults are chosen for, so they run on any GPU Triton supports:
 #: no Hopper-only knobs, and Turing's 64 KiB of shared memory per block, the smallest opt-in.
 GENERIC = DeviceInfo("generic", (7, 5), 1, 65536)
+#: The generic defaults of fp8 kinds: the least GPU with fp8 tensor cores (Ada, sm89, 99 KB
+#: of shared memory a block), since GENERIC's Turing has none.
+GENERIC_FP8 = DeviceInfo("generic", (8, 9), 1, 101376)
 
 #: Shared memory one block may opt into, by compute capability (CUDA programming guide,
 #: "Technical Specifications per Compute Capability"). Tuning keys do not store it; the
@@ -104,9 +107,10 @@ class Selection:
 
     def decode_families(self) -> list[Family]:
         """Every (dtype, causal, head dim) with a decode winner, or a forward one: `attention`
-        runs the decode family for a few queries against many keys."""
+        runs the decode family for a few queries against many keys (fp8 has no decode
+        kernels: its forward serves every length)."""
         found = {(s.winner.key.dtype, s.winner.key.causal, s.winner.key.head_dim)
-                 for g in self.gpus for s in (*g.fwd, *g.decode)}
+                 for g in self.gpus for s in (*g.fwd, *g.decode) if s.winner.key.dtype != "fp8"}
         return sorted(found)
 
 
@@ -239,6 +243,8 @@ def default_grid(mode: str, family: Family,
     `default_variant` logic, evaluated ahead of time so the runtime only looks it up."""
     dtype, causal, head_dim = family
     choose = default_variant if mode == "fwd" else default_bwd_variant
+    if dtype == "fp8" and device == GENERIC:
+        device = GENERIC_FP8
     grid: list[tuple[int, int, AnyVariant, Problem]] = []
     for nq in LENGTHS:
         for nk in LENGTHS:
