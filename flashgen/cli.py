@@ -315,8 +315,12 @@ def tune(
                              "--sinks and --varlen")
     except (ValueError, TypeError) as exc:
         raise _fail(str(exc)) from None
-    if device == "cuda" and any(p.dtype == "fp8" for p in problems):
-        _check_fp8_gpus(gpu, gpus)
+    if any(p.dtype == "fp8" for p in problems):
+        if mode != "fwd":
+            raise _fail(f"--dtype fp8 tunes the forward only (fp8 has no backward or decode "
+                        f"kernels): use --mode fwd, not --mode {mode}")
+        if device == "cuda":
+            _check_fp8_gpus(gpu, gpus)
     from flashgen.tune.search import RunOptions
 
     run = RunOptions(device, gpu, trials, timeout, seed, compile_workers, db, modes, remeasure,

@@ -28,6 +28,7 @@ Options:
   --bwd-trials N        new backward measurements per problem (default 6)
   --bwd-timeout S       seconds of backward tuning per problem (default 25)
   --compile-workers N   compile threads (default 15)
+  --fp8                 forward also in fp8 (e4m3, forward only; needs sm89 or newer)
   --dry-run             print the commands, run nothing
   -- ARGS...            passed to every `flashgen tune` call
 EOF
@@ -35,7 +36,7 @@ EOF
 
 die() { echo "retune.sh: $*" >&2; exit 2; }
 
-db="" gpu=0 modes="fwd bwd" presets=() dry=0 workers=15
+db="" gpu=0 modes="fwd bwd" presets=() dry=0 workers=15 fp8=0
 fwd_trials=4 fwd_timeout=15 bwd_trials=6 bwd_timeout=25
 extra=()
 while (($#)); do
@@ -60,6 +61,7 @@ while (($#)); do
     --bwd-trials) bwd_trials=${2:?}; shift 2 ;;
     --bwd-timeout) bwd_timeout=${2:?}; shift 2 ;;
     --compile-workers) workers=${2:?}; shift 2 ;;
+    --fp8) fp8=1; shift ;;
     --dry-run) dry=1; shift ;;
     -h|--help) usage; exit 0 ;;
     --) shift; extra=("$@"); break ;;
@@ -84,9 +86,12 @@ if ((!dry)) && command -v nvidia-smi >/dev/null; then
   nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader -i "$gpu"
 fi
 for mode in $modes; do
-  if [[ $mode == fwd ]]; then trials=$fwd_trials timeout=$fwd_timeout
+  dtypes=fp16,bf16
+  if [[ $mode == fwd ]]; then
+    trials=$fwd_trials timeout=$fwd_timeout
+    ((fp8)) && dtypes+=,fp8
   else trials=$bwd_trials timeout=$bwd_timeout; fi
   run "${PYTHON:-python3}" -m flashgen tune --gpu "$gpu" --mode "$mode" "${preset_args[@]}" \
-    --dtype fp16,bf16 --causal both --trials "$trials" --timeout "$timeout" \
+    --dtype "$dtypes" --causal both --trials "$trials" --timeout "$timeout" \
     --compile-workers "$workers" --db "$db" ${extra[@]+"${extra[@]}"}
 done

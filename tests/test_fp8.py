@@ -382,3 +382,16 @@ def test_tuning_fp8_on_a_gpu_without_fp8_tensor_cores_is_one_error_line(
                                       "--gpus", "1,0"])
     assert result.exit_code == 2
     assert "GPU 0 has 8.0" in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(("mode", "shape"), [("both", "1,2,1,64,64,32"),
+                                             ("bwd", "1,2,1,64,64,32"),
+                                             ("decode", "2,4,1,1,48,16")])
+def test_tuning_fp8_beyond_the_forward_is_one_error_line(mode: str, shape: str) -> None:
+    from typer.testing import CliRunner
+
+    from flashgen.cli import app
+
+    result = CliRunner().invoke(app, ["tune", "--device", "cpu", "--shape", shape, "--dtype",
+                                      "fp8", "--mode", mode])
+    assert result.exit_code == 2 and "forward only" in result.output

@@ -41,3 +41,9 @@ def test_retune_needs_a_database() -> None:
     run = subprocess.run(["bash", str(ROOT / "scripts" / "retune.sh"), "--dry-run"],
                          capture_output=True, text=True)
     assert run.returncode == 2 and "--db" in run.stderr
+
+
+def test_retune_tunes_fp8_forward_only_when_asked() -> None:
+    dtypes = [c[c.index("--dtype") + 1] for c in _dry_run("--db", "x.db", "--fp8")]
+    assert dtypes == ["fp16,bf16,fp8", "fp16,bf16"]  # fwd, then bwd: fp8 has no backward
+    assert [c[c.index("--dtype") + 1] for c in _dry_run("--db", "x.db")] == ["fp16,bf16"] * 2
