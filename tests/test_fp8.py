@@ -231,6 +231,7 @@ FP8_CASES = [
     (2, 2, 2, 130, 130, 32, False, 128),
     (1, 2, 2, 140, 260, 64, False, None),  # per-tensor descales
     (1, 4, 1, 33, 300, 16, True, 128),     # MQA, three key blocks
+    (1, 2, 2, 140, 170, 48, True, None),   # a head dim the kernel pads (no rotation here)
 ]
 
 
