@@ -367,18 +367,19 @@ def _check_fp8_gpus(gpu: int, gpus: str | None) -> None:
     search with no valid variant."""
     import torch
 
+    from flashgen.runtime.inputs import FP8_MIN_CAPABILITY
+    from flashgen.tune.workers import parse_gpus
+
     if not torch.cuda.is_available():
         return  # the tuner says so itself
     visible = torch.cuda.device_count()
-    if gpus is None:
-        indices = [gpu]
-    elif gpus.strip() == "all":
-        indices = list(range(visible))
-    else:
-        indices = [int(g) for g in gpus.split(",") if g.strip().isdigit()]
-    for index in sorted({i for i in indices if i < visible}):
+    try:
+        indices = [gpu] if gpus is None else parse_gpus(gpus, visible)
+    except ValueError:
+        return  # a bad --gpus is reported where the workers are planned
+    for index in sorted({i for i in indices if i < visible}):  # a bad --gpu: the same
         major, minor = torch.cuda.get_device_capability(index)
-        if (major, minor) < (8, 9):
+        if (major, minor) < FP8_MIN_CAPABILITY:
             raise _fail(f"--dtype fp8 needs fp8 tensor cores (compute capability 8.9 or "
                         f"newer); GPU {index} has {major}.{minor}")
 

@@ -163,6 +163,7 @@ def modifier_context(problem: Problem) -> dict[str, Any]:
         "tile_mods": f" {tile}" if tile else "",
         "fp8": fp8,
         "fp8_range": " dq, dk_base, dv_base, stride_dkn, stride_dvn," if fp8 else "",
+        "fp8_step": " QK_DESCALE, V_DESCALE," if fp8 else "",
         "quant_block": FP8_BLOCK,
     }
 

@@ -185,6 +185,15 @@ def fail_stale(study: optuna.Study) -> None:
         optuna.storages.fail_stale_trials(study)
 
 
+def live_trials(claims: optuna.Study) -> list[FrozenTrial]:
+    """The RUNNING and COMPLETE trials of a claims study, oldest first, once dead workers'
+    running ones have failed: what claims, budgets and leases are decided on."""
+    fail_stale(claims)
+    return sorted(claims.get_trials(deepcopy=False,
+                                    states=(TrialState.RUNNING, TrialState.COMPLETE)),
+                  key=lambda t: t._trial_id)
+
+
 class Beater:
     """One thread beating for every trial and claim this worker holds, every interval."""
 
@@ -288,17 +297,15 @@ class Shared:
 
     # ---- problem leases ------------------------------------------------------------------
 
-    def _claims(self, key: TuningKey, problem: Problem) -> optuna.Study:
+    def claims_study(self, key: TuningKey, problem: Problem) -> optuna.Study:
+        """The claims study beside `problem`'s study (claims and leases live there)."""
         return optuna.create_study(
             storage=self.storage, study_name=study_name(key, problem, self.version)
             + CLAIMS_SUFFIX, direction="minimize", load_if_exists=True)
 
     def _leases(self, claims: optuna.Study) -> list[FrozenTrial]:
         """This campaign's live and finished leases of one problem, oldest first."""
-        fail_stale(claims)
-        return sorted((t for t in claims.get_trials(
-            deepcopy=False, states=(TrialState.RUNNING, TrialState.COMPLETE))
-            if t.user_attrs.get(LEASE_ATTR) == self.campaign), key=lambda t: t._trial_id)
+        return [t for t in live_trials(claims) if t.user_attrs.get(LEASE_ATTR) == self.campaign]
 
     def lease(self, key: TuningKey, problem: Problem) -> Lease:
         """Ask to lead `problem` for this campaign: "ours" if no other worker of the campaign
@@ -306,7 +313,7 @@ class Shared:
         do not each pay a problem's fixed costs (inputs, reference, compiles, baseline) for a
         share of its trials. A lease is a claim-like trial (lowest id wins); a dead worker's
         lease goes stale and fails, so the problem can be leased again."""
-        claims = self._claims(key, problem)
+        claims = self.claims_study(key, problem)
         leases = self._leases(claims)
         if leases:
             return Lease("done" if leases[0].state == TrialState.COMPLETE else "held")
@@ -334,11 +341,8 @@ class Shared:
 
     def room(self, key: TuningKey, problem: Problem, budget: int) -> bool:
         """Whether this campaign has claimed fewer than `budget` variants of `problem`."""
-        claims = self._claims(key, problem)
-        fail_stale(claims)
-        return sum(1 for t in claims.get_trials(
-            deepcopy=False, states=(TrialState.RUNNING, TrialState.COMPLETE))
-            if t.user_attrs.get("campaign") == self.campaign) < budget
+        return sum(1 for t in live_trials(self.claims_study(key, problem))
+                   if t.user_attrs.get("campaign") == self.campaign) < budget
 
 
 @dataclass(frozen=True)
@@ -367,9 +371,7 @@ class SharedStudy:
             self.created = False
             self.study = optuna.load_study(study_name=name, storage=shared.storage,
                                            sampler=sampler)
-        self.claims = optuna.create_study(storage=shared.storage,
-                                          study_name=name + CLAIMS_SUFFIX,
-                                          direction="minimize", load_if_exists=True)
+        self.claims = shared.claims_study(key, problem)
         self._open: set[int] = set()
 
     # ---- trials --------------------------------------------------------------------------
@@ -400,10 +402,7 @@ class SharedStudy:
     # ---- claims --------------------------------------------------------------------------
 
     def _live(self) -> list[FrozenTrial]:
-        fail_stale(self.claims)
-        return sorted(self.claims.get_trials(
-            deepcopy=False, states=(TrialState.RUNNING, TrialState.COMPLETE)),
-            key=lambda t: t._trial_id)
+        return live_trials(self.claims)
 
     def claim(self, variant_json: str, budget: int | None) -> SharedClaim:
         """Claim `variant_json` for this worker (see the module docstring)."""
