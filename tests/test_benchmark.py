@@ -16,7 +16,14 @@ import torch
 from rich.console import Console
 from typer.testing import CliRunner
 
-from flashgen.bench.competitors import Competitor, Prepared, Unavailable, parse_names, resolve
+from flashgen.bench.competitors import (
+    COMPETITORS,
+    Competitor,
+    Prepared,
+    Unavailable,
+    parse_names,
+    resolve,
+)
 from flashgen.bench.memory import (
     MemoryRow,
     memory_modes,
@@ -348,3 +355,10 @@ def test_bench_on_the_cpu_interpreter(tmp_path: Path) -> None:
         assert r["device"] == "cpu-interpreter" and r["timer"] == "wall"
     flashgen_rows = [r for r in records if r["competitor"] == "flashgen"]
     assert all("fwd " in r["note"] and "bwd " in r["note"] for r in flashgen_rows)
+
+
+def test_competitors_without_fp8_are_n_a_with_that_reason() -> None:
+    fp8 = Problem(1, 1, 1, 64, 64, 32, "fp8")
+    for name in ("sdpa-math", "sdpa-cudnn"):
+        with pytest.raises(Unavailable, match="takes no fp8 inputs"):
+            COMPETITORS[name].prepare(fp8, torch.device("cpu"))

@@ -296,7 +296,7 @@ def test_fp8_is_forward_only() -> None:
         call(q, k, v, *ds)
 
 
-def test_fp8_variants_are_fa2_pointer_kernels_with_tiles_inside_a_block() -> None:
+def test_fp8_variants_are_fa2_kernels_with_tiles_inside_a_block() -> None:
     from flashgen.kernels.fwd_space import default_variant, search_space, why_invalid
     from flashgen.kernels.hardware import DeviceInfo
     from flashgen.kernels.problem import Problem
@@ -305,25 +305,56 @@ def test_fp8_variants_are_fa2_pointer_kernels_with_tiles_inside_a_block() -> Non
     hopper = DeviceInfo("H-test", (9, 0), 132, 232448)
     p = Problem(2, 8, 2, 4096, 4096, 128, "fp8", True)
     space = search_space(p, hopper)
-    assert space and all(v.loop_order == "fa2" and not v.use_tma for v in space)
+    assert space and all(v.loop_order == "fa2" for v in space)
+    assert any(v.use_tma for v in space) and not all(v.use_tma for v in space)
     assert all(128 % v.block_m == 0 and 128 % v.block_n == 0 for v in space)
+    assert all(v.block_n >= 32 for v in space)
     assert why_invalid(default_variant(p, hopper), p, hopper) is None
-    assert "fa2 without use_tma" in why_invalid(Variant("fa3", 128, 128, 4, 2), p, hopper)
+    assert "fa2 only" in why_invalid(Variant("fa3", 128, 128, 4, 2), p, hopper)
     assert "quantization block" in why_invalid(Variant("fa2", 256, 64, 8, 2), p, hopper)
+    assert "at least 32 keys" in why_invalid(Variant("fa2", 64, 16, 4, 2), p, hopper)
     ampere = DeviceInfo("A-test", (8, 0), 108, 232448)
     assert "8.9" in why_invalid(Variant("fa2", 128, 64, 4, 2), p, ampere)
+    # 8-bit products reduce over at least 32 elements: a small head dim tiles with 32.
+    assert Problem(1, 2, 2, 64, 64, 16, "fp8", False).padded_head_dim == 32
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("case", [FP8_CASES[0], FP8_CASES[3]])
+def test_the_fp8_tma_kernel_reads_v_keys_inner_and_passes_the_gate(
+        case: tuple, e4m3_rounding: None) -> None:
+    b, hq, hkv, nq, nk, d, causal, block = case
+    q, k, v = blocky_inputs(b, hq, hkv, nq, nk, d)
+    qz = quantize(q, k, v, block=block)
+    tma = flashgen.Variant("fa2", 32, 32, 4, 2, use_tma=True)
+    out = call(*qz, causal=causal, variant=tma)
+    result = compare_fp8(out, qz, causal=causal, block=block)
+    assert result.ok, result.reason
+    # V laid out rows-inner cannot feed the fp8 TMA kernel: an explicit variant says so.
+    rows = quantize(q, k, v, block=block, v_keys_inner=False)
+    with pytest.raises(ValueError, match="keys-inner"):
+        call(*rows, causal=causal, variant=tma)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", FP8_CASES)
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
-def test_gpu_fp8_forward_passes_the_fp8_gate(case: tuple, out_dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("variant", [
+    None,
+    flashgen.Variant("fa2", 128, 64, 8, 3, use_tma=True),
+    flashgen.Variant("fa2", 128, 128, 8, 2, use_tma=True, warp_specialize=True),
+    flashgen.Variant("fa2", 64, 64, 4, 3, use_tma=True, programs_per_sm=2),
+], ids=["default", "tma", "tma-ws", "tma-persistent"])
+def test_gpu_fp8_forward_passes_the_fp8_gate(case: tuple, out_dtype: torch.dtype,
+                                             variant: Any) -> None:
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs compute capability 8.9")
+    if variant is not None and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("TMA kernels are served on Hopper")
     b, hq, hkv, nq, nk, d, causal, block = case
     q, k, v = (t.cuda() for t in blocky_inputs(b, hq, hkv, nq, nk, d))
     qz = quantize(q, k, v, block=block, incoherent=block is not None)
-    out = call(*qz, causal=causal, out_dtype=out_dtype)
+    out = call(*qz, causal=causal, out_dtype=out_dtype, variant=variant)
     assert out.dtype == out_dtype
     result = compare_fp8(out, qz, causal=causal, block=block)
     assert result.ok, result.reason
@@ -365,7 +396,7 @@ def test_the_kernels_and_the_runtime_agree_on_the_fp8_block() -> None:
 def test_v_with_keys_inner_is_the_same_attention(e4m3_rounding: None) -> None:
     q, k, v = blocky_inputs(1, 2, 1, 150, 200, 32)
     inner, rows = (quantize(q, k, v, v_keys_inner=flag) for flag in (True, False))
-    assert inner.v.stride()[-2:] == (1, 200) and rows.v.stride()[-1] == 1
+    assert inner.v.stride()[-2:] == (1, 208) and rows.v.stride()[-1] == 1
     assert torch.equal(inner.v.float(), rows.v.float())
     assert torch.equal(call(*inner, causal=True), call(*rows, causal=True))
 

@@ -90,6 +90,11 @@ def _sdpa_kwargs(q: torch.Tensor, k: torch.Tensor, causal: bool) -> dict[str, ob
     return kwargs
 
 
+def _no_fp8(problem: Problem, who: str) -> None:
+    if problem.dtype == "fp8":
+        raise Unavailable(f"torch {torch.__version__}'s {who} takes no fp8 inputs")
+
+
 def _sdpa(backend_name: str, gpu_only: bool) -> Callable[[Problem, torch.device], Prepared]:
     """One SDPA backend, forced with `sdpa_kernel`: SDPA's own pick is a heuristic, and a
     backend that refuses the problem must show up as n/a, not as another backend's time."""
@@ -101,6 +106,7 @@ def _sdpa(backend_name: str, gpu_only: bool) -> Callable[[Problem, torch.device]
         if layout:
             raise Unavailable("SDPA has no sliding-window or packed-sequence mask (only a "
                               "dense one)")
+        _no_fp8(problem, "SDPA")
         if gpu_only and device.type != "cuda":
             raise Unavailable("needs a CUDA GPU")
         backend = getattr(SDPBackend, backend_name, None)
@@ -124,6 +130,7 @@ def _flex(problem: Problem, device: torch.device, layout: Layout | None = None) 
     """
     if device.type != "cuda":
         raise Unavailable("timed on CUDA only (the CPU run covers flashgen and sdpa-math)")
+    _no_fp8(problem, "FlexAttention")
     if layout:
         return Prepared(flex_fn(problem, layout, device),
                         "torch.compile(flex_attention, dynamic=False), layout block mask")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from flashgen.kernels.hardware import DeviceInfo, device_info
-from flashgen.kernels.problem import FP8_BLOCK, MAX_HEAD_DIM, Problem
+from flashgen.kernels.problem import FP8_BLOCK, FP8_MIN_D, MAX_HEAD_DIM, Problem
 from flashgen.kernels.variant import LOOP_ORDERS, Variant
 
 if TYPE_CHECKING:
@@ -70,7 +70,9 @@ def block_m_longer_than_queries(v: Variant, p: Problem, dev: DeviceInfo) -> str 
 
 
 def block_n_longer_than_keys(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
-    return longer_than_needed("block_n", v.block_n, p.seq_k, "keys")
+    # fp8 key tiles hold at least FP8_MIN_D keys however short the sequence (see fp8_runs_in_fa2).
+    keys = max(p.seq_k, FP8_MIN_D) if p.dtype == "fp8" else p.seq_k
+    return longer_than_needed("block_n", v.block_n, keys, "keys")
 
 
 def shared_memory_overflow(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
@@ -238,17 +240,19 @@ def modifiers_need_pointer_kernels(v: Variant, p: Problem, dev: DeviceInfo) -> s
     return None
 
 
-def fp8_runs_in_fa2_pointer_kernels(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
-    # The fp8 path is written into the fa2 template with pointer loads only, and reads one
-    # descale per tile: a tile must lie inside one quantization block of rows.
+def fp8_runs_in_fa2(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
+    # The fp8 path is written into the fa2 template (pointer loads, or TMA with V read
+    # keys-inner), and reads one descale per tile: a tile must lie inside one quantization
+    # block of rows. P V reduces over the tile's keys, and 8-bit products need at least 32.
     if p.dtype != "fp8":
         return None
-    if v.loop_order != "fa2" or v.use_tma:
-        return (f"fp8 runs in fa2 without use_tma only (not {v.loop_order}"
-                f"{' use_tma' if v.use_tma else ''})")
+    if v.loop_order != "fa2":
+        return f"fp8 runs in fa2 only (not {v.loop_order})"
     if FP8_BLOCK % v.block_m or FP8_BLOCK % v.block_n:
         return (f"fp8 tiles must divide the {FP8_BLOCK}-row quantization block "
                 f"(block_m {v.block_m}, block_n {v.block_n})")
+    if v.block_n < FP8_MIN_D:
+        return f"fp8 P V products need at least {FP8_MIN_D} keys a tile (block_n {v.block_n})"
     if p.varlen:
         return "fp8 packed sequences are not built"
     if not dev.is_interpreter and dev.capability < (8, 9):
@@ -257,7 +261,7 @@ def fp8_runs_in_fa2_pointer_kernels(v: Variant, p: Problem, dev: DeviceInfo) -> 
 
 
 RULES: tuple[Rule, ...] = (
-    fp8_runs_in_fa2_pointer_kernels,
+    fp8_runs_in_fa2,
     modifiers_need_pointer_kernels,
     programs_per_sm_out_of_range,
     block_m_longer_than_queries,

@@ -25,6 +25,9 @@ DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 #: Rows of q, k or v that share one fp8 descale: `runtime.quantize.QUANT_BLOCK`, repeated
 #: because kernels and runtime import nothing of each other (a test keeps them equal).
 FP8_BLOCK = 128
+#: fp8 tensor-core products reduce over at least 32 elements (Triton refuses K < 32 for 8-bit
+#: dots), so an fp8 head dim tiles with at least 32 columns (`runtime.forward.FP8_MIN_D`).
+FP8_MIN_D = 32
 MAX_HEAD_DIM = 256
 #: The structure flags beyond causal, in field order.
 MODIFIERS: tuple[str, ...] = ("window", "softcap", "sinks", "varlen")
@@ -114,8 +117,9 @@ class Problem:
 
     @property
     def padded_head_dim(self) -> int:
-        """Head dim rounded up to the power of two (at least 16) that the kernels tile with."""
-        return max(16, 1 << (self.head_dim - 1).bit_length())
+        """Head dim rounded up to the power of two (at least 16, 32 for fp8) that the kernels
+        tile with."""
+        return max(FP8_MIN_D if self.dtype == "fp8" else 16, 1 << (self.head_dim - 1).bit_length())
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -28,9 +28,14 @@ def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
 
-def padded_head_dim(head_dim: int) -> int:
-    """The power of two (at least 16) the kernels tile the head dim with."""
-    return max(16, 1 << (head_dim - 1).bit_length())
+#: The least head-dim tile of an fp8 kernel: 8-bit tensor-core products reduce over at least
+#: 32 elements (`kernels.problem.FP8_MIN_D`, repeated so the runtime imports no tuner code).
+FP8_MIN_D = 32
+
+
+def padded_head_dim(head_dim: int, dtype: str = "") -> int:
+    """The power of two (at least 16; 32 for fp8) the kernels tile the head dim with."""
+    return max(FP8_MIN_D if dtype == "fp8" else 16, 1 << (head_dim - 1).bit_length())
 
 
 def cdiv(a: int, b: int) -> int:
@@ -240,25 +245,33 @@ def _prepare_tma(entry: Entry, shape: Shape, kernel_of: KernelOf, strict: bool) 
     variant = knobs(entry["variant"])
     kernel = kernel_of("fwd")
     launch = {"num_warps": variant.num_warps, "num_stages": variant.num_stages}
-    bm, bn, d = variant.block_m, variant.block_n, padded_head_dim(shape.head_dim)
+    bm, bn = variant.block_m, variant.block_n
+    d = padded_head_dim(shape.head_dim, shape.dtype)
     group, fa3 = shape.group, variant.loop_order == "fa3"
     plain: list[Launcher] = []  # the pointer twin, prepared on first need
 
     def run(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+        mods: Mods | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        out = torch.empty_like(q)
-        if not tma_ready(q, k, v, out):
+        # TMA variants take no modifiers (the rules); fp8 descales come as `mods.fp8`.
+        fp8 = mods.fp8 if mods is not None else None
+        out = torch.empty_like(q, dtype=fp8.out_dtype) if fp8 else torch.empty_like(q)
+        # fp8 V is addressed keys-inner: its (B, H, D, N) memory (`fp8.quantize`'s layout).
+        vt = v.transpose(-1, -2) if fp8 else v
+        if not tma_ready(q, k, vt, out):
             if strict:
                 raise ValueError(
                     f"variant {entry['variant']} uses TMA, which needs a unit last stride and "
-                    "16-byte aligned rows and base addresses; these inputs are not"
+                    "16-byte aligned rows and base addresses"
+                    f"{' (fp8: v keys-inner, as fp8.quantize lays it out)' if fp8 else ''}; "
+                    "these inputs are not"
                 )
             if not plain:
                 # The twin's own tiles, warps and grid: an fa3 twin is a plain fa2 kernel.
                 plain.append(_prepare_pointers(knobs(entry["twin"]), shape,
                                                kernel_of("fwd_plain")))
-            return plain[0](q, k, v, scale)
+            return plain[0](q, k, v, scale) if mods is None else plain[0](q, k, v, scale, mods)
         b, hq, nq, _ = q.shape
         lse = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
         if fa3:
@@ -271,11 +284,13 @@ def _prepare_tma(entry: Entry, shape: Shape, kernel_of: KernelOf, strict: bool) 
                 scale, nq, k.shape[2], hq, group, *extra, num_warps=variant.num_warps,
             )  # fmt: skip
             return out, lse
+        v_tiles = descriptor(vt, d, bn) if fp8 else descriptor(v, bn, d)
+        extra = mods.kernel_args(shape.causal, nq, k.shape[2]) if mods is not None else ()
         kernel[fa2_grid(variant, nq, b * hq, q.device)](
-            descriptor(q, bm, d), descriptor(k, bn, d), descriptor(v, bn, d),
+            descriptor(q, bm, d), descriptor(k, bn, d), v_tiles,
             descriptor(out, bm, d), lse,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride()[:2],
-            scale, nq, k.shape[2], hq, group, **launch,
+            scale, nq, k.shape[2], hq, group, *extra, **launch,
         )  # fmt: skip
         return out, lse
 

@@ -133,9 +133,10 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     `block`: rows per scale (default `QUANT_BLOCK`); `None` gives one scale per tensor.
     `incoherent=False, block=None` is plain per-tensor fp8, the baseline.
     `v_keys_inner`: v comes back as a (B, H, N, D) view of (B, H, D, N) memory, each column's
-    keys contiguous: the layout fp8 tensor cores take for P V (the reduction runs over the
-    keys; Hopper's fp8 WGMMA reads that operand only K-major, and Triton specialises the
-    unit stride). Same values; any layout is accepted by attention.
+    keys contiguous (rows padded to 16 keys): the layout fp8 tensor cores take for P V (the
+    reduction runs over the keys; Hopper's fp8 WGMMA reads that operand only K-major) and
+    the one fp8 TMA kernels read. Same values; any layout is accepted by attention (others
+    run the pointer kernels).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -161,5 +162,10 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         q, k = rotate(q.to(work), seed), rotate(k.to(work), seed)
     (q8, dq), (k8, dk), (v8, dv) = (quantize_one(t, block) for t in (q, k, v))
     if v_keys_inner:
-        v8 = v8.transpose(-1, -2).contiguous().transpose(-1, -2)
+        # Rows of keys padded to 16 bytes: the stride TMA descriptors need (the padding is
+        # never read: the kernels stop at N).
+        b, h, n, d = v8.shape
+        rows = torch.empty((b, h, d, -(-n // 16) * 16), dtype=v8.dtype, device=v8.device)
+        rows[..., :n].copy_(v8.transpose(-1, -2))
+        v8 = rows[..., :n].transpose(-1, -2)
     return Quantized(q8, k8, v8, dq, dk, dv)
