@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import csv
 import dataclasses
+import datetime
 import json
 import random
 import statistics
@@ -65,6 +66,12 @@ def problems(count: int, dtype: str) -> list[Problem]:
     """FlashAttention's benchmark shapes: batch x length = 16k tokens, heads x dim = 2048."""
     return [Problem(16384 // n, 2048 // d, 2048 // d, n, n, d, dtype, causal)
             for d, causal, n in GRID[:count]]
+
+
+def shape_problem(text: str, dtype: str) -> Problem:
+    """"B,HQ,HKV,N,D,CAUSAL" -> a square problem (Nq = Nk = N)."""
+    b, hq, hkv, n, d, causal = (int(x) for x in text.split(","))
+    return Problem(b, hq, hkv, n, n, d, dtype, bool(causal))
 
 
 def sample(problem: Problem, device: DeviceInfo, limit: int, seed: int) -> list[Variant]:
@@ -144,7 +151,8 @@ class ReplayBench:
         return None
 
 
-def sweep_rows(db: TuningDB, key: TuningKey, problem: Problem) -> dict[Variant, Measurement]:
+def sweep_rows(db: TuningDB, key: TuningKey | None,
+               problem: Problem) -> dict[Variant, Measurement]:
     rows = {}
     for row in db.trials(key, problem):  # oldest first: the latest row of a variant stays
         if row.status == "pruned":
@@ -176,6 +184,72 @@ def replay(problem: Problem, device: DeviceInfo, rows: dict[Variant, Measurement
             "seconds_to_2pct": reached[1] if reached else None}
 
 
+def cost_path(out: Path, problem: Problem) -> Path:
+    """Where the sweep notes each variant's cost (a plain file name: it travels anywhere)."""
+    mask = "causal" if problem.causal else "full"
+    return out / (f"cost-{problem.dtype}-D{problem.head_dim}-{mask}-N{problem.seq_q}"
+                  f"-B{problem.batch}-H{problem.heads_q}-{problem.heads_kv}.json")
+
+
+def sweep(problem: Problem, db: TuningDB, device: DeviceInfo, target: torch.device,
+          args: argparse.Namespace) -> float:
+    """Sweep `problem`'s sample into `db` (resuming: measured variants are skipped) and add
+    the costs of what this run measured to its cost file. Returns the wall seconds."""
+    with narrowed(sample(problem, device, args.limit, seed=0)):
+        bench = TimedBench(KernelBench(problem, target, compile_workers=args.compile_workers))
+        start = time.perf_counter()
+        tune_problem(problem, bench, db, device,  # type: ignore[arg-type]
+                     TuneOptions(exhaustive=True, batch=args.compile_workers))
+        wall = time.perf_counter() - start
+    path = cost_path(args.out, problem)
+    known = json.loads(path.read_text()) if path.exists() else {"cost": {}, "sweep_s": 0.0}
+    known["cost"].update({v.to_json(): c for v, c in bench.cost.items()})
+    known["sweep_s"] += wall
+    path.write_text(json.dumps(known))
+    return wall
+
+
+def estimated_costs(db: TuningDB, problem: Problem) -> dict[str, Any]:
+    """Costs when the sweep's cost file is missing: its wall time from the rows' timestamps,
+    spread evenly over the variants it recorded (an estimate, said so in the table)."""
+    rows = db.trials(None, problem)
+    stamps = sorted(datetime.datetime.fromisoformat(r.created_at) for r in rows)
+    wall = (stamps[-1] - stamps[0]).total_seconds() * len(rows) / max(1, len(rows) - 1)
+    return {"cost": {Variant.from_dict(r.variant).to_json(): wall / len(rows) for r in rows},
+            "sweep_s": wall, "estimated": True}
+
+
+def replay_problem(problem: Problem, db: TuningDB, device: DeviceInfo,
+                   args: argparse.Namespace) -> dict[str, Any] | None:
+    """Replay the tuner `--seeds` times on the sweep of `problem`; one table line."""
+    rows = sweep_rows(db, None, problem)
+    ok = [m.timing.median_ms for m in rows.values() if m.status == "ok" and m.timing is not None]
+    if not ok:
+        print(f"{problem}: nothing passed the sweep", file=sys.stderr)
+        return None
+    path = cost_path(args.out, problem)
+    known = json.loads(path.read_text()) if path.exists() else estimated_costs(db, problem)
+    cost = {Variant.from_json(k): c for k, c in known["cost"].items()}
+    best_ms = min(ok)
+    # The tuner searches exactly what was swept (pruned points included: it may pick them).
+    swept = list(dict.fromkeys(Variant.from_dict(r.variant) for r in db.trials(None, problem)))
+    with narrowed(swept):
+        runs = [replay(problem, device, rows, cost, best_ms, args.trials, seed,
+                       args.compile_workers) for seed in range(args.seeds)]
+    return {
+        "problem": f"D{problem.head_dim} {'causal' if problem.causal else 'full'} "
+                   f"N{problem.seq_q} B{problem.batch} H{problem.heads_q}"
+                   + (f"/{problem.heads_kv}" if problem.heads_kv != problem.heads_q else ""),
+        "swept": len(swept), "passed": len(ok), "best_ms": best_ms,
+        "sweep_s": known["sweep_s"], "cost": "estimated" if known.get("estimated") else "noted",
+        "ratio": statistics.median(r["ratio"] for r in runs),
+        "trials_to_2pct": _median([r["trials_to_2pct"] for r in runs]),
+        "seconds_to_2pct": _median([r["seconds_to_2pct"] for r in runs]),
+        "reached": sum(r["trials_to_2pct"] is not None for r in runs),
+        "seeds": len(runs),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for results")
@@ -187,53 +261,42 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=5, help="replays per problem")
     parser.add_argument("--compile-workers", type=int, default=16)
     parser.add_argument("--gpu", type=int, default=0)
+    parser.add_argument("--shape", action="append", default=[], metavar="B,HQ,HKV,N,D,CAUSAL",
+                        help="sweep this problem instead of the grid's (repeatable); CAUSAL "
+                             "is 0 or 1. For problems the portfolio was not picked on")
+    parser.add_argument("--phase", choices=("both", "sweep", "replay"), default="both",
+                        help="sweep: GPU only; replay: CPU only, from OUT's sweep")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("error: needs a CUDA GPU", file=sys.stderr)
-        return 2
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     args.out.mkdir(parents=True, exist_ok=True)
-    target = torch.device("cuda", args.gpu)
-    device = device_info(target)
+    device_file = args.out / "device.json"
+    if args.phase != "replay":
+        if not torch.cuda.is_available():
+            print("error: the sweep needs a CUDA GPU (--phase replay runs on the CPU)",
+                  file=sys.stderr)
+            return 2
+        target = torch.device("cuda", args.gpu)
+        device = device_info(target)
+        device_file.write_text(json.dumps(dataclasses.asdict(device)))
+    elif not device_file.exists():
+        print(f"error: no sweep in {args.out} (device.json is missing)", file=sys.stderr)
+        return 2
+    else:
+        found = json.loads(device_file.read_text())
+        device = DeviceInfo(**{**found, "capability": tuple(found["capability"])})
     lines = []
     with TuningDB(args.out / "sweep.db") as db:
-        for problem in problems(args.problems, args.dtype):
-            points = sample(problem, device, args.limit, seed=0)
-            with narrowed(points):
-                bench = TimedBench(KernelBench(problem, target,
-                                               compile_workers=args.compile_workers))
-                start = time.perf_counter()
-                tune_problem(problem, bench, db, device,  # type: ignore[arg-type]
-                             TuneOptions(exhaustive=True, batch=args.compile_workers))
-                sweep_s = time.perf_counter() - start
-                key = TuningKey.for_problem(problem, device, "fwd")
-                rows = sweep_rows(db, key, problem)
-                cost_file = args.out / f"cost-{key.id.replace('|', '_')}-{problem.batch}.json"
-                cost = {**{Variant.from_json(k): c for k, c in (json.loads(
-                    cost_file.read_text()) if cost_file.exists() else {}).items()},
-                        **bench.cost}
-                cost_file.write_text(json.dumps({v.to_json(): c for v, c in cost.items()}))
-                ok = [m.timing.median_ms for m in rows.values()
-                      if m.status == "ok" and m.timing is not None]
-                if not ok:
-                    print(f"{problem}: nothing passed", file=sys.stderr)
-                    continue
-                best_ms = min(ok)
-                runs = [replay(problem, device, rows, cost, best_ms, args.trials, seed,
-                               args.compile_workers) for seed in range(args.seeds)]
-            line = {
-                "problem": f"D{problem.head_dim} {'causal' if problem.causal else 'full'} "
-                           f"N{problem.seq_q} B{problem.batch} H{problem.heads_q}",
-                "swept": len(rows), "passed": len(ok), "best_ms": best_ms,
-                "sweep_s": sweep_s,
-                "ratio": statistics.median(r["ratio"] for r in runs),
-                "trials_to_2pct": _median([r["trials_to_2pct"] for r in runs]),
-                "seconds_to_2pct": _median([r["seconds_to_2pct"] for r in runs]),
-                "reached": sum(r["trials_to_2pct"] is not None for r in runs),
-                "seeds": len(runs),
-            }
-            lines.append(line)
-            print(json.dumps(line), flush=True)
+        chosen = ([shape_problem(text, args.dtype) for text in args.shape] if args.shape
+                  else problems(args.problems, args.dtype))
+        for problem in chosen:
+            if args.phase != "replay":
+                wall = sweep(problem, db, device, target, args)
+                print(f"swept {problem} in {wall:.0f} s", flush=True)
+            if args.phase != "sweep":
+                line = replay_problem(problem, db, device, args)
+                if line is not None:
+                    lines.append(line)
+                    print(json.dumps(line), flush=True)
     _write(args.out, lines, device, args)
     return 0
 
@@ -255,13 +318,13 @@ def _write(out: Path, lines: list[dict[str, Any]], device: DeviceInfo,
     table = [f"{device.name}, {args.dtype}, limit {args.limit or 'none'}, {args.trials} "
              f"trials, {args.seeds} seeds, {args.compile_workers} compile threads", "",
              "| problem | swept (passed) | sweep s | tuner/best | trials to 2% | s to 2% "
-             "| seeds reaching 2% |", "|---|---|---|---|---|---|---|"]
+             "| seeds reaching 2% | costs |", "|---|---|---|---|---|---|---|---|"]
     for line in lines:
         table.append(f"| {line['problem']} | {line['swept']} ({line['passed']}) | "
                      f"{line['sweep_s']:.0f} | {line['ratio']:.3f} | "
                      f"{fmt(line['trials_to_2pct'], '.0f')} | "
                      f"{fmt(line['seconds_to_2pct'], '.1f')} | "
-                     f"{line['reached']}/{line['seeds']} |")
+                     f"{line['reached']}/{line['seeds']} | {line['cost']} |")
     (out / "search_quality.md").write_text("\n".join(table) + "\n")
 
 
