@@ -67,7 +67,8 @@ for what in "${@:-tests}"; do
         >"$out/t/fp8.log" 2>&1; tail -3 "$out/t/fp8.log"
       stage "tune fp8"
       timeout -s INT 240 python3 -m flashgen tune --gpu 0 "${fp8_shapes[@]}" --dtype fp8 \
-        --causal both --trials 12 --db "${DB:-$out/tuning.db}" >"$out/t/tune-fp8.log" 2>&1
+        --causal both --trials 24 --compile-workers 14 --db "${DB:-$out/tuning.db}" \
+        >"$out/t/tune-fp8.log" 2>&1
       tail -12 "$out/t/tune-fp8.log"
       stage "bench bf16 and fp8 forward"
       timeout -s INT 240 python3 -m flashgen bench --gpu 0 "${fp8_shapes[@]}" --dtype bf16,fp8 \

@@ -230,6 +230,9 @@ def replay_problem(problem: Problem, db: TuningDB, device: DeviceInfo,
     path = cost_path(args.out, problem)
     known = json.loads(path.read_text()) if path.exists() else estimated_costs(db, problem)
     cost = {Variant.from_json(k): c for k, c in known["cost"].items()}
+    # Variants a cut-off run measured before its cost file was written: the mean noted cost.
+    mean = statistics.fmean(cost.values()) if cost else 0.0
+    cost = {v: cost.get(v, mean) for v in rows} | cost
     best_ms = min(ok)
     # The tuner searches exactly what was swept (pruned points included: it may pick them).
     swept = list(dict.fromkeys(Variant.from_dict(r.variant) for r in db.trials(None, problem)))

@@ -297,7 +297,7 @@ def test_fp8_is_forward_only() -> None:
         call(q, k, v, *ds)
 
 
-def test_fp8_variants_are_fa2_kernels_with_tiles_inside_a_block() -> None:
+def test_fp8_variants_are_fa2_and_one_tile_fa3_kernels_with_tiles_inside_a_block() -> None:
     from flashgen.kernels.fwd_space import default_variant, search_space, why_invalid
     from flashgen.kernels.hardware import DeviceInfo
     from flashgen.kernels.problem import Problem
@@ -306,12 +306,17 @@ def test_fp8_variants_are_fa2_kernels_with_tiles_inside_a_block() -> None:
     hopper = DeviceInfo("H-test", (9, 0), 132, 232448)
     p = Problem(2, 8, 2, 4096, 4096, 128, "fp8", True)
     space = search_space(p, hopper)
-    assert space and all(v.loop_order == "fa2" for v in space)
+    assert space and {v.loop_order for v in space} == {"fa2", "fa3"}
     assert any(v.use_tma for v in space) and not all(v.use_tma for v in space)
-    assert all(128 % v.block_m == 0 and 128 % v.block_n == 0 for v in space)
+    assert all(128 % (v.fa3_rows if v.loop_order == "fa3" else v.block_m) == 0
+               and 128 % v.block_n == 0 for v in space)
     assert all(v.block_n >= 32 for v in space)
+    assert not any(v.loop_order == "fa3" and v.programs_per_sm for v in space)
     assert why_invalid(default_variant(p, hopper), p, hopper) is None
-    assert "fa2 only" in why_invalid(Variant("fa3", 128, 128, 4, 2), p, hopper)
+    assert why_invalid(Variant("fa3", 128, 128, 4, 2), p, hopper) is None
+    assert "one-tile fa3" in why_invalid(Variant("fa3", 128, 128, 4, 2, programs_per_sm=1),
+                                         p, hopper)
+    assert "one-tile fa3" in why_invalid(Variant("fa1", 64, 64, 4, 2), p, hopper)
     assert "quantization block" in why_invalid(Variant("fa2", 256, 64, 8, 2), p, hopper)
     assert "at least 32 keys" in why_invalid(Variant("fa2", 64, 16, 4, 2), p, hopper)
     ampere = DeviceInfo("A-test", (8, 0), 108, 232448)
@@ -345,7 +350,10 @@ def test_the_fp8_tma_kernel_reads_v_keys_inner_and_passes_the_gate(
     flashgen.Variant("fa2", 128, 64, 8, 3, use_tma=True),
     flashgen.Variant("fa2", 128, 128, 8, 2, use_tma=True, warp_specialize=True),
     flashgen.Variant("fa2", 64, 64, 4, 3, use_tma=True, programs_per_sm=2),
-], ids=["default", "tma", "tma-ws", "tma-persistent"])
+    flashgen.Variant("fa3", 128, 128, 8, 2),
+    flashgen.Variant("fa3", 128, 128, 4, 2),
+    flashgen.Variant("fa3", 64, 64, 4, 3),
+], ids=["default", "tma", "tma-ws", "tma-persistent", "fa3-1x128", "fa3-2x64", "fa3-1x64"])
 def test_gpu_fp8_forward_passes_the_fp8_gate(case: tuple, out_dtype: torch.dtype,
                                              variant: Any) -> None:
     if torch.cuda.get_device_capability() < (8, 9):
@@ -353,9 +361,15 @@ def test_gpu_fp8_forward_passes_the_fp8_gate(case: tuple, out_dtype: torch.dtype
     if variant is not None and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("TMA kernels are served on Hopper")
     b, hq, hkv, nq, nk, d, causal, block = case
-    if variant is not None:  # no longer a query tile than the queries need (a rule)
+    if variant is not None and variant.loop_order == "fa2":  # a query tile no longer than
+        # the queries need (a rule)
         variant = dataclasses.replace(variant, block_m=min(variant.block_m,
                                                            max(16, 1 << (nq - 1).bit_length())))
+    if variant is not None:
+        why = flashgen.why_invalid(variant, flashgen.Problem(b, hq, hkv, nq, nk, d, "fp8",
+                                                             causal), "cuda")
+        if why:
+            pytest.skip(why)  # fa3: head dims 64 and 128 only
     q, k, v = (t.cuda() for t in blocky_inputs(b, hq, hkv, nq, nk, d))
     qz = quantize(q, k, v, block=block, incoherent=block is not None)
     out = call(*qz, causal=causal, out_dtype=out_dtype, variant=variant)
@@ -431,3 +445,27 @@ def test_tuning_fp8_beyond_the_forward_is_one_error_line(mode: str, shape: str) 
     result = CliRunner().invoke(app, ["tune", "--device", "cpu", "--shape", shape, "--dtype",
                                       "fp8", "--mode", mode])
     assert result.exit_code == 2 and "forward only" in result.output
+
+
+@pytest.mark.parametrize("variant", [
+    flashgen.Variant("fa3", 128, 128, 8, 2),  # one consumer of 128 rows
+    flashgen.Variant("fa3", 128, 128, 4, 2),  # two consumers of 64 rows
+    flashgen.Variant("fa3", 64, 64, 4, 3),
+], ids=str)
+@pytest.mark.parametrize("d", [64, 128])
+def test_the_fa3_fp8_kernel_compiles_to_8bit_warpgroup_products(variant: Any, d: int) -> None:
+    """Compiled for Hopper on any machine (`gluon_compile`): both products are e4m3 WGMMAs,
+    the softmax still runs under the P V product, and nothing spills."""
+    from flashgen.kernels.hardware import DeviceInfo
+    from flashgen.kernels.problem import Problem
+    from flashgen.tune.gluon_compile import report_in_subprocess
+
+    hopper = DeviceInfo("H-test", (9, 0), 132, 232448)
+    problem = Problem(2, 16, 16, 4096, 4096, d, "fp8", True)
+    assert flashgen.why_invalid(variant, problem, hopper) is None
+    found = report_in_subprocess(variant, problem)
+    assert found["wgmma"] and found["wgmma_e4m3"] == found["wgmma"]
+    assert found["tma"] and found["wait_one"]
+    assert found["exp_under_pv"] and all(found["exp_under_pv"]), found["exp_under_pv"]
+    assert found["shared"] <= hopper.shared_memory
+    assert any("0 bytes spill stores" in line for line in found["ptxas"]), found["ptxas"]

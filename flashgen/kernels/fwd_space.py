@@ -35,7 +35,7 @@ def _pow2_at_least_16(n: int) -> int:
 def shared_memory_bytes(v: Variant, p: Problem) -> int:
     """Estimate the shared memory a variant stages: the Q tile (and fa3's O where it has
     its own), plus K and V tiles per stage."""
-    elem = 4 if p.dtype == "fp32" else 2
+    elem = {"fp32": 4, "fp8": 1}.get(p.dtype, 2)
     d = p.padded_head_dim
     stages = max(1, v.num_stages)
     # fa3 stages O through Q's buffer, except on a persistent grid: there Q is double-buffered
@@ -43,7 +43,9 @@ def shared_memory_bytes(v: Variant, p: Problem) -> int:
     q_and_o = 3 * v.block_m if v.loop_order == "fa3" and v.programs_per_sm else v.block_m
     # One-tile fa3 also stores each row's running sum (fp32) where nothing reads it.
     row_sums = 4 * v.block_m if v.loop_order == "fa3" and not v.programs_per_sm else 0
-    return elem * d * (q_and_o + 2 * v.block_n * stages) + row_sums
+    # fp8 fa3 stages its 16-bit O in a buffer of its own, and P for P V.
+    o_fp8 = (2 * d + v.block_n) * v.block_m if v.loop_order == "fa3" and p.dtype == "fp8" else 0
+    return elem * d * (q_and_o + 2 * v.block_n * stages) + row_sums + o_fp8
 
 
 Rule = Callable[[Variant, Problem, DeviceInfo], str | None]
@@ -70,7 +72,7 @@ def block_m_longer_than_queries(v: Variant, p: Problem, dev: DeviceInfo) -> str 
 
 
 def block_n_longer_than_keys(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
-    # fp8 key tiles hold at least FP8_MIN_D keys however short the sequence (see fp8_runs_in_fa2).
+    # fp8 key tiles hold at least FP8_MIN_D keys however short the sequence (fp8_kernels).
     keys = max(p.seq_k, FP8_MIN_D) if p.dtype == "fp8" else p.seq_k
     return longer_than_needed("block_n", v.block_n, keys, "keys")
 
@@ -160,14 +162,15 @@ FA3_HEAD_DIMS = (64, 128)
 
 def fa3_needs_hopper_and_16bit(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
     # Gluon's warpgroup MMA, TMA and register reallocation are Hopper instructions, and the
-    # interpreter cannot run Gluon. P is fed to the tensor cores as 16-bit A operands, and
-    # TMA tiles carry no column mask, so the head dim must be a supported power of two.
+    # interpreter cannot run Gluon. P is fed to the tensor cores as 16-bit (or, for fp8, 8-bit)
+    # A operands, and TMA tiles carry no column mask, so the head dim must be a supported
+    # power of two.
     if v.loop_order != "fa3":
         return None
     if not dev.is_hopper:
         return "fa3 needs a Hopper GPU (compute capability 9.x; Gluon does not interpret)"
-    if p.dtype not in ("fp16", "bf16"):
-        return f"fa3 runs fp16 and bf16, not {p.dtype}"
+    if p.dtype not in ("fp16", "bf16", "fp8"):
+        return f"fa3 runs fp16, bf16 and fp8, not {p.dtype}"
     if p.head_dim not in FA3_HEAD_DIMS:
         return f"fa3 runs head dims {FA3_HEAD_DIMS}, not {p.head_dim}"
     return None
@@ -240,17 +243,21 @@ def modifiers_need_pointer_kernels(v: Variant, p: Problem, dev: DeviceInfo) -> s
     return None
 
 
-def fp8_runs_in_fa2(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
+def fp8_kernels(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
     # The fp8 path is written into the fa2 template (pointer loads, or TMA with V read
-    # keys-inner), and reads one descale per tile: a tile must lie inside one quantization
-    # block of rows. P V reduces over the tile's keys, and 8-bit products need at least 32.
+    # keys-inner) and the one-tile fa3 one, and reads one descale per tile: a tile (an fa3
+    # consumer's rows) must lie inside one quantization block of rows. P V reduces over the
+    # tile's keys, and 8-bit products need at least 32.
     if p.dtype != "fp8":
         return None
-    if v.loop_order != "fa2":
-        return f"fp8 runs in fa2 only (not {v.loop_order})"
-    if FP8_BLOCK % v.block_m or FP8_BLOCK % v.block_n:
+    if v.loop_order == "fa1" or (v.loop_order == "fa3" and v.programs_per_sm):
+        return ("fp8 runs in fa2 and the one-tile fa3 kernel only (not "
+                f"{v.loop_order}{' persistent' if v.programs_per_sm else ''})")
+    rows = v.fa3_rows if v.loop_order == "fa3" else v.block_m
+    if FP8_BLOCK % rows or FP8_BLOCK % v.block_n:
         return (f"fp8 tiles must divide the {FP8_BLOCK}-row quantization block "
-                f"(block_m {v.block_m}, block_n {v.block_n})")
+                f"({'fa3 rows' if v.loop_order == 'fa3' else 'block_m'} {rows}, "
+                f"block_n {v.block_n})")
     if v.block_n < FP8_MIN_D:
         return f"fp8 P V products need at least {FP8_MIN_D} keys a tile (block_n {v.block_n})"
     if p.varlen:
@@ -261,7 +268,7 @@ def fp8_runs_in_fa2(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
 
 
 RULES: tuple[Rule, ...] = (
-    fp8_runs_in_fa2,
+    fp8_kernels,
     modifiers_need_pointer_kernels,
     programs_per_sm_out_of_range,
     block_m_longer_than_queries,

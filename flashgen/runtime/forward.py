@@ -100,14 +100,16 @@ def _gluon_tile_layout(rows: int, cols: int, dtype: torch.dtype) -> object:
     cores read fastest). Cached: working it out costs ~10 us of Python, per descriptor."""
     from triton.experimental.gluon import language as gl
 
-    element = gl.float16 if dtype == torch.float16 else gl.bfloat16
+    element = {torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}.get(
+        dtype, gl.bfloat16)
     return gl.NVMMASharedLayout.get_default_for([1, 1, rows, cols], element)
 
 
-def gluon_descriptor(t: torch.Tensor, rows: int) -> object:
-    """A Gluon TMA descriptor over the (B, H, N, D) view moving [1, 1, rows, D] tiles (the
-    caller has checked `tma_ready`)."""
-    cols = t.shape[-1]
+def gluon_descriptor(t: torch.Tensor, rows: int, cols: int | None = None) -> object:
+    """A Gluon TMA descriptor over the 4-D view `t` moving [1, 1, rows, cols] tiles (cols:
+    the whole last dim, D of a (B, H, N, D) view, unless given). The caller has checked
+    `tma_ready`."""
+    cols = t.shape[-1] if cols is None else cols
     return _unchecked(_gluon_descriptor_type(), t, [1, 1, rows, cols],
                       layout=_gluon_tile_layout(rows, cols, t.dtype))
 
@@ -278,8 +280,12 @@ def _prepare_tma(entry: Entry, shape: Shape, kernel_of: KernelOf, strict: bool) 
             # Each consumer warpgroup moves its own 16 x num_warps rows of Q and O.
             rows = 16 * variant.num_warps
             grid, extra = fa3_grid(variant, nq, b * hq, q.device)
+            # fp8: V's tiles are (D, BLOCK_N) of its keys-inner memory; the descales follow.
+            v_tiles = gluon_descriptor(vt, d, bn) if fp8 else gluon_descriptor(v, bn)
+            if mods is not None:
+                extra = (*extra, *mods.kernel_args(shape.causal, nq, k.shape[2]))
             kernel[grid](
-                gluon_descriptor(q, rows), gluon_descriptor(k, bn), gluon_descriptor(v, bn),
+                gluon_descriptor(q, rows), gluon_descriptor(k, bn), v_tiles,
                 gluon_descriptor(out, rows), lse, *lse.stride()[:2],
                 scale, nq, k.shape[2], hq, group, *extra, num_warps=variant.num_warps,
             )  # fmt: skip

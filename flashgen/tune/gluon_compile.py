@@ -58,14 +58,33 @@ def example_args(head_dim: int, dtype: torch.dtype, rows: int, block_n: int) -> 
             torch.empty(4, dtype=torch.float32), 1024, 256, 0.125, 250, 250, 4, 1]
 
 
+def example_fp8_args(head_dim: int, rows: int, block_n: int) -> list[Any]:
+    """fa3's fp8 arguments: e4m3 q, k descriptors, v's over (B, H, D, N) memory moving
+    (D, block_n) tiles, a bf16 o, LSE and scalars, then the descales and their strides."""
+    from flashgen.runtime.forward import gluon_descriptor
+
+    t = torch.empty(2, 4, 256, head_dim, dtype=torch.float8_e4m3fn)
+    vt = torch.empty(2, 4, head_dim, 256, dtype=torch.float8_e4m3fn)
+    out = torch.empty(2, 4, 256, head_dim, dtype=torch.bfloat16)
+    descale = torch.empty(2, 4, 2, dtype=torch.float32)
+    return [gluon_descriptor(t, rows), gluon_descriptor(t, block_n),
+            gluon_descriptor(vt, head_dim, block_n), gluon_descriptor(out, rows),
+            torch.empty(4, dtype=torch.float32), 1024, 256, 0.125, 250, 250, 4, 1,
+            descale, descale, descale, *descale.stride(), *descale.stride(),
+            *descale.stride()]
+
+
 def compile_fa3(variant: Variant, problem: Problem, capability: int = 90) -> Any:
     """Triton's compiled kernel for fa3 `variant` on `problem` (see `compile_gluon`)."""
     from flashgen.kernels.render import load_kernel
 
     if variant.loop_order != "fa3":
         raise ValueError(f"{variant} is not an fa3 variant")
-    args = example_args(problem.head_dim, problem.torch_dtype, variant.fa3_rows,
-                        variant.block_n)
+    if problem.dtype == "fp8":
+        args = example_fp8_args(problem.head_dim, variant.fa3_rows, variant.block_n)
+    else:
+        args = example_args(problem.head_dim, problem.torch_dtype, variant.fa3_rows,
+                            variant.block_n)
     if variant.programs_per_sm:
         args.append(8)  # B * H_Q: the persistent kernel enumerates the tiles itself
     return compile_gluon(load_kernel(variant, problem), args, {}, variant.num_warps, capability)
@@ -154,6 +173,7 @@ def report(variant: Variant | BwdVariant, problem: Problem,
     return {
         "shared": kernel.metadata.shared,
         "wgmma": ptx.count("wgmma.mma_async"),
+        "wgmma_e4m3": ptx.count(".e4m3.e4m3"),  # fp8 products (8-bit operands both)
         "tma": ptx.count("cp.async.bulk.tensor"),
         "setmaxnreg": ptx.count("setmaxnreg"),
         "wait_one": ptx.count("wgmma.wait_group.sync.aligned 1"),
@@ -191,7 +211,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("variant", help="the variant as JSON (Variant.to_json)")
     ap.add_argument("shape", help="B,Hq,Hkv,Nq,Nk,D")
-    ap.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
+    ap.add_argument("--dtype", default="fp16", choices=["fp16", "bf16", "fp8"])
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--bwd", choices=["dkdv", "dq"],
                     help="a backward kernel of a BwdVariant (given as JSON) instead")
