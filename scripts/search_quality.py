@@ -15,12 +15,17 @@ Reported per problem, the median over seeds of:
 * and the sweep's own wall time.
 
 The spaces hold thousands of valid variants (about 3,300 to 4,400 on an H100 for these
-problems), more than a few minutes of device time can sweep, so `--limit N` sweeps a seeded
-uniform sample of N valid variants plus the default and portfolio, and the tuner searches the
-same sample (the mode's space is narrowed to it while the script runs); `--limit 0` sweeps the
-whole space. The docs say which was used (docs/search-quality.md).
+problems), more than a few minutes of device time can sweep, so `--limit N` sweeps N
+variants: the default, the portfolio, every point of the loop orders named by `--every`, and a
+seeded uniform sample of the rest; the tuner searches the same set (the mode's space is
+narrowed to it while the script runs). `--limit 0` sweeps the whole space. The docs say which
+was used (docs/search-quality.md).
 
-    python scripts/search_quality.py --out results/search-quality --problems 4 --limit 256
+The sweep needs the GPU and the replay does not: `--phase sweep` on the GPU machine (it
+resumes a cut-off sweep of the same `--out`), then `--phase replay` anywhere on that folder.
+
+    python scripts/search_quality.py --out out/sq --phase sweep --every fa3 --limit 120
+    python scripts/search_quality.py --out out/sq --phase replay --every fa3 --limit 120
 """
 
 from __future__ import annotations
@@ -74,14 +79,19 @@ def shape_problem(text: str, dtype: str) -> Problem:
     return Problem(b, hq, hkv, n, n, d, dtype, bool(causal))
 
 
-def sample(problem: Problem, device: DeviceInfo, limit: int, seed: int) -> list[Variant]:
-    """The variants swept: all valid ones, or `limit` of them (seeded) plus the default and
-    the portfolio, which the tuner measures first."""
+def sample(problem: Problem, device: DeviceInfo, limit: int, seed: int,
+           every: Sequence[str] = ()) -> list[Variant]:
+    """The variants swept: all valid ones, or `limit` in all (more if the kept ones are
+    more): the default and the portfolio (which the tuner measures first), every valid point
+    of the loop orders in `every` (a uniform sample holds few fa3 points, where the winners
+    are), then a seeded uniform sample of the rest."""
     space = modes.space_of("fwd")
     valid = space.points(problem, device)
     if not limit or limit >= len(valid):
         return valid
-    keep = [space.default(problem, device), *space.portfolio(problem, device)]
+    keep = [space.default(problem, device), *space.portfolio(problem, device),
+            *(v for v in valid if v.loop_order in every)]
+    keep = list(dict.fromkeys(keep))
     rest = [v for v in valid if v not in set(keep)]
     picked = random.Random(seed).sample(rest, max(0, limit - len(keep)))
     return list(dict.fromkeys([*keep, *picked]))
@@ -195,7 +205,7 @@ def sweep(problem: Problem, db: TuningDB, device: DeviceInfo, target: torch.devi
           args: argparse.Namespace) -> float:
     """Sweep `problem`'s sample into `db` (resuming: measured variants are skipped) and add
     the costs of what this run measured to its cost file. Returns the wall seconds."""
-    with narrowed(sample(problem, device, args.limit, seed=0)):
+    with narrowed(sample(problem, device, args.limit, seed=0, every=args.every)):
         bench = TimedBench(KernelBench(problem, target, compile_workers=args.compile_workers))
         start = time.perf_counter()
         tune_problem(problem, bench, db, device,  # type: ignore[arg-type]
@@ -264,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=5, help="replays per problem")
     parser.add_argument("--compile-workers", type=int, default=16)
     parser.add_argument("--gpu", type=int, default=0)
+    parser.add_argument("--every", action="append", default=[], choices=("fa1", "fa2", "fa3"),
+                        help="also sweep every valid variant of this loop order (repeatable)")
     parser.add_argument("--shape", action="append", default=[], metavar="B,HQ,HKV,N,D,CAUSAL",
                         help="sweep this problem instead of the grid's (repeatable); CAUSAL "
                              "is 0 or 1. For problems the portfolio was not picked on")

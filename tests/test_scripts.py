@@ -47,3 +47,32 @@ def test_retune_tunes_fp8_forward_only_when_asked() -> None:
     dtypes = [c[c.index("--dtype") + 1] for c in _dry_run("--db", "x.db", "--fp8")]
     assert dtypes == ["fp16,bf16,fp8", "fp16,bf16"]  # fwd, then bwd: fp8 has no backward
     assert [c[c.index("--dtype") + 1] for c in _dry_run("--db", "x.db")] == ["fp16,bf16"] * 2
+
+
+def _search_quality() -> object:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("search_quality",
+                                                  ROOT / "scripts" / "search_quality.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_search_quality_samples_keep_the_portfolio_and_every_point_asked_for() -> None:
+    from flashgen.kernels.fwd_space import default_variant, portfolio
+    from flashgen.kernels.hardware import DeviceInfo
+
+    sq = _search_quality()
+    hopper = DeviceInfo("H-test", (9, 0), 132, 232448)
+    problem = sq.shape_problem("3,32,8,3072,128,1", "bf16")  # type: ignore[attr-defined]
+    assert (problem.heads_kv, problem.seq_k, problem.causal) == (8, 3072, True)
+    plain = sq.sample(problem, hopper, 80, seed=0)  # type: ignore[attr-defined]
+    assert len(plain) == 80 and len(set(plain)) == 80
+    assert {default_variant(problem, hopper), *portfolio(problem, hopper)} <= set(plain)
+    wide = sq.sample(problem, hopper, 80, seed=0, every=["fa3"])  # type: ignore[attr-defined]
+    fa3 = [v for v in sq.modes.space_of("fwd").points(problem, hopper)  # type: ignore[attr-defined]
+           if v.loop_order == "fa3"]
+    assert set(fa3) <= set(wide) and len(wide) == max(80, len(set(wide) & set(fa3)))
+    assert sq.sample(problem, hopper, 80, seed=0) == plain  # seeded  # type: ignore[attr-defined]
