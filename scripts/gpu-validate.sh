@@ -2,7 +2,7 @@
 # GPU validation on the device machine, from the repo root, with the device kit copied to
 # .device-kit/ (git-ignored). Each stage has its own time limit so one slow stage cannot eat
 # the lease; logs and the tuning database land in $OUT (or ./gpu-out).
-#   source .device-kit/install.sh && bash scripts/gpu-validate.sh [tests|quick|fa3|tune|tune-all|bench|fp8]...
+#   source .device-kit/install.sh && bash scripts/gpu-validate.sh [tests|quick|fa3|tune|tune-all|bench|fp8|search]...
 # tune-all tunes fa-bench and llama3-8b, fp16 and bf16, causal and not, into $DB (default
 # $out/tuning.db), with a time cap per preset (TUNE_S); scripts/retune.sh is the shipped
 # database's recipe.
@@ -75,6 +75,14 @@ for what in "${@:-tests}"; do
         --causal both --mode fwd --competitors flashgen,sdpa-cudnn --db "${DB:-$out/tuning.db}" \
         --no-plot --out "$out/fp8-bench" >"$out/t/bench-fp8.log" 2>&1
       tail -c 4000 "$out/t/bench-fp8.log"
+      ;;
+    search)
+      # Issue 33's sweep: the grid's first four problems, every fa3 point plus a sample of
+      # the rest, into $out/sq (resumable; replay it on any machine: docs/search-quality.md).
+      stage "search-quality sweep"
+      timeout -s INT "${SEARCH_S:-480}" python3 scripts/search_quality.py --out "$out/sq" \
+        --phase sweep --problems 4 --every fa3 --limit "${LIMIT:-120}" \
+        >"$out/t/search.log" 2>&1; grep -E "^swept|rror" "$out/t/search.log" | tail -8
       ;;
     bench)
       stage "bench fa-bench fp16 fwd and fwd+bwd"
