@@ -169,7 +169,7 @@ def test_unmodified_calls_render_the_plain_kernel() -> None:
                                flashgen.attention(q, k, v_), rtol=0, atol=0)
 
 
-def test_modifiers_keep_to_triton_kernels() -> None:
+def test_modifiers_keep_to_triton_kernels_and_packing_to_fa2_and_one_tile_fa3() -> None:
     hopper = flashgen.DeviceInfo("H-test", (9, 0), 132, 232448)
     p = Problem(2, 8, 8, 1024, 1024, 128, "bf16", True, window=True)
     assert "fa1 and fa2 without use_tma" in why_invalid(Variant("fa3", 128, 128, 8, 2), p,
@@ -177,8 +177,14 @@ def test_modifiers_keep_to_triton_kernels() -> None:
     assert "fa1 and fa2 without use_tma" in why_invalid(
         Variant("fa2", 64, 64, 4, 2, use_tma=True), p, hopper)
     assert why_invalid(Variant("fa1", 64, 64, 4, 2), p, hopper) is None
-    assert "fa2 only" in why_invalid(Variant("fa1", 64, 64, 4, 2), p.with_(varlen=True),
-                                     hopper)
+    packed = p.with_(window=False, varlen=True)
+    assert "not fa1" in why_invalid(Variant("fa1", 64, 64, 4, 2), packed, hopper)
+    # Packed sequences alone run in the one-tile fa3 kernel too, not the persistent one.
+    assert why_invalid(Variant("fa3", 128, 128, 8, 2), packed, hopper) is None
+    assert "not the persistent" in why_invalid(
+        Variant("fa3", 128, 128, 4, 2, programs_per_sm=1), packed, hopper)
+    assert "fa1 and fa2 without use_tma" in why_invalid(Variant("fa3", 128, 128, 8, 2),
+                                                        p.with_(varlen=True), hopper)
     assert why_invalid(default_variant(p, hopper), p, hopper) is None
     assert "Triton backward" in why_invalid_bwd(BwdVariant(64, 128, 4, 2, fa3="both"), p,
                                                 hopper)
@@ -259,6 +265,51 @@ def test_packed_bf16_on_the_gpu(causal: bool, name: str) -> None:
                q, k, v, cu.cpu(), cu.cpu(), causal, None, dtype, sinks=s[0] if s else None,
                **mods),
            leaves)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("variant", [Variant("fa3", 128, 128, 8, 2), Variant("fa3", 128, 64, 4, 3),
+                                     Variant("fa3", 64, 64, 4, 2)], ids=str)
+@pytest.mark.parametrize("d", [64, 128])
+def test_packed_fa3_on_the_gpu(causal: bool, variant: Variant, d: int) -> None:
+    """The one-tile fa3 kernel on packed sequences: tiles that run into the next sequence
+    (lengths not multiples of any tile), empty and one-token sequences, cross-attention."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("fa3 runs on Hopper")
+    dtype = torch.bfloat16
+    lq = [1, 700, 63, 129, 0, 512, 256, 17, 640, 2, 300, 64]
+    lk = [3, 650, 63, 200, 5, 512, 1, 17, 700, 2, 300, 70]
+    cu_q, cu_k = _cu(lq).cuda(), _cu(lk).cuda()
+    leaves = [t.detach().cuda().requires_grad_() for t in _packed(lq, lk, 8, 2, d, dtype)]
+    _check(lambda q, k, v: flashgen.attention_varlen(
+               q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal, return_lse=True,
+               variant=variant),
+           lambda q, k, v, dtype: reference.attention_varlen(
+               q, k, v, cu_q.cpu(), cu_k.cpu(), causal, None, dtype),
+           leaves)  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", [Variant("fa3", 128, 128, 8, 2),
+                                     Variant("fa3", 128, 128, 4, 2)], ids=str)
+@pytest.mark.parametrize("d", [64, 128])
+def test_packed_fa3_compiles_for_hopper(variant: Variant, d: int) -> None:
+    """Compiled for sm90a on any machine (`gluon_compile`): warpgroup products, TMA loads,
+    the softmax under P V, no spills."""
+    from flashgen.tune.gluon_compile import report_in_subprocess
+
+    hopper = flashgen.DeviceInfo("H-test", (9, 0), 132, 232448)
+    problem = Problem(2, 16, 16, 4096, 4096, d, "bf16", True, varlen=True)
+    assert why_invalid(variant, problem, hopper) is None
+    found = report_in_subprocess(variant, problem)
+    assert found["wgmma"] and found["tma"] and found["wait_one"]
+    assert found["exp_under_pv"] and all(found["exp_under_pv"]), found["exp_under_pv"]
+    # The masked O store packs bf16 pairs (a byte permute each, D / 4 per consumer thread);
+    # P is never repacked in the loop, which would cost one per P element pair and step.
+    consumers = variant.block_m // (16 * variant.num_warps)
+    assert found["byte_permutes"] <= consumers * d // 4, found["byte_permutes"]
+    assert found["shared"] <= hopper.shared_memory
+    assert any("0 bytes spill stores" in line for line in found["ptxas"]), found["ptxas"]
 
 
 @pytest.mark.gpu

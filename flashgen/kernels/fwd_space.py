@@ -230,16 +230,20 @@ def programs_per_sm_out_of_range(v: Variant, p: Problem, dev: DeviceInfo) -> str
 
 def modifiers_need_pointer_kernels(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
     # Window, softcap and sinks are written into the fa1 and fa2 templates, the packed layout
-    # into fa2 only (fa1's scratch is laid out per (batch, head)); TMA descriptors address
-    # whole (B, H, N, D) tensors, so the modified kernels load through pointers. The Gluon
-    # fa3 kernels have no such structure yet.
+    # into fa2 (fa1's scratch is laid out per (batch, head)) and the one-tile fa3 kernel,
+    # whose descriptors span the packing and whose O store is masked per sequence. fa2's TMA
+    # descriptors address whole (B, H, N, D) tensors, so its modified kernels load through
+    # pointers.
     if not p.modifiers:
         return None
+    if v.loop_order == "fa3" and p.modifiers == ("varlen",):
+        return ("varlen runs in the one-tile fa3 kernel, not the persistent one"
+                if v.programs_per_sm else None)
     if v.loop_order == "fa3" or v.use_tma:
         return (f"{', '.join(p.modifiers)} run in fa1 and fa2 without use_tma only "
                 f"(not {v.loop_order}{' use_tma' if v.use_tma else ''})")
     if p.varlen and v.loop_order != "fa2":
-        return "varlen (packed sequences) runs in fa2 only"
+        return "varlen (packed sequences) runs in fa2 and one-tile fa3, not fa1"
     return None
 
 

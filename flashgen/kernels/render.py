@@ -164,9 +164,10 @@ def modifier_context(problem: Problem) -> dict[str, Any]:
         "fp8": fp8,
         "fp8_range": " dq, dk_base, dv_base, stride_dkn, stride_dvn," if fp8 else "",
         "fp8_step": " QK_DESCALE, V_DESCALE," if fp8 else "",
-        # fa3's consumers: O's own staging buffer and the descale rows of their head
-        "fp8_consume": (" o_smem, p_smem, dq_base, dk_base, dv_base, stride_dqn, stride_dkn,"
-                        " stride_dvn," if fp8 else ""),
+        # fa3's consumers: fp8's O and P buffers and descale rows; varlen's O rows
+        "fa3_consume": (" o_smem, p_smem, dq_base, dk_base, dv_base, stride_dqn, stride_dkn,"
+                        " stride_dvn," if fp8 else " o_base, stride_on," if problem.varlen
+                        else ""),
         "quant_block": FP8_BLOCK,
     }
 

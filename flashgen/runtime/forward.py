@@ -252,28 +252,57 @@ def _prepare_tma(entry: Entry, shape: Shape, kernel_of: KernelOf, strict: bool) 
     group, fa3 = shape.group, variant.loop_order == "fa3"
     plain: list[Launcher] = []  # the pointer twin, prepared on first need
 
+    def twin(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+             mods: Mods | None, why: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs TMA cannot address: the pointer twin runs them (a strict launcher raises)."""
+        if strict:
+            raise ValueError(
+                f"variant {entry['variant']} uses TMA, which needs a unit last stride and "
+                f"16-byte aligned rows and base addresses{why}; these inputs are not")
+        if not plain:
+            # The twin's own tiles, warps and grid: an fa3 twin is a plain fa2 kernel.
+            plain.append(_prepare_pointers(knobs(entry["twin"]), shape, kernel_of("fwd_plain")))
+        return plain[0](q, k, v, scale) if mods is None else plain[0](q, k, v, scale, mods)
+
+    def run_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                   mods: Mods) -> tuple[torch.Tensor, torch.Tensor]:
+        """fa3 on packed sequences: descriptors over the (1, H, total, D) views of the
+        (total, H, D) tensors; LSE (Hq, total_q); O's rows also go as a pointer (the kernel
+        stores them through a per-sequence mask)."""
+        lens = mods.varlen
+        assert lens is not None and fa3
+        out = torch.empty_like(q)
+        views = [t.unsqueeze(0).transpose(1, 2) for t in (q, k, v, out)]
+        if not tma_ready(*views):
+            return twin(q, k, v, scale, mods)
+        hq = q.shape[1]
+        lse = torch.empty((hq, q.shape[0]), device=q.device, dtype=torch.float32)
+        rows = 16 * variant.num_warps
+        grid, extra = fa3_grid(variant, lens.max_q, lens.batch * hq, q.device)
+        kernel[grid](
+            gluon_descriptor(views[0], rows), gluon_descriptor(views[1], bn),
+            gluon_descriptor(views[2], bn), gluon_descriptor(views[3], rows), lse, 0,
+            lse.stride(0), scale, lens.max_q, lens.max_k, hq, group, *extra,
+            *mods.kernel_args(shape.causal, lens.max_q, lens.max_k), out, out.stride(0),
+            out.stride(1), num_warps=variant.num_warps,
+        )  # fmt: skip
+        return out, lse
+
     def run(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
         mods: Mods | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # TMA variants take no modifiers (the rules); fp8 descales come as `mods.fp8`.
+        # TMA variants take no window, softcap or sinks (the rules); fp8 descales come as
+        # `mods.fp8`, packed sequences (fa3) as `mods.varlen`.
+        if mods is not None and mods.varlen is not None:
+            return run_packed(q, k, v, scale, mods)
         fp8 = mods.fp8 if mods is not None else None
         out = torch.empty_like(q, dtype=fp8.out_dtype) if fp8 else torch.empty_like(q)
         # fp8 V is addressed keys-inner: its (B, H, D, N) memory (`fp8.quantize`'s layout).
         vt = v.transpose(-1, -2) if fp8 else v
         if not tma_ready(q, k, vt, out):
-            if strict:
-                raise ValueError(
-                    f"variant {entry['variant']} uses TMA, which needs a unit last stride and "
-                    "16-byte aligned rows and base addresses"
-                    f"{' (fp8: v keys-inner, as fp8.quantize lays it out)' if fp8 else ''}; "
-                    "these inputs are not"
-                )
-            if not plain:
-                # The twin's own tiles, warps and grid: an fa3 twin is a plain fa2 kernel.
-                plain.append(_prepare_pointers(knobs(entry["twin"]), shape,
-                                               kernel_of("fwd_plain")))
-            return plain[0](q, k, v, scale) if mods is None else plain[0](q, k, v, scale, mods)
+            return twin(q, k, v, scale, mods,
+                        " (fp8: v keys-inner, as fp8.quantize lays it out)" if fp8 else "")
         b, hq, nq, _ = q.shape
         lse = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
         if fa3:

@@ -74,6 +74,22 @@ def example_fp8_args(head_dim: int, rows: int, block_n: int) -> list[Any]:
             *descale.stride()]
 
 
+def example_varlen_args(head_dim: int, dtype: torch.dtype, rows: int,
+                        block_n: int) -> list[Any]:
+    """fa3's packed-sequence arguments: descriptors over (1, H, total, D) views of packed
+    (total, H, D) tensors, LSE and scalars, CU_Q and CU_K, then O and its row and head
+    strides."""
+    from flashgen.runtime.forward import gluon_descriptor
+
+    t = torch.empty(512, 4, head_dim, dtype=dtype)
+    view = t.unsqueeze(0).transpose(1, 2)
+    cu = torch.zeros(3, dtype=torch.int32)
+    return [gluon_descriptor(view, rows), gluon_descriptor(view, block_n),
+            gluon_descriptor(view, block_n), gluon_descriptor(view, rows),
+            torch.empty(4, dtype=torch.float32), 0, 512, 0.125, 256, 256, 4, 1, cu, cu,
+            t, t.stride(0), t.stride(1)]
+
+
 def compile_fa3(variant: Variant, problem: Problem, capability: int = 90) -> Any:
     """Triton's compiled kernel for fa3 `variant` on `problem` (see `compile_gluon`)."""
     from flashgen.kernels.render import load_kernel
@@ -82,6 +98,9 @@ def compile_fa3(variant: Variant, problem: Problem, capability: int = 90) -> Any
         raise ValueError(f"{variant} is not an fa3 variant")
     if problem.dtype == "fp8":
         args = example_fp8_args(problem.head_dim, variant.fa3_rows, variant.block_n)
+    elif problem.varlen:
+        args = example_varlen_args(problem.head_dim, problem.torch_dtype, variant.fa3_rows,
+                                   variant.block_n)
     else:
         args = example_args(problem.head_dim, problem.torch_dtype, variant.fa3_rows,
                             variant.block_n)
@@ -189,7 +208,8 @@ def report(variant: Variant | BwdVariant, problem: Problem,
 def report_in_subprocess(variant: Variant | BwdVariant, problem: Problem,
                          bwd: str | None = None) -> dict[str, Any]:
     """`report` in a fresh process without TRITON_INTERPRET (see the module docstring)."""
-    extra = (["--causal"] if problem.causal else []) + (["--bwd", bwd] if bwd else [])
+    extra = ((["--causal"] if problem.causal else []) + (["--varlen"] if problem.varlen else [])
+             + (["--bwd", bwd] if bwd else []))
     return run_report("flashgen.tune.gluon_compile", variant.to_json(), problem, extra)
 
 
@@ -213,10 +233,13 @@ def main() -> None:
     ap.add_argument("shape", help="B,Hq,Hkv,Nq,Nk,D")
     ap.add_argument("--dtype", default="fp16", choices=["fp16", "bf16", "fp8"])
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--varlen", action="store_true", help="packed sequences (forward)")
     ap.add_argument("--bwd", choices=["dkdv", "dq"],
                     help="a backward kernel of a BwdVariant (given as JSON) instead")
     args = ap.parse_args()
     problem = Problem.parse(args.shape, args.dtype, args.causal)
+    if args.varlen:
+        problem = problem.with_(varlen=True)
     variant = (BwdVariant if args.bwd else Variant).from_json(args.variant)
     print(json.dumps(report(variant, problem, args.bwd)))
 
