@@ -2,7 +2,7 @@
 # GPU validation on the device machine, from the repo root, with the device kit copied to
 # .device-kit/ (git-ignored). Each stage has its own time limit so one slow stage cannot eat
 # the lease; logs and the tuning database land in $OUT (or ./gpu-out).
-#   source .device-kit/install.sh && bash scripts/gpu-validate.sh [tests|quick|fa3|tune|tune-all|bench|fp8|search]...
+#   source .device-kit/install.sh && bash scripts/gpu-validate.sh [tests|quick|fa3|tune|tune-all|bench|fp8|search|pending]...
 # tune-all tunes fa-bench and llama3-8b, fp16 and bf16, causal and not, into $DB (default
 # $out/tuning.db), with a time cap per preset (TUNE_S); scripts/retune.sh is the shipped
 # database's recipe.
@@ -75,6 +75,14 @@ for what in "${@:-tests}"; do
         --causal both --mode fwd --competitors flashgen,sdpa-cudnn --db "${DB:-$out/tuning.db}" \
         --no-plot --out "$out/fp8-bench" >"$out/t/bench-fp8.log" 2>&1
       tail -c 4000 "$out/t/bench-fp8.log"
+      ;;
+    pending)
+      # Kernels built and compiled on the CPU but not yet run on a GPU: the fa3 fp8 and the
+      # fa3 packed-sequence forwards, and the fp8 TMA kernels, against their gates.
+      stage "kernels not yet run on a GPU"
+      timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 tests/test_fp8.py \
+        tests/test_varlen.py -k "fa3 or tma" >"$out/t/pending.log" 2>&1
+      grep -E "passed|failed|FAILED|Error" "$out/t/pending.log" | cut -c1-300 | tail -20
       ;;
     search)
       # Issue 33's sweep: the grid's first four problems, every fa3 point plus a sample of
