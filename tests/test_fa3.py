@@ -313,6 +313,42 @@ def test_fa3_matches_the_reference_on_gpu(
     assert check.ok, check.reason
 
 
+def test_fa3_runs_d256_on_the_one_tile_grid_with_64_key_tiles() -> None:
+    problem = _problem(256, "bf16", True)
+    points = [v for v in flashgen.search_space(problem, HOPPER) if v.loop_order == "fa3"]
+    assert points and all(v.block_n == 64 and not v.programs_per_sm for v in points)
+    assert "persistent grid" in flashgen.why_invalid(
+        flashgen.Variant("fa3", 64, 64, 4, 2, programs_per_sm=1), problem, HOPPER)
+    assert "shared memory" in flashgen.why_invalid(
+        flashgen.Variant("fa3", 128, 128, 4, 2), problem, HOPPER)
+
+
+@pytest.mark.parametrize("variant", [flashgen.Variant("fa3", 64, 64, 4, 2),
+                                     flashgen.Variant("fa3", 128, 64, 4, 2)], ids=str)
+def test_fa3_d256_compiles_for_hopper_without_spills(variant: flashgen.Variant) -> None:
+    problem = _problem(256, "bf16", True)
+    found = report_in_subprocess(variant, problem)
+    assert found["wgmma"] and found["tma"] and all(found["exp_under_pv"])
+    assert found["shared"] <= HOPPER.shared_memory
+    assert any("0 bytes spill stores" in line for line in found["ptxas"]), found["ptxas"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [flashgen.Variant("fa3", 64, 64, 4, 2),
+                                     flashgen.Variant("fa3", 64, 64, 4, 3),
+                                     flashgen.Variant("fa3", 128, 64, 4, 2),
+                                     flashgen.Variant("fa3", 128, 64, 8, 2)], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fa3_d256_matches_the_reference_on_gpu(variant: flashgen.Variant,
+                                               causal: bool) -> None:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("needs a Hopper GPU")
+    q, k, v = make_inputs(2, 4, 2, 700, 530, 256, torch.bfloat16, "cuda", seed=7 + causal)
+    out, lse = flashgen.attention(q, k, v, causal=causal, variant=variant, return_lse=True)
+    check = compare(out, q, k, v, causal, None, lse)
+    assert check.ok, check.reason
+
+
 @pytest.mark.gpu
 def test_fa3_strided_and_unaligned_inputs_on_gpu() -> None:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):

@@ -369,7 +369,7 @@ def test_gpu_fp8_forward_passes_the_fp8_gate(case: tuple, out_dtype: torch.dtype
         why = flashgen.why_invalid(variant, flashgen.Problem(b, hq, hkv, nq, nk, d, "fp8",
                                                              causal), "cuda")
         if why:
-            pytest.skip(why)  # fa3: head dims 64 and 128 only
+            pytest.skip(why)  # e.g. fa3 at a head dim it does not take
     q, k, v = (t.cuda() for t in blocky_inputs(b, hq, hkv, nq, nk, d))
     qz = quantize(q, k, v, block=block, incoherent=block is not None)
     out = call(*qz, causal=causal, out_dtype=out_dtype, variant=variant)

@@ -157,7 +157,10 @@ FA3_TILES = ((64, 4), (128, 4), (128, 8), (192, 4))
 #: fa3 block_m outside BLOCK_SIZES: three 64-row consumers (FlashAttention 3's D64 tile), 160
 #: registers a thread each. The persistent template alone has the third consumer.
 FA3_EXTRA_BLOCK_M = tuple(m for m, _ in FA3_TILES if m not in BLOCK_SIZES)
-FA3_HEAD_DIMS = (64, 128)
+FA3_HEAD_DIMS = (64, 128, 256)
+#: Head dims the persistent fa3 kernel takes: at D256 its double-buffered Q and own O leave
+#: no room for a K/V ring (shared memory); the one-tile kernel runs D256 with 64-key tiles.
+FA3_PERSISTENT_HEAD_DIMS = (64, 128)
 
 
 def fa3_needs_hopper_and_16bit(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
@@ -173,6 +176,9 @@ def fa3_needs_hopper_and_16bit(v: Variant, p: Problem, dev: DeviceInfo) -> str |
         return f"fa3 runs fp16, bf16 and fp8, not {p.dtype}"
     if p.head_dim not in FA3_HEAD_DIMS:
         return f"fa3 runs head dims {FA3_HEAD_DIMS}, not {p.head_dim}"
+    if v.programs_per_sm and p.head_dim not in FA3_PERSISTENT_HEAD_DIMS:
+        return (f"fa3 on the persistent grid runs head dims {FA3_PERSISTENT_HEAD_DIMS}, not "
+                f"{p.head_dim} (the one-tile kernel does)")
     return None
 
 
