@@ -169,23 +169,24 @@ def test_unmodified_calls_render_the_plain_kernel() -> None:
                                flashgen.attention(q, k, v_), rtol=0, atol=0)
 
 
-def test_modifiers_keep_to_triton_kernels_and_packing_to_fa2_and_one_tile_fa3() -> None:
+def test_modifiers_keep_to_triton_kernels_and_the_one_tile_fa3() -> None:
     hopper = flashgen.DeviceInfo("H-test", (9, 0), 132, 232448)
     p = Problem(2, 8, 8, 1024, 1024, 128, "bf16", True, window=True)
-    assert "fa1 and fa2 without use_tma" in why_invalid(Variant("fa3", 128, 128, 8, 2), p,
-                                                        hopper)
+    # Windows and packed sequences, alone or together, run in the one-tile fa3 kernel too;
+    # softcap and sinks, and the persistent kernel, keep to fa1 and fa2.
+    for fa3_ok in (p, p.with_(window=False, varlen=True), p.with_(varlen=True)):
+        assert why_invalid(Variant("fa3", 128, 128, 8, 2), fa3_ok, hopper) is None
+        assert "not the persistent" in why_invalid(
+            Variant("fa3", 128, 128, 4, 2, programs_per_sm=1), fa3_ok, hopper)
+    assert "fa1 and fa2 without use_tma" in why_invalid(Variant("fa3", 128, 128, 8, 2),
+                                                        p.with_(softcap=True), hopper)
     assert "fa1 and fa2 without use_tma" in why_invalid(
         Variant("fa2", 64, 64, 4, 2, use_tma=True), p, hopper)
     assert why_invalid(Variant("fa1", 64, 64, 4, 2), p, hopper) is None
     packed = p.with_(window=False, varlen=True)
     assert "not fa1" in why_invalid(Variant("fa1", 64, 64, 4, 2), packed, hopper)
-    # Packed sequences alone run in the one-tile fa3 kernel too, not the persistent one.
-    assert why_invalid(Variant("fa3", 128, 128, 8, 2), packed, hopper) is None
-    assert "not the persistent" in why_invalid(
-        Variant("fa3", 128, 128, 4, 2, programs_per_sm=1), packed, hopper)
-    assert "fa1 and fa2 without use_tma" in why_invalid(Variant("fa3", 128, 128, 8, 2),
-                                                        p.with_(varlen=True), hopper)
     assert why_invalid(default_variant(p, hopper), p, hopper) is None
+    assert default_variant(p, hopper).loop_order == "fa2"  # fa3 here is tuned, not a default
     assert "Triton backward" in why_invalid_bwd(BwdVariant(64, 128, 4, 2, fa3="both"), p,
                                                 hopper)
     assert default_bwd_variant(p, hopper).fa3 == "none"
@@ -290,6 +291,38 @@ def test_packed_fa3_on_the_gpu(causal: bool, variant: Variant, d: int) -> None:
            leaves)  # fmt: skip
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [(256, 0), (100, 37), (-1, 64), (0, 0)], ids=str)
+@pytest.mark.parametrize("variant", [Variant("fa3", 128, 128, 8, 2), Variant("fa3", 128, 64, 4, 3),
+                                     Variant("fa3", 64, 64, 4, 2)], ids=str)
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_window_fa3_on_the_gpu(window: tuple[int, int], variant: Variant, packed: bool) -> None:
+    """The one-tile fa3 kernel under a sliding window: K/V ranges that start past tile 0,
+    masked edges on both sides, Nq != Nk; packed, sequences of 1 to 900 tokens."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("fa3 runs on Hopper")
+    dtype = torch.bfloat16
+    if packed:
+        lq, lk = [1, 900, 63, 300, 17], [5, 900, 80, 290, 17]
+        cu_q, cu_k = _cu(lq).cuda(), _cu(lk).cuda()
+        leaves = [t.detach().cuda().requires_grad_() for t in _packed(lq, lk, 8, 2, 128, dtype)]
+        _check(lambda q, k, v: flashgen.attention_varlen(
+                   q, k, v, cu_q, cu_k, max(lq), max(lk), window=window, return_lse=True,
+                   variant=variant),
+               lambda q, k, v, dtype: reference.attention_varlen(
+                   q, k, v, cu_q.cpu(), cu_k.cpu(), False, None, dtype, window=window),
+               leaves)  # fmt: skip
+        return
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, h, n, 128, generator=gen).to("cuda", dtype).requires_grad_()
+               for h, n in ((8, 1300), (2, 1500), (2, 1500)))
+    _check(lambda q, k, v: flashgen.attention(q, k, v, window=window, return_lse=True,
+                                              variant=variant),
+           lambda q, k, v, dtype: reference.attention(q, k, v, False, None, dtype,
+                                                      window=window),
+           [q, k, v])
+
+
 @pytest.mark.parametrize("variant", [Variant("fa3", 128, 128, 8, 2),
                                      Variant("fa3", 128, 128, 4, 2)], ids=str)
 @pytest.mark.parametrize("d", [64, 128])
@@ -309,6 +342,24 @@ def test_packed_fa3_compiles_for_hopper(variant: Variant, d: int) -> None:
     consumers = variant.block_m // (16 * variant.num_warps)
     assert found["byte_permutes"] <= consumers * d // 4, found["byte_permutes"]
     assert found["shared"] <= hopper.shared_memory
+    assert any("0 bytes spill stores" in line for line in found["ptxas"]), found["ptxas"]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("variant", [Variant("fa3", 128, 128, 8, 2), Variant("fa3", 64, 64, 4, 3)],
+                         ids=str)
+def test_window_fa3_compiles_for_hopper(variant: Variant, causal: bool) -> None:
+    """D64, where nothing spills (at D128 with 128-key tiles the window's masks spill 8-36
+    bytes a thread: the tuner weighs those points)."""
+    from flashgen.tune.gluon_compile import report_in_subprocess
+
+    hopper = flashgen.DeviceInfo("H-test", (9, 0), 132, 232448)
+    problem = Problem(2, 16, 16, 4096, 4096, 64, "bf16", causal, window=True)
+    assert why_invalid(variant, problem, hopper) is None
+    found = report_in_subprocess(variant, problem)
+    assert found["wgmma"] and found["tma"] and found["wait_one"]
+    assert found["exp_under_pv"] and all(found["exp_under_pv"]), found["exp_under_pv"]
+    assert found["byte_permutes"] == 0, found["byte_permutes"]
     assert any("0 bytes spill stores" in line for line in found["ptxas"]), found["ptxas"]
 
 

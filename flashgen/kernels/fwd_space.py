@@ -234,17 +234,23 @@ def programs_per_sm_out_of_range(v: Variant, p: Problem, dev: DeviceInfo) -> str
     return None
 
 
+#: What the one-tile fa3 template takes of the modifiers (16-bit inputs): packed sequences
+#: and sliding windows, alone or together. Softcap and sinks run in fa1 and fa2.
+FA3_MODIFIERS = frozenset({"varlen", "window"})
+
+
 def modifiers_need_pointer_kernels(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
     # Window, softcap and sinks are written into the fa1 and fa2 templates, the packed layout
-    # into fa2 (fa1's scratch is laid out per (batch, head)) and the one-tile fa3 kernel,
-    # whose descriptors span the packing and whose O store is masked per sequence. fa2's TMA
-    # descriptors address whole (B, H, N, D) tensors, so its modified kernels load through
-    # pointers.
+    # into fa2 (fa1's scratch is laid out per (batch, head)); the one-tile fa3 kernel takes
+    # FA3_MODIFIERS (its descriptors span the packing, its O store is masked per sequence,
+    # its K/V range starts at the window). fa2's TMA descriptors address whole (B, H, N, D)
+    # tensors, so its modified kernels load through pointers.
     if not p.modifiers:
         return None
-    if v.loop_order == "fa3" and p.modifiers == ("varlen",):
-        return ("varlen runs in the one-tile fa3 kernel, not the persistent one"
-                if v.programs_per_sm else None)
+    if (v.loop_order == "fa3" and set(p.modifiers) <= FA3_MODIFIERS
+            and p.dtype != "fp8"):
+        return (f"{', '.join(p.modifiers)} run in the one-tile fa3 kernel, not the persistent "
+                "one" if v.programs_per_sm else None)
     if v.loop_order == "fa3" or v.use_tma:
         return (f"{', '.join(p.modifiers)} run in fa1 and fa2 without use_tma only "
                 f"(not {v.loop_order}{' use_tma' if v.use_tma else ''})")
