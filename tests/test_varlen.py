@@ -172,14 +172,15 @@ def test_unmodified_calls_render_the_plain_kernel() -> None:
 def test_modifiers_keep_to_triton_kernels_and_the_one_tile_fa3() -> None:
     hopper = flashgen.DeviceInfo("H-test", (9, 0), 132, 232448)
     p = Problem(2, 8, 8, 1024, 1024, 128, "bf16", True, window=True)
-    # Windows and packed sequences, alone or together, run in the one-tile fa3 kernel too;
-    # softcap and sinks, and the persistent kernel, keep to fa1 and fa2.
-    for fa3_ok in (p, p.with_(window=False, varlen=True), p.with_(varlen=True)):
+    # Every modifier, alone or together, runs in the one-tile fa3 kernel too (16-bit); the
+    # persistent kernel and fp8 keep to fa1 and fa2.
+    for fa3_ok in (p, p.with_(window=False, varlen=True), p.with_(varlen=True),
+                   p.with_(window=False, softcap=True), p.with_(sinks=True, softcap=True)):
         assert why_invalid(Variant("fa3", 128, 128, 8, 2), fa3_ok, hopper) is None
         assert "not the persistent" in why_invalid(
             Variant("fa3", 128, 128, 4, 2, programs_per_sm=1), fa3_ok, hopper)
     assert "fa1 and fa2 without use_tma" in why_invalid(Variant("fa3", 128, 128, 8, 2),
-                                                        p.with_(softcap=True), hopper)
+                                                        p.with_(dtype="fp8"), hopper)
     assert "fa1 and fa2 without use_tma" in why_invalid(
         Variant("fa2", 64, 64, 4, 2, use_tma=True), p, hopper)
     assert why_invalid(Variant("fa1", 64, 64, 4, 2), p, hopper) is None
@@ -323,6 +324,49 @@ def test_window_fa3_on_the_gpu(window: tuple[int, int], variant: Variant, packed
            [q, k, v])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["softcap", "sinks", "all"])
+@pytest.mark.parametrize("variant", [Variant("fa3", 128, 128, 8, 2), Variant("fa3", 128, 64, 4, 3),
+                                     Variant("fa3", 64, 64, 4, 2)], ids=str)
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_modified_fa3_on_the_gpu(name: str, variant: Variant, packed: bool,
+                                 causal: bool) -> None:
+    """The one-tile fa3 kernel with softcap, sinks and all modifiers (window too), dense and
+    packed, in bf16 at D128, with the Triton backward behind it."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("fa3 runs on Hopper")
+    dtype = torch.bfloat16
+    mods, extra = _sinks({**MODIFIERS[name], **({"window": (300, 40)} if name == "all"
+                                                 else {})}, 8, dtype)
+    if "softcap" in mods:
+        mods["softcap"] = 20.0  # Gemma 2's 50 and 30 barely bend N(0, 1) scores
+    if packed:
+        lq, lk = [1, 900, 63, 300, 17], [5, 900, 80, 290, 17]
+        cu_q, cu_k = _cu(lq).cuda(), _cu(lk).cuda()
+        leaves = [t.detach().cuda().requires_grad_()
+                  for t in [*_packed(lq, lk, 8, 2, 128, dtype), *extra]]
+        _check(lambda q, k, v, *s: flashgen.attention_varlen(
+                   q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal,
+                   sinks=s[0] if s else None, return_lse=True, variant=variant, **mods),
+               lambda q, k, v, *s, dtype: reference.attention_varlen(
+                   q, k, v, cu_q.cpu(), cu_k.cpu(), causal, None, dtype,
+                   sinks=s[0] if s else None, **mods),
+               leaves)  # fmt: skip
+        return
+    gen = torch.Generator().manual_seed(13)
+    leaves = [t.to("cuda", dtype).requires_grad_() for t in (
+        torch.randn(2, 8, 1300, 128, generator=gen), torch.randn(2, 2, 1500, 128, generator=gen),
+        torch.randn(2, 2, 1500, 128, generator=gen))] + [t.cuda().detach().requires_grad_()
+                                                          for t in extra]
+    _check(lambda q, k, v, *s: flashgen.attention(
+               q, k, v, causal=causal, sinks=s[0] if s else None, return_lse=True,
+               variant=variant, **mods),
+           lambda q, k, v, *s, dtype: reference.attention(
+               q, k, v, causal, None, dtype, sinks=s[0] if s else None, **mods),
+           leaves)  # fmt: skip
+
+
 @pytest.mark.parametrize("variant", [Variant("fa3", 128, 128, 8, 2),
                                      Variant("fa3", 128, 128, 4, 2)], ids=str)
 @pytest.mark.parametrize("d", [64, 128])
@@ -348,13 +392,14 @@ def test_packed_fa3_compiles_for_hopper(variant: Variant, d: int) -> None:
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("variant", [Variant("fa3", 128, 128, 8, 2), Variant("fa3", 64, 64, 4, 3)],
                          ids=str)
-def test_window_fa3_compiles_for_hopper(variant: Variant, causal: bool) -> None:
-    """D64, where nothing spills (at D128 with 128-key tiles the window's masks spill 8-36
-    bytes a thread: the tuner weighs those points)."""
+def test_modified_fa3_compiles_for_hopper(variant: Variant, causal: bool) -> None:
+    """Window, softcap and sinks at D64, where nothing spills (at D128 the window's masks
+    and the sink spill 4-36 bytes a thread in some tiles: the tuner weighs those points)."""
     from flashgen.tune.gluon_compile import report_in_subprocess
 
     hopper = flashgen.DeviceInfo("H-test", (9, 0), 132, 232448)
-    problem = Problem(2, 16, 16, 4096, 4096, 64, "bf16", causal, window=True)
+    problem = Problem(2, 16, 16, 4096, 4096, 64, "bf16", causal, window=True, softcap=True,
+                      sinks=True)
     assert why_invalid(variant, problem, hopper) is None
     found = report_in_subprocess(variant, problem)
     assert found["wgmma"] and found["tma"] and found["wait_one"]

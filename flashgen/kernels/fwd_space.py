@@ -234,9 +234,9 @@ def programs_per_sm_out_of_range(v: Variant, p: Problem, dev: DeviceInfo) -> str
     return None
 
 
-#: What the one-tile fa3 template takes of the modifiers (16-bit inputs): packed sequences
-#: and sliding windows, alone or together. Softcap and sinks run in fa1 and fa2.
-FA3_MODIFIERS = frozenset({"varlen", "window"})
+#: What the one-tile fa3 template takes of the modifiers (16-bit inputs): all of them, alone
+#: or together (the persistent one and fp8 take none).
+FA3_MODIFIERS = frozenset({"varlen", "window", "softcap", "sinks"})
 
 
 def modifiers_need_pointer_kernels(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:

@@ -74,11 +74,18 @@ def example_fp8_args(head_dim: int, rows: int, block_n: int) -> list[Any]:
             *descale.stride()]
 
 
+def example_modifier_args(problem: Problem) -> list[Any]:
+    """The modifiers' runtime arguments, in the kernels' order: WIN_LEFT and WIN_RIGHT,
+    SOFTCAP, SINKS (the types are what the compiler specialises on)."""
+    return ([300, 0] if problem.window else []) + ([20.0] if problem.softcap else []) + (
+        [torch.empty(4, dtype=torch.float32)] if problem.sinks else [])
+
+
 def example_varlen_args(head_dim: int, dtype: torch.dtype, rows: int, block_n: int,
-                        window: bool = False) -> list[Any]:
+                        modifiers: list[Any] | None = None) -> list[Any]:
     """fa3's packed-sequence arguments: descriptors over (1, H, total, D) views of packed
-    (total, H, D) tensors, LSE and scalars, CU_Q and CU_K (then the window's sides), then O
-    and its row and head strides."""
+    (total, H, D) tensors, LSE and scalars, CU_Q and CU_K (then the other modifiers'), then
+    O and its row and head strides."""
     from flashgen.runtime.forward import gluon_descriptor
 
     t = torch.empty(512, 4, head_dim, dtype=dtype)
@@ -87,7 +94,7 @@ def example_varlen_args(head_dim: int, dtype: torch.dtype, rows: int, block_n: i
     return [gluon_descriptor(view, rows), gluon_descriptor(view, block_n),
             gluon_descriptor(view, block_n), gluon_descriptor(view, rows),
             torch.empty(4, dtype=torch.float32), 0, 512, 0.125, 256, 256, 4, 1, cu, cu,
-            *([300, 0] if window else []), t, t.stride(0), t.stride(1)]
+            *(modifiers or []), t, t.stride(0), t.stride(1)]
 
 
 def compile_fa3(variant: Variant, problem: Problem, capability: int = 90) -> Any:
@@ -100,12 +107,10 @@ def compile_fa3(variant: Variant, problem: Problem, capability: int = 90) -> Any
         args = example_fp8_args(problem.head_dim, variant.fa3_rows, variant.block_n)
     elif problem.varlen:
         args = example_varlen_args(problem.head_dim, problem.torch_dtype, variant.fa3_rows,
-                                   variant.block_n, problem.window)
+                                   variant.block_n, example_modifier_args(problem))
     else:
         args = example_args(problem.head_dim, problem.torch_dtype, variant.fa3_rows,
-                            variant.block_n)
-        if problem.window:
-            args += [300, 0]  # WIN_LEFT, WIN_RIGHT: runtime ints, after the common ones
+                            variant.block_n) + example_modifier_args(problem)
     if variant.programs_per_sm:
         args.append(8)  # B * H_Q: the persistent kernel enumerates the tiles itself
     return compile_gluon(load_kernel(variant, problem), args, {}, variant.num_warps, capability)
@@ -211,7 +216,8 @@ def report_in_subprocess(variant: Variant | BwdVariant, problem: Problem,
                          bwd: str | None = None) -> dict[str, Any]:
     """`report` in a fresh process without TRITON_INTERPRET (see the module docstring)."""
     extra = ((["--causal"] if problem.causal else []) + (["--varlen"] if problem.varlen else [])
-             + (["--window"] if problem.window else []) + (["--bwd", bwd] if bwd else []))
+             + [f"--{name}" for name in ("window", "softcap", "sinks") if getattr(problem, name)]
+             + (["--bwd", bwd] if bwd else []))
     return run_report("flashgen.tune.gluon_compile", variant.to_json(), problem, extra)
 
 
@@ -237,12 +243,14 @@ def main() -> None:
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--varlen", action="store_true", help="packed sequences (forward)")
     ap.add_argument("--window", action="store_true", help="a sliding window (forward)")
+    ap.add_argument("--softcap", action="store_true", help="a softcap (forward)")
+    ap.add_argument("--sinks", action="store_true", help="attention sinks (forward)")
     ap.add_argument("--bwd", choices=["dkdv", "dq"],
                     help="a backward kernel of a BwdVariant (given as JSON) instead")
     args = ap.parse_args()
     problem = Problem.parse(args.shape, args.dtype, args.causal)
-    if args.varlen or args.window:
-        problem = problem.with_(varlen=args.varlen, window=args.window)
+    problem = problem.with_(varlen=args.varlen, window=args.window, softcap=args.softcap,
+                            sinks=args.sinks)
     variant = (BwdVariant if args.bwd else Variant).from_json(args.variant)
     print(json.dumps(report(variant, problem, args.bwd)))
 
