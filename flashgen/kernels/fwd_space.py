@@ -261,14 +261,15 @@ def modifiers_need_pointer_kernels(v: Variant, p: Problem, dev: DeviceInfo) -> s
 
 def fp8_kernels(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
     # The fp8 path is written into the fa2 template (pointer loads, or TMA with V read
-    # keys-inner) and the one-tile fa3 one, and reads one descale per tile: a tile (an fa3
+    # keys-inner) and both fa3 ones, and reads one descale per tile: a tile (an fa3
     # consumer's rows) must lie inside one quantization block of rows. P V reduces over the
     # tile's keys, and 8-bit products need at least 32.
     if p.dtype != "fp8":
         return None
-    if v.loop_order == "fa1" or (v.loop_order == "fa3" and v.programs_per_sm):
-        return ("fp8 runs in fa2 and the one-tile fa3 kernel only (not "
-                f"{v.loop_order}{' persistent' if v.programs_per_sm else ''})")
+    if v.loop_order == "fa1":
+        return "fp8 runs in fa2 and fa3 only (not fa1)"
+    if v.loop_order == "fa3" and v.head_units:
+        return "fp8 fa3 takes tile pairs, not whole heads (head_units is not built for fp8)"
     rows = v.fa3_rows if v.loop_order == "fa3" else v.block_m
     if FP8_BLOCK % rows or FP8_BLOCK % v.block_n:
         return (f"fp8 tiles must divide the {FP8_BLOCK}-row quantization block "
@@ -394,6 +395,8 @@ class Pick(Generic[V]):
                 and self.hopper in (None, dev.is_hopper))
 
 
+#: The dtypes whose untuned default may be an fa3 kernel (see DEFAULTS).
+FA3_DEFAULT_DTYPES = ("fp16", "bf16")
 #: Keys from which the untuned default takes fa3 over fa2 at head dim 64 (see DEFAULTS).
 FA3_DEFAULT_MIN_KEYS_D64 = 4096
 #: Keys from which the untuned default takes three consumers at head dim 64 without the mask.
@@ -465,13 +468,16 @@ HOPPER_PORTFOLIO: tuple[Pick[Variant], ...] = (
 #: fastest general choice on recent GPUs down to the smallest tile, which every problem
 #: admits. Measurements: docs/forward-portfolio.md.
 DEFAULTS: tuple[Pick[Variant], ...] = (
+    # fa3 is the untuned default for the 16-bit dtypes it was measured on; fp8's fa3 kernels
+    # are tuned, not served untuned.
     Pick(Variant("fa3", 192, 128, 4, 3, programs_per_sm=1, pingpong=True), "D64 without the "
          "mask: three consumers taking turns", max_d=64, min_keys=FA3_THREE_CONSUMERS_MIN_KEYS,
-         causal=False),
+         causal=False, dtypes=FA3_DEFAULT_DTYPES),
     Pick(Variant("fa3", 128, 128, 4, 2, programs_per_sm=1, pingpong=True), "D128: two consumers "
-         "taking turns, persistent", min_d=128),
+         "taking turns, persistent", min_d=128, dtypes=FA3_DEFAULT_DTYPES),
     Pick(Variant("fa3", 128, 128, 4, 2, programs_per_sm=1), "D64: fa3 pays from 4k keys; shorter "
-         "programs leave its TMA prologue exposed", max_d=64, min_keys=FA3_DEFAULT_MIN_KEYS_D64),
+         "programs leave its TMA prologue exposed", max_d=64, min_keys=FA3_DEFAULT_MIN_KEYS_D64,
+         dtypes=FA3_DEFAULT_DTYPES),
     Pick(Variant("fa2", 128, 64, 8, 3), "fa2's tuned D128 tile", min_d=128, hopper=True),
     Pick(Variant("fa2", 128, 64, 8, 2), "fa2's D128 tile, 2 stages off Hopper", min_d=128,
          hopper=False),

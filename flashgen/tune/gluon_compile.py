@@ -112,7 +112,9 @@ def compile_fa3(variant: Variant, problem: Problem, capability: int = 90) -> Any
         args = example_args(problem.head_dim, problem.torch_dtype, variant.fa3_rows,
                             variant.block_n) + example_modifier_args(problem)
     if variant.programs_per_sm:
-        args.append(8)  # B * H_Q: the persistent kernel enumerates the tiles itself
+        # B * H_Q, after the common arguments (GROUP is the 12th): the persistent kernel
+        # enumerates the tiles itself.
+        args.insert(12, 8)
     return compile_gluon(load_kernel(variant, problem), args, {}, variant.num_warps, capability)
 
 
