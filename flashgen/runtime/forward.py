@@ -250,6 +250,9 @@ def _prepare_tma(entry: Entry, shape: Shape, kernel_of: KernelOf, strict: bool) 
     bm, bn = variant.block_m, variant.block_n
     d = padded_head_dim(shape.head_dim, shape.dtype)
     group, fa3 = shape.group, variant.loop_order == "fa3"
+    # fp8 V is addressed keys-inner: its (B, H, D, N) memory (`fp8.quantize`'s layout); the
+    # descales and the output dtype come with each call as `mods.fp8`.
+    fp8 = shape.dtype == "fp8"
     plain: list[Launcher] = []  # the pointer twin, prepared on first need
 
     def twin(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -270,7 +273,7 @@ def _prepare_tma(entry: Entry, shape: Shape, kernel_of: KernelOf, strict: bool) 
         (total, H, D) tensors; LSE (Hq, total_q); O's rows also go as a pointer (the kernel
         stores them through a per-sequence mask)."""
         lens = mods.varlen
-        assert lens is not None and fa3
+        assert lens is not None
         out = torch.empty_like(q)
         views = [t.unsqueeze(0).transpose(1, 2) for t in (q, k, v, out)]
         if not tma_ready(*views):
@@ -292,13 +295,9 @@ def _prepare_tma(entry: Entry, shape: Shape, kernel_of: KernelOf, strict: bool) 
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
         mods: Mods | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # TMA variants take no window, softcap or sinks (the rules); fp8 descales come as
-        # `mods.fp8`, packed sequences (fa3) as `mods.varlen`.
-        if mods is not None and mods.varlen is not None:
-            return run_packed(q, k, v, scale, mods)
-        fp8 = mods.fp8 if mods is not None else None
-        out = torch.empty_like(q, dtype=fp8.out_dtype) if fp8 else torch.empty_like(q)
-        # fp8 V is addressed keys-inner: its (B, H, D, N) memory (`fp8.quantize`'s layout).
+        # Modified calls (fa3 only, by the rules) pass their values as `mods`.
+        out = (torch.empty_like(q, dtype=mods.fp8.out_dtype)  # type: ignore[union-attr]
+               if fp8 else torch.empty_like(q))
         vt = v.transpose(-1, -2) if fp8 else v
         if not tma_ready(q, k, vt, out):
             return twin(q, k, v, scale, mods,
@@ -329,4 +328,5 @@ def _prepare_tma(entry: Entry, shape: Shape, kernel_of: KernelOf, strict: bool) 
         )  # fmt: skip
         return out, lse
 
-    return run
+    # Packed sequences reach TMA kernels only in fa3 (the rules).
+    return run_packed if shape.varlen and fa3 else run

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from flashgen.kernels.bwd_variant import BwdVariant
-from flashgen.kernels.problem import Problem
+from flashgen.kernels.problem import MODIFIERS, Problem
 from flashgen.kernels.variant import Variant
 
 
@@ -217,9 +217,8 @@ def report(variant: Variant | BwdVariant, problem: Problem,
 def report_in_subprocess(variant: Variant | BwdVariant, problem: Problem,
                          bwd: str | None = None) -> dict[str, Any]:
     """`report` in a fresh process without TRITON_INTERPRET (see the module docstring)."""
-    extra = ((["--causal"] if problem.causal else []) + (["--varlen"] if problem.varlen else [])
-             + [f"--{name}" for name in ("window", "softcap", "sinks") if getattr(problem, name)]
-             + (["--bwd", bwd] if bwd else []))
+    extra = ((["--causal"] if problem.causal else [])
+             + [f"--{name}" for name in problem.modifiers] + (["--bwd", bwd] if bwd else []))
     return run_report("flashgen.tune.gluon_compile", variant.to_json(), problem, extra)
 
 
@@ -243,16 +242,13 @@ def main() -> None:
     ap.add_argument("shape", help="B,Hq,Hkv,Nq,Nk,D")
     ap.add_argument("--dtype", default="fp16", choices=["fp16", "bf16", "fp8"])
     ap.add_argument("--causal", action="store_true")
-    ap.add_argument("--varlen", action="store_true", help="packed sequences (forward)")
-    ap.add_argument("--window", action="store_true", help="a sliding window (forward)")
-    ap.add_argument("--softcap", action="store_true", help="a softcap (forward)")
-    ap.add_argument("--sinks", action="store_true", help="attention sinks (forward)")
+    for name in MODIFIERS:
+        ap.add_argument(f"--{name}", action="store_true", help=f"with {name} (forward)")
     ap.add_argument("--bwd", choices=["dkdv", "dq"],
                     help="a backward kernel of a BwdVariant (given as JSON) instead")
     args = ap.parse_args()
     problem = Problem.parse(args.shape, args.dtype, args.causal)
-    problem = problem.with_(varlen=args.varlen, window=args.window, softcap=args.softcap,
-                            sinks=args.sinks)
+    problem = problem.with_(**{name: getattr(args, name) for name in MODIFIERS})
     variant = (BwdVariant if args.bwd else Variant).from_json(args.variant)
     print(json.dumps(report(variant, problem, args.bwd)))
 
