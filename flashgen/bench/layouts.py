@@ -63,23 +63,21 @@ class Layout:
         cuts = sorted((torch.randperm(total - 1, generator=gen)[: count - 1] + 1).tolist())
         return [b - a for a, b in itertools.pairwise([0, *cuts, total])]
 
+    def _lens(self, p: Problem, seed: int) -> tuple[list[int], list[int]] | None:
+        """The packed lengths of q and of k (self-attention: the same); None unpacked."""
+        if not self.sequences:
+            return None
+        lens = self.lengths(p, seed)
+        return lens, lens
+
     def pairs(self, p: Problem, seed: int) -> int:
         """(query, key) pairs the layout's mask keeps, summed over sequences, per head."""
-        seqs = self.lengths(p, seed) if self.sequences else [p.seq_q] * p.batch
-        nk = p.seq_k if not self.sequences else None
-        total = 0
-        for n in seqs:
-            keys = nk if nk is not None else n
-            for i in range(n):
-                at = i + keys - n
-                hi = min(keys - 1, at) if p.causal else keys - 1
-                lo = max(0, at - self.window) if self.window is not None else 0
-                total += max(0, hi - lo + 1)
-        return total
+        return p.pairs(self._lens(p, seed), self.window_arg())
 
     def flops(self, p: Problem, seed: int) -> float:
-        """Forward FLOPs of the two matmuls over the visible pairs."""
-        return 4.0 * self.pairs(p, seed) * p.heads_q * p.head_dim
+        """Forward FLOPs of the two matmuls over the visible pairs (`Problem.flops`, as the
+        tuner counts them)."""
+        return p.flops(self._lens(p, seed), self.window_arg())
 
     def window_arg(self) -> tuple[int, int] | None:
         return None if self.window is None else (self.window, 0)

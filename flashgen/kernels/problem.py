@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -33,6 +34,44 @@ MAX_HEAD_DIM = 256
 MODIFIERS: tuple[str, ...] = ("window", "softcap", "sinks", "varlen")
 #: Each modifier's letter in a tuning key's `modifiers` field (varlen adds its mix bucket).
 MODIFIER_LETTERS: dict[str, str] = {"window": "w", "softcap": "k", "sinks": "s", "varlen": "v"}
+
+
+def _clamped_sum(first: int, last: int, cap: int) -> int:
+    """Sum of min(max(t, 0), cap) for t from `first` to `last`: the closed form that lets
+    `visible_pairs` count a 32k-row sequence without a loop over its rows."""
+
+    def upto(x: int) -> int:  # the sum for t from 0 to x
+        if x <= 0:
+            return 0
+        return x * (x + 1) // 2 if x <= cap else cap * (cap + 1) // 2 + (x - cap) * cap
+
+    return upto(last) - upto(first - 1) if last >= first else 0
+
+
+def visible_pairs(lens_q: Sequence[int], lens_k: Sequence[int], causal: bool = False,
+                  window: tuple[int, int] | None = None) -> int:
+    """(query, key) pairs a mask keeps, summed over sequences: the work FLOP counts are of,
+    so a windowed or packed problem's TFLOP/s compare with a dense one's at equal work.
+
+    Each sequence aligns bottom-right, as `tune.reference.visible`: query i stands at
+    i' = i + nk - nq; causal keeps j <= i', window (left, right) keeps
+    i' - left <= j <= i' + right, a negative side meaning unbounded. Closed form per
+    sequence (query i keeps the keys below its upper bound less those below its lower one).
+    """
+    left, right = window if window is not None else (-1, -1)
+    total = 0
+    for nq, nk in zip(lens_q, lens_k, strict=True):
+        far = nq + nk  # past every key: an unbounded side
+        up = right if right >= 0 else far
+        if causal:
+            up = min(up, 0)
+        back = left if left >= 0 else far
+        first = nk - nq  # query 0's position i'
+        last = first + nq - 1
+        # Keys j <= i' + up, less the keys j < i' - back (up, back >= 0: never more).
+        total += (_clamped_sum(first + up + 1, last + up + 1, nk)
+                  - _clamped_sum(first - back, last - back, nk))
+    return total
 
 
 def mix_bucket(batch: int, longest: int, tokens: int) -> int:
@@ -125,14 +164,25 @@ class Problem:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
-    def flops(self) -> float:
-        """Forward FLOPs of the two matmuls; causal counts the half that is really computed."""
+    def pairs(self, lens: tuple[Sequence[int], Sequence[int]] | None = None,
+              window: tuple[int, int] | None = None) -> int:
+        """(query, key) pairs the mask keeps per head (`visible_pairs`): batch sequences of
+        Nq x Nk, or the packed `lens` (of q, of k), narrowed by causal and `window`."""
+        lens_q, lens_k = lens or ([self.seq_q] * self.batch, [self.seq_k] * self.batch)
+        return visible_pairs(lens_q, lens_k, self.causal, window)
+
+    def flops(self, lens: tuple[Sequence[int], Sequence[int]] | None = None,
+              window: tuple[int, int] | None = None) -> float:
+        """Forward FLOPs of the two matmuls over the pairs the mask keeps (`pairs`), so
+        TFLOP/s measure work really done; without `lens` and `window` the dense (causal:
+        visible) count, computed as it always was."""
+        if lens is not None or window is not None:
+            return 4.0 * self.pairs(lens, window) * self.heads_q * self.head_dim
         full = 4.0 * self.batch * self.heads_q * self.seq_q * self.seq_k * self.head_dim
         if not self.causal:
             return full
         # Bottom-right aligned causal mask: query i sees keys j <= i + (Nk - Nq).
-        offset = self.seq_k - self.seq_q
-        seen = sum(min(self.seq_k, max(0, i + offset + 1)) for i in range(self.seq_q))
+        seen = visible_pairs([self.seq_q], [self.seq_k], causal=True)
         return full * seen / (self.seq_q * self.seq_k)
 
     def with_(self, **changes: Any) -> Problem:

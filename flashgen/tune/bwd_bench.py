@@ -8,7 +8,7 @@ failed `Measurement`, never an exception) and the same gate shapes and seeds. Wh
   default): the gate runs it on the candidate's fresh inputs, then the candidate's backward,
   and `check_grads.compare_grads` holds dQ, dK and dV against the float64 reference.
 * Only the backward is timed: the forward's outputs for the timing inputs are made once.
-* Throughput counts BWD_FLOPS_RATIO x the forward's FLOPs.
+* Throughput counts BWD_FLOPS_RATIO x the forward's FLOPs (its visible pairs).
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ class BwdKernelBench(KernelBench):
             timing = self._time(lambda: saved.run(variant, self.problem))
         except Exception as exc:
             return Measurement.failed(describe_failure(exc), check.error, check.bound)
-        flops = BWD_FLOPS_RATIO * self.problem.flops()
+        flops = BWD_FLOPS_RATIO * self.modified_inputs.flops(self.problem)
         return Measurement("ok", timing=timing, tflops=tflops(flops, timing.median_ms),
                            error=check.error, bound=check.bound)
 

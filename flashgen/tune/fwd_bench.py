@@ -266,7 +266,7 @@ class KernelBench:
         return checked_and_timed(
             check, lambda: self._time(lambda: run_forward(
                 made.q, made.k, made.v, variant, self.problem, mods=made.mods)),
-            self.problem.flops())
+            made.flops(self.problem))
 
     def baseline(self) -> Baseline | None:
         if self.problem.modifiers or self.problem.dtype == "fp8":

@@ -67,6 +67,16 @@ class ModifiedInputs:
     cu: tuple[list[int], list[int]] | None = None  # the packed offsets, for the reference
     quantized: Quantized | None = None  # fp8: what the fp8 gate (`check.compare_fp8`) takes
 
+    def flops(self, problem: Problem) -> float:
+        """Forward FLOPs of `problem` called on these inputs: only the pairs their window and
+        packed lengths leave visible, so the tuner's TFLOP/s match `flashgen bench`'s."""
+        lens = None
+        if self.cu is not None:
+            cu_q, cu_k = self.cu
+            lens = ([b - a for a, b in itertools.pairwise(cu_q)],
+                    [b - a for a, b in itertools.pairwise(cu_k)])
+        return problem.flops(lens, self.reference.get("window"))
+
 
 def make_fp8_inputs(problem: Problem, device: torch.device, seed: int) -> ModifiedInputs:
     """Seeded fp8 inputs of `problem`: normal values whose 128-row blocks differ in magnitude
