@@ -40,7 +40,8 @@ def test_fa3_is_a_hopper_16bit_variant_with_its_own_tiles() -> None:
     assert "Hopper" in flashgen.why_invalid(v, _problem(), INTERPRETER)
     small = flashgen.Variant("fa3", 128, 64, 4, 2)  # fits shared memory even in fp32
     assert "fp32" in flashgen.why_invalid(small, _problem(dtype="fp32"), HOPPER)
-    assert "head dims" in flashgen.why_invalid(small, _problem(d=96), HOPPER)
+    assert "head dims" in flashgen.why_invalid(small, _problem(d=32), HOPPER)
+    assert flashgen.why_invalid(small, _problem(d=96), HOPPER) is None  # padded to 128
     bad_tile = flashgen.Variant("fa3", 256, 128, 8, 2)
     assert "block_m, num_warps" in flashgen.why_invalid(bad_tile, _problem(), HOPPER)
     assert "fa2 knobs" in flashgen.why_invalid(
@@ -345,6 +346,55 @@ def test_fa3_d256_matches_the_reference_on_gpu(variant: flashgen.Variant,
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("needs a Hopper GPU")
     q, k, v = make_inputs(2, 4, 2, 700, 530, 256, torch.bfloat16, "cuda", seed=7 + causal)
+    out, lse = flashgen.attention(q, k, v, causal=causal, variant=variant, return_lse=True)
+    check = compare(out, q, k, v, causal, None, lse)
+    assert check.ok, check.reason
+
+
+def test_fa3_pads_head_dims_with_16_byte_rows_but_serves_them_only_tuned() -> None:
+    # 80, 96, 112 tile as 128 and 40, 48 as 64: TMA zero-fills the columns past D.
+    for d, padded in ((40, 64), (48, 64), (80, 128), (96, 128), (112, 128)):
+        problem = _problem(d, "bf16", True)
+        assert problem.padded_head_dim == padded
+        points = [v for v in flashgen.search_space(problem, HOPPER) if v.loop_order == "fa3"]
+        assert any(v.programs_per_sm for v in points), d
+        assert portfolio(problem, HOPPER)[0].loop_order == "fa3"
+        # Untuned, the padded dims keep fa2 until their fa3 kernels have been measured.
+        assert default_variant(problem, HOPPER).loop_order == "fa2"
+    # A row TMA cannot address: 36 x 2 bytes is no multiple of 16.
+    assert "16-byte rows" in flashgen.why_invalid(
+        flashgen.Variant("fa3", 128, 128, 4, 2), _problem(36, "fp16", False), HOPPER)
+    assert "persistent grid" in flashgen.why_invalid(
+        flashgen.Variant("fa3", 64, 64, 4, 2, programs_per_sm=1), _problem(192, "bf16", False),
+        HOPPER)
+
+
+@pytest.mark.parametrize("variant", [flashgen.Variant("fa3", 128, 128, 4, 2),
+                                     flashgen.Variant("fa3", 128, 128, 4, 2, programs_per_sm=1,
+                                                      pingpong=True)], ids=str)
+def test_fa3_padded_head_dim_compiles_for_hopper(variant: flashgen.Variant) -> None:
+    """D96 renders the D128 kernel without its head-dim assert: the same machine code (the
+    padding is the descriptors' business), unspilled."""
+    found = report_in_subprocess(variant, _problem(96, "bf16", False))
+    assert found == report_in_subprocess(variant, _problem(128, "bf16", False))
+    assert found["wgmma"] and found["tma"]
+    assert any("0 bytes spill stores" in line for line in found["ptxas"]), found["ptxas"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [flashgen.Variant("fa3", 128, 128, 4, 2),
+                                     flashgen.Variant("fa3", 128, 64, 4, 3),
+                                     flashgen.Variant("fa3", 128, 128, 4, 2, programs_per_sm=1,
+                                                      pingpong=True),
+                                     flashgen.Variant("fa3", 128, 64, 4, 3, programs_per_sm=1)],
+                         ids=str)
+@pytest.mark.parametrize("d", [40, 80, 96, 112])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fa3_padded_head_dims_match_the_reference_on_gpu(variant: flashgen.Variant, d: int,
+                                                         causal: bool) -> None:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("needs a Hopper GPU")
+    q, k, v = make_inputs(2, 4, 2, 700, 530, d, torch.bfloat16, "cuda", seed=d + causal)
     out, lse = flashgen.attention(q, k, v, causal=causal, variant=variant, return_lse=True)
     check = compare(out, q, k, v, causal, None, lse)
     assert check.ok, check.reason

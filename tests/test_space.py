@@ -231,7 +231,8 @@ FWD_PORTFOLIO_PINNED = {
     ],
     (64, True): [
         "fa3 m128 n128 w4 s3 p1", "fa3 m128 n128 w4 s2 p1", "fa3 m192 n128 w4 s4 p1",
-        "fa3 m128 n64 w4 s3 p1", "fa3 m128 n128 w4 s3 p1 heads", "fa3 m128 n128 w4 s2 p1 heads", "fa3 m128 n128 w4 s3",
+        "fa3 m128 n64 w4 s3 p1", "fa3 m128 n128 w4 s3 p1 heads", "fa3 m128 n128 w4 s2 p1 heads",
+        "fa3 m128 n128 w4 s3",
         "fa3 m128 n128 w4 s4", "fa3 m128 n128 w4 s2", "fa3 m128 n64 w4 s4",
         "fa3 m128 n128 w8 s3", "fa2 m64 n128 w4 s2 tma", "fa2 m128 n64 w8 s4 tma",
         "fa2 m128 n128 w4 s3 tma", "fa2 m128 n64 w4 s3 tma", "fa2 m128 n64 w8 s3 ws",
@@ -245,7 +246,10 @@ FWD_PORTFOLIO_PINNED = {
         "fa2 m256 n64 w8 s4 ws tma", "fa2 m128 n64 w4 s2 tma", "fa2 m64 n64 w4 s3 tma",
         "fa2 m256 n64 w8 s3 tma",
     ],
-    (96, False): [
+    (96, False): [  # fa3 pads 96 to 128 (TMA zero fill): the D128 rows
+        "fa3 m128 n128 w4 s2 p1 pp", "fa3 m128 n128 w4 s2 p1", "fa3 m128 n64 w4 s3 p1",
+        "fa3 m128 n64 w4 s3 p1 pp", "fa3 m128 n128 w4 s3", "fa3 m128 n64 w4 s4 p1",
+        "fa3 m128 n64 w4 s3", "fa3 m128 n128 w4 s2", "fa3 m128 n64 w4 s4", "fa3 m128 n128 w8 s2",
         "fa2 m128 n128 w8 s3 ws tma", "fa2 m128 n128 w8 s3 tma", "fa2 m256 n64 w8 s4 ws tma",
         "fa2 m128 n64 w4 s2 tma", "fa2 m64 n64 w4 s3 tma", "fa2 m256 n64 w8 s3 tma",
     ],

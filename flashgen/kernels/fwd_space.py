@@ -145,9 +145,15 @@ def tma_needs_hopper_and_aligned_rows(v: Variant, p: Problem, dev: DeviceInfo) -
         return None
     if not (dev.is_hopper or dev.is_interpreter):
         return "use_tma needs a Hopper GPU (compute capability 9.x)"
-    elem = 4 if p.dtype == "fp32" else 2
+    return _rows_not_16_bytes("use_tma", p)
+
+
+def _rows_not_16_bytes(who: str, p: Problem) -> str | None:
+    """TMA's rule for a row of D elements (every stride but the last a multiple of 16 bytes);
+    a padded head dim's extra columns are TMA's zero fill, so only the row itself counts."""
+    elem = p.torch_dtype.itemsize
     if (p.head_dim * elem) % 16:
-        return f"use_tma needs 16-byte rows; head dim {p.head_dim} x {elem} B is not"
+        return f"{who} needs 16-byte rows; head dim {p.head_dim} x {elem} B is not"
     return None
 
 
@@ -166,20 +172,22 @@ FA3_PERSISTENT_HEAD_DIMS = (64, 128)
 def fa3_needs_hopper_and_16bit(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
     # Gluon's warpgroup MMA, TMA and register reallocation are Hopper instructions, and the
     # interpreter cannot run Gluon. P is fed to the tensor cores as 16-bit (or, for fp8, 8-bit)
-    # A operands, and TMA tiles carry no column mask, so the head dim must be a supported
-    # power of two.
+    # A operands. The kernels tile a supported power of two; a head dim below it (80, 96,
+    # 112) is padded by TMA, which zero-fills the columns past D on load and clips them on
+    # store, so its rows need only be 16-byte multiples.
     if v.loop_order != "fa3":
         return None
     if not dev.is_hopper:
         return "fa3 needs a Hopper GPU (compute capability 9.x; Gluon does not interpret)"
     if p.dtype not in ("fp16", "bf16", "fp8"):
         return f"fa3 runs fp16, bf16 and fp8, not {p.dtype}"
-    if p.head_dim not in FA3_HEAD_DIMS:
-        return f"fa3 runs head dims {FA3_HEAD_DIMS}, not {p.head_dim}"
-    if v.programs_per_sm and p.head_dim not in FA3_PERSISTENT_HEAD_DIMS:
-        return (f"fa3 on the persistent grid runs head dims {FA3_PERSISTENT_HEAD_DIMS}, not "
-                f"{p.head_dim} (the one-tile kernel does)")
-    return None
+    d = p.padded_head_dim
+    if d not in FA3_HEAD_DIMS:
+        return f"fa3 tiles head dims {FA3_HEAD_DIMS} (or pads up to one), not {d}"
+    if v.programs_per_sm and d not in FA3_PERSISTENT_HEAD_DIMS:
+        return (f"fa3 on the persistent grid tiles head dims {FA3_PERSISTENT_HEAD_DIMS}, not "
+                f"{d} (the one-tile kernel does)")
+    return _rows_not_16_bytes("fa3", p)
 
 
 def fa3_tiles(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
@@ -386,9 +394,13 @@ class Pick(Generic[V]):
     causal: bool | None = None
     dtypes: tuple[str, ...] = ("fp16", "bf16", "fp32", "fp8")
     hopper: bool | None = None
+    #: Only head dims that need no padding (64, not 40 or 48; 128, not 80 or 96).
+    unpadded: bool = False
 
     def serves(self, problem: Problem, dev: DeviceInfo) -> bool:
         """Whether this row is meant for `problem` on `dev` (before the validity rules)."""
+        if self.unpadded and problem.head_dim != problem.padded_head_dim:
+            return False
         return (self.min_d <= problem.padded_head_dim <= self.max_d
                 and problem.seq_k >= self.min_keys and problem.dtype in self.dtypes
                 and self.causal in (None, problem.causal)
@@ -468,16 +480,16 @@ HOPPER_PORTFOLIO: tuple[Pick[Variant], ...] = (
 #: fastest general choice on recent GPUs down to the smallest tile, which every problem
 #: admits. Measurements: docs/forward-portfolio.md.
 DEFAULTS: tuple[Pick[Variant], ...] = (
-    # fa3 is the untuned default for the 16-bit dtypes it was measured on; fp8's fa3 kernels
-    # are tuned, not served untuned.
+    # fa3 is the untuned default for the 16-bit dtypes and head dims it was measured on; fp8's
+    # fa3 kernels and its padded head dims (80, 96, ...) are tuned, not served untuned.
     Pick(Variant("fa3", 192, 128, 4, 3, programs_per_sm=1, pingpong=True), "D64 without the "
          "mask: three consumers taking turns", max_d=64, min_keys=FA3_THREE_CONSUMERS_MIN_KEYS,
-         causal=False, dtypes=FA3_DEFAULT_DTYPES),
+         causal=False, dtypes=FA3_DEFAULT_DTYPES, unpadded=True),
     Pick(Variant("fa3", 128, 128, 4, 2, programs_per_sm=1, pingpong=True), "D128: two consumers "
-         "taking turns, persistent", min_d=128, dtypes=FA3_DEFAULT_DTYPES),
+         "taking turns, persistent", min_d=128, dtypes=FA3_DEFAULT_DTYPES, unpadded=True),
     Pick(Variant("fa3", 128, 128, 4, 2, programs_per_sm=1), "D64: fa3 pays from 4k keys; shorter "
          "programs leave its TMA prologue exposed", max_d=64, min_keys=FA3_DEFAULT_MIN_KEYS_D64,
-         dtypes=FA3_DEFAULT_DTYPES),
+         dtypes=FA3_DEFAULT_DTYPES, unpadded=True),
     Pick(Variant("fa2", 128, 64, 8, 3), "fa2's tuned D128 tile", min_d=128, hopper=True),
     Pick(Variant("fa2", 128, 64, 8, 2), "fa2's D128 tile, 2 stages off Hopper", min_d=128,
          hopper=False),

@@ -107,7 +107,8 @@ def _gluon_tile_layout(rows: int, cols: int, dtype: torch.dtype) -> object:
 
 def gluon_descriptor(t: torch.Tensor, rows: int, cols: int | None = None) -> object:
     """A Gluon TMA descriptor over the 4-D view `t` moving [1, 1, rows, cols] tiles (cols:
-    the whole last dim, D of a (B, H, N, D) view, unless given). The caller has checked
+    the whole last dim, D of a (B, H, N, D) view, unless given; wider than D, TMA zero-fills
+    the columns past it on load and clips them on store). The caller has checked
     `tma_ready`."""
     cols = t.shape[-1] if cols is None else cols
     return _unchecked(_gluon_descriptor_type(), t, [1, 1, rows, cols],
@@ -283,8 +284,8 @@ def _prepare_tma(entry: Entry, shape: Shape, kernel_of: KernelOf, strict: bool) 
         rows = 16 * variant.num_warps
         grid, extra = fa3_grid(variant, lens.max_q, lens.batch * hq, q.device)
         kernel[grid](
-            gluon_descriptor(views[0], rows), gluon_descriptor(views[1], bn),
-            gluon_descriptor(views[2], bn), gluon_descriptor(views[3], rows), lse, 0,
+            gluon_descriptor(views[0], rows, d), gluon_descriptor(views[1], bn, d),
+            gluon_descriptor(views[2], bn, d), gluon_descriptor(views[3], rows, d), lse, 0,
             lse.stride(0), scale, lens.max_q, lens.max_k, hq, group, *extra,
             *mods.kernel_args(shape.causal, lens.max_q, lens.max_k), out, out.stride(0),
             out.stride(1), num_warps=variant.num_warps,
@@ -309,12 +310,13 @@ def _prepare_tma(entry: Entry, shape: Shape, kernel_of: KernelOf, strict: bool) 
             rows = 16 * variant.num_warps
             grid, extra = fa3_grid(variant, nq, b * hq, q.device)
             # fp8: V's tiles are (D, BLOCK_N) of its keys-inner memory; the descales follow.
-            v_tiles = gluon_descriptor(vt, d, bn) if fp8 else gluon_descriptor(v, bn)
+            # A head dim below the tiles' d (80, 96) is padded by TMA: d-wide tiles, zero fill.
+            v_tiles = gluon_descriptor(vt, d, bn) if fp8 else gluon_descriptor(v, bn, d)
             if mods is not None:
                 extra = (*extra, *mods.kernel_args(shape.causal, nq, k.shape[2]))
             kernel[grid](
-                gluon_descriptor(q, rows), gluon_descriptor(k, bn), v_tiles,
-                gluon_descriptor(out, rows), lse, *lse.stride()[:2],
+                gluon_descriptor(q, rows, d), gluon_descriptor(k, bn, d), v_tiles,
+                gluon_descriptor(out, rows, d), lse, *lse.stride()[:2],
                 scale, nq, k.shape[2], hq, group, *extra, num_warps=variant.num_warps,
             )  # fmt: skip
             return out, lse

@@ -103,13 +103,16 @@ def compile_fa3(variant: Variant, problem: Problem, capability: int = 90) -> Any
 
     if variant.loop_order != "fa3":
         raise ValueError(f"{variant} is not an fa3 variant")
+    # The tiles' width: a padded head dim (96 -> 128) differs only in the descriptors' global
+    # shape, a runtime value, so the example tensors take the tiles' width.
+    d = problem.padded_head_dim
     if problem.dtype == "fp8":
-        args = example_fp8_args(problem.head_dim, variant.fa3_rows, variant.block_n)
+        args = example_fp8_args(d, variant.fa3_rows, variant.block_n)
     elif problem.varlen:
-        args = example_varlen_args(problem.head_dim, problem.torch_dtype, variant.fa3_rows,
-                                   variant.block_n, example_modifier_args(problem))
+        args = example_varlen_args(d, problem.torch_dtype, variant.fa3_rows, variant.block_n,
+                                   example_modifier_args(problem))
     else:
-        args = example_args(problem.head_dim, problem.torch_dtype, variant.fa3_rows,
+        args = example_args(d, problem.torch_dtype, variant.fa3_rows,
                             variant.block_n) + example_modifier_args(problem)
     if variant.programs_per_sm:
         # B * H_Q, after the common arguments (GROUP is the 12th): the persistent kernel
