@@ -173,12 +173,19 @@ def test_modifiers_keep_to_triton_kernels_and_the_one_tile_fa3() -> None:
     hopper = flashgen.DeviceInfo("H-test", (9, 0), 132, 232448)
     p = Problem(2, 8, 8, 1024, 1024, 128, "bf16", True, window=True)
     # Every modifier, alone or together, runs in the one-tile fa3 kernel too (16-bit); the
-    # persistent kernel and fp8 keep to fa1 and fa2.
+    # persistent kernel takes softcap and sinks, not windows or packing; fp8 keeps to fa1
+    # and fa2.
+    persistent = Variant("fa3", 128, 128, 4, 2, programs_per_sm=1, pingpong=True)
     for fa3_ok in (p, p.with_(window=False, varlen=True), p.with_(varlen=True),
                    p.with_(window=False, softcap=True), p.with_(sinks=True, softcap=True)):
         assert why_invalid(Variant("fa3", 128, 128, 8, 2), fa3_ok, hopper) is None
-        assert "not the persistent" in why_invalid(
-            Variant("fa3", 128, 128, 4, 2, programs_per_sm=1), fa3_ok, hopper)
+        if fa3_ok.window or fa3_ok.varlen:
+            assert "persistent one takes sinks and softcap only" in why_invalid(
+                persistent, fa3_ok, hopper)
+        else:
+            assert why_invalid(persistent, fa3_ok, hopper) is None
+            # Tuned, not served untuned: the default stays fa2 until measured.
+            assert default_variant(fa3_ok, hopper).loop_order == "fa2"
     assert "fa1 and fa2 without use_tma" in why_invalid(Variant("fa3", 128, 128, 8, 2),
                                                         p.with_(dtype="fp8"), hopper)
     assert "fa1 and fa2 without use_tma" in why_invalid(
@@ -365,6 +372,48 @@ def test_modified_fa3_on_the_gpu(name: str, variant: Variant, packed: bool,
            lambda q, k, v, *s, dtype: reference.attention(
                q, k, v, causal, None, dtype, sinks=s[0] if s else None, **mods),
            leaves)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["softcap", "sinks", "both"])
+@pytest.mark.parametrize("variant", [
+    Variant("fa3", 128, 128, 4, 2, programs_per_sm=1, pingpong=True),
+    Variant("fa3", 128, 64, 4, 3, programs_per_sm=1),
+    Variant("fa3", 192, 128, 4, 3, programs_per_sm=1, pingpong=True)], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+def test_persistent_fa3_softcap_and_sinks_on_the_gpu(name: str, variant: Variant,
+                                                     causal: bool) -> None:
+    """The persistent fa3 kernel with softcap and sinks: many tiles a program, the causal
+    half-width step, GQA, Nq != Nk; D64 for three consumers, else D128."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("fa3 runs on Hopper")
+    dtype, d = torch.bfloat16, 64 if variant.block_m == 192 else 128
+    wanted = {"softcap": 20.0} if name != "sinks" else {}
+    mods, extra = _sinks({**wanted, **({"sinks": True} if name != "softcap" else {})}, 8,
+                         dtype)
+    gen = torch.Generator().manual_seed(17)
+    leaves = [t.to("cuda", dtype).requires_grad_() for t in (
+        torch.randn(2, 8, 1300, d, generator=gen), torch.randn(2, 2, 1500, d, generator=gen),
+        torch.randn(2, 2, 1500, d, generator=gen))] + [t.cuda().detach().requires_grad_()
+                                                        for t in extra]
+    _check(lambda q, k, v, *s: flashgen.attention(
+               q, k, v, causal=causal, sinks=s[0] if s else None, return_lse=True,
+               variant=variant, **mods),
+           lambda q, k, v, *s, dtype: reference.attention(
+               q, k, v, causal, None, dtype, sinks=s[0] if s else None, **mods),
+           leaves)  # fmt: skip
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_persistent_fa3_softcap_and_sinks_compile_for_hopper(causal: bool) -> None:
+    """Two consumers at D128 take the cap and the sink without spilling."""
+    from flashgen.tune.gluon_compile import report_in_subprocess
+
+    variant = Variant("fa3", 128, 128, 4, 2, programs_per_sm=1, pingpong=True)
+    problem = Problem(2, 16, 16, 4096, 4096, 128, "bf16", causal, softcap=True, sinks=True)
+    found = report_in_subprocess(variant, problem)
+    assert found["wgmma"] and found["tma"] and found["byte_permutes"] == 0
+    assert any("0 bytes spill stores" in line for line in found["ptxas"]), found["ptxas"]
 
 
 @pytest.mark.parametrize("variant", [Variant("fa3", 128, 128, 8, 2),

@@ -245,20 +245,26 @@ def programs_per_sm_out_of_range(v: Variant, p: Problem, dev: DeviceInfo) -> str
 #: What the one-tile fa3 template takes of the modifiers (16-bit inputs): all of them, alone
 #: or together (the persistent one and fp8 take none).
 FA3_MODIFIERS = frozenset({"varlen", "window", "softcap", "sinks"})
+#: The modifiers the persistent fa3 kernel takes: per-score and per-row ones. A window's K/V
+#: range and a packed sequence's offsets differ per Q tile, which its tile walk does not model.
+FA3_PERSISTENT_MODIFIERS = frozenset({"softcap", "sinks"})
 
 
 def modifiers_need_pointer_kernels(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
     # Window, softcap and sinks are written into the fa1 and fa2 templates, the packed layout
     # into fa2 (fa1's scratch is laid out per (batch, head)); the one-tile fa3 kernel takes
     # FA3_MODIFIERS (its descriptors span the packing, its O store is masked per sequence,
-    # its K/V range starts at the window). fa2's TMA descriptors address whole (B, H, N, D)
-    # tensors, so its modified kernels load through pointers.
+    # its K/V range starts at the window), the persistent one FA3_PERSISTENT_MODIFIERS.
+    # fa2's TMA descriptors address whole (B, H, N, D) tensors, so its modified kernels load
+    # through pointers.
     if not p.modifiers:
         return None
     if (v.loop_order == "fa3" and set(p.modifiers) <= FA3_MODIFIERS
             and p.dtype != "fp8"):
-        return (f"{', '.join(p.modifiers)} run in the one-tile fa3 kernel, not the persistent "
-                "one" if v.programs_per_sm else None)
+        if v.programs_per_sm and not set(p.modifiers) <= FA3_PERSISTENT_MODIFIERS:
+            return (f"{', '.join(p.modifiers)} run in the one-tile fa3 kernel; the persistent "
+                    f"one takes {' and '.join(sorted(FA3_PERSISTENT_MODIFIERS))} only")
+        return None
     if v.loop_order == "fa3" or v.use_tma:
         return (f"{', '.join(p.modifiers)} run in fa1 and fa2 without use_tma only "
                 f"(not {v.loop_order}{' use_tma' if v.use_tma else ''})")
@@ -394,12 +400,13 @@ class Pick(Generic[V]):
     causal: bool | None = None
     dtypes: tuple[str, ...] = ("fp16", "bf16", "fp32", "fp8")
     hopper: bool | None = None
-    #: Only head dims that need no padding (64, not 40 or 48; 128, not 80 or 96).
-    unpadded: bool = False
+    #: Only problems measured plainly: no padded head dim (64, not 40 or 48; 128, not 80
+    #: or 96) and no modifiers (window, softcap, sinks, packed).
+    plain: bool = False
 
     def serves(self, problem: Problem, dev: DeviceInfo) -> bool:
         """Whether this row is meant for `problem` on `dev` (before the validity rules)."""
-        if self.unpadded and problem.head_dim != problem.padded_head_dim:
+        if self.plain and (problem.head_dim != problem.padded_head_dim or problem.modifiers):
             return False
         return (self.min_d <= problem.padded_head_dim <= self.max_d
                 and problem.seq_k >= self.min_keys and problem.dtype in self.dtypes
@@ -480,16 +487,16 @@ HOPPER_PORTFOLIO: tuple[Pick[Variant], ...] = (
 #: fastest general choice on recent GPUs down to the smallest tile, which every problem
 #: admits. Measurements: docs/forward-portfolio.md.
 DEFAULTS: tuple[Pick[Variant], ...] = (
-    # fa3 is the untuned default for the 16-bit dtypes and head dims it was measured on; fp8's
-    # fa3 kernels and its padded head dims (80, 96, ...) are tuned, not served untuned.
+    # fa3 is the untuned default for the plain 16-bit problems it was measured on; fp8, padded
+    # head dims (80, 96, ...) and modified problems run fa3 when tuned, not untuned.
     Pick(Variant("fa3", 192, 128, 4, 3, programs_per_sm=1, pingpong=True), "D64 without the "
          "mask: three consumers taking turns", max_d=64, min_keys=FA3_THREE_CONSUMERS_MIN_KEYS,
-         causal=False, dtypes=FA3_DEFAULT_DTYPES, unpadded=True),
+         causal=False, dtypes=FA3_DEFAULT_DTYPES, plain=True),
     Pick(Variant("fa3", 128, 128, 4, 2, programs_per_sm=1, pingpong=True), "D128: two consumers "
-         "taking turns, persistent", min_d=128, dtypes=FA3_DEFAULT_DTYPES, unpadded=True),
+         "taking turns, persistent", min_d=128, dtypes=FA3_DEFAULT_DTYPES, plain=True),
     Pick(Variant("fa3", 128, 128, 4, 2, programs_per_sm=1), "D64: fa3 pays from 4k keys; shorter "
          "programs leave its TMA prologue exposed", max_d=64, min_keys=FA3_DEFAULT_MIN_KEYS_D64,
-         dtypes=FA3_DEFAULT_DTYPES, unpadded=True),
+         dtypes=FA3_DEFAULT_DTYPES, plain=True),
     Pick(Variant("fa2", 128, 64, 8, 3), "fa2's tuned D128 tile", min_d=128, hopper=True),
     Pick(Variant("fa2", 128, 64, 8, 2), "fa2's D128 tile, 2 stages off Hopper", min_d=128,
          hopper=False),
