@@ -2,7 +2,7 @@
 # GPU validation on the device machine, from the repo root, with the device kit copied to
 # .device-kit/ (git-ignored). Each stage has its own time limit so one slow stage cannot eat
 # the lease; logs and the tuning database land in $OUT (or ./gpu-out).
-#   source .device-kit/install.sh && bash scripts/gpu-validate.sh [tests|quick|fa3|tune|tune-all|bench|fp8|search|pending]...
+#   source .device-kit/install.sh && bash scripts/gpu-validate.sh [tests|quick|fa3|tune|tune-all|bench|fp8|search|pending|padded|softcap]...
 # tune-all tunes fa-bench and llama3-8b, fp16 and bf16, causal and not, into $DB (default
 # $out/tuning.db), with a time cap per preset (TUNE_S); scripts/retune.sh is the shipped
 # database's recipe.
@@ -84,6 +84,33 @@ for what in "${@:-tests}"; do
         tests/test_fa3.py -k "padded or persistent_fa3_softcap" \
         >"$out/t/pending.log" 2>&1
       grep -E "passed|failed|FAILED|Error" "$out/t/pending.log" | cut -c1-300 | tail -20
+      ;;
+    padded)
+      # fa3 on padded head dims (issue 29: 80, 96 on the fast families): tune a D96 and a
+      # D80 problem (fa3 among the candidates once the pending gates pass), then bench them
+      # against cuDNN with the wall timer.
+      padded_shapes=(--shape 4,16,16,4096,4096,96 --shape 4,16,16,4096,4096,80)
+      stage "tune padded head dims"
+      timeout -s INT 240 python3 -m flashgen tune --gpu 0 "${padded_shapes[@]}" --dtype bf16 \
+        --causal both --trials 16 --compile-workers 14 --db "${DB:-$out/tuning.db}" \
+        >"$out/t/tune-padded.log" 2>&1; tail -8 "$out/t/tune-padded.log"
+      stage "bench padded head dims"
+      timeout -s INT 200 python3 -m flashgen bench --gpu 0 "${padded_shapes[@]}" --dtype bf16 \
+        --causal both --mode fwd --competitors flashgen,sdpa-cudnn --db "${DB:-$out/tuning.db}" \
+        --no-plot --out "$out/padded-bench" >"$out/t/bench-padded.log" 2>&1
+      tail -c 2500 "$out/t/bench-padded.log"
+      ;;
+    softcap)
+      # Issue 31's softcap target (at most +10%): the capped and plain problems tuned (the
+      # persistent fa3 kernel among the capped candidates), then the targets' script on them.
+      stage "tune softcap and plain"
+      for cap in "--softcap 30" ""; do
+        timeout -s INT 120 python3 -m flashgen tune --gpu 0 --shape 4,16,16,8192,8192,128 \
+          --dtype bf16 --causal yes $cap --trials 16 --db "${DB:-$out/tuning.db}" 2>&1 | tail -3
+      done
+      stage "softcap cost"
+      FLASHGEN_DB="${DB:-$out/tuning.db}" timeout 120 python3 benchmarks/varlen_modifiers.py \
+        --only softcap --out "$out/softcap.txt" 2>&1 | grep -v Warning
       ;;
     search)
       # Issue 33's sweep: the grid's first four problems, every fa3 point plus a sample of
