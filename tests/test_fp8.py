@@ -465,8 +465,9 @@ def test_tuning_fp8_beyond_the_forward_is_one_error_line(mode: str, shape: str) 
 def test_the_fa3_fp8_kernel_compiles_to_8bit_warpgroup_products(variant: Any, d: int) -> None:
     """Compiled for Hopper on any machine (`gluon_compile`): both products are e4m3 WGMMAs,
     P is never repacked (no byte permutes), and the one-tile kernel's softmax runs under
-    the P V product. Nothing spills, except the persistent kernel's two 64-row consumers
-    at D128 with 128-key tiles (72-88 bytes a thread: the tuner weighs that point)."""
+    the P V product. Nothing spills: the persistent kernel carries P in fp16 between its
+    softmax and the next step's product (carried in fp32, its two 64-row consumers at D128
+    spilled 76-108 bytes a thread)."""
     from flashgen.kernels.hardware import DeviceInfo
     from flashgen.kernels.problem import Problem
     from flashgen.tune.gluon_compile import report_in_subprocess
@@ -480,5 +481,4 @@ def test_the_fa3_fp8_kernel_compiles_to_8bit_warpgroup_products(variant: Any, d:
     if not variant.programs_per_sm:  # the pin that holds it there is the one-tile kernel's
         assert found["exp_under_pv"] and all(found["exp_under_pv"]), found["exp_under_pv"]
     assert found["shared"] <= hopper.shared_memory
-    if not (variant.programs_per_sm and variant.fa3_consumers == 2 and d == 128):
-        assert any("0 bytes spill stores" in line for line in found["ptxas"]), found["ptxas"]
+    assert any("0 bytes spill stores" in line for line in found["ptxas"]), found["ptxas"]
