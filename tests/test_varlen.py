@@ -362,11 +362,18 @@ def test_modified_fa3_on_the_gpu(name: str, variant: Variant, packed: bool,
                    sinks=s[0] if s else None, **mods),
                leaves)  # fmt: skip
         return
-    gen = torch.Generator().manual_seed(13)
+    _check_dense_gqa(variant, causal, mods, extra, 128, dtype, seed=13)
+
+
+def _check_dense_gqa(variant: Variant, causal: bool, mods: dict, extra: list[torch.Tensor],
+                     d: int, dtype: torch.dtype, seed: int) -> None:
+    """`variant` with `mods` (and sinks in `extra`) on the GPU against the reference, with
+    gradients: 8 query heads on 2 K/V heads, 1300 queries against 1500 keys."""
+    gen = torch.Generator().manual_seed(seed)
     leaves = [t.to("cuda", dtype).requires_grad_() for t in (
-        torch.randn(2, 8, 1300, 128, generator=gen), torch.randn(2, 2, 1500, 128, generator=gen),
-        torch.randn(2, 2, 1500, 128, generator=gen))] + [t.cuda().detach().requires_grad_()
-                                                          for t in extra]
+        torch.randn(2, 8, 1300, d, generator=gen), torch.randn(2, 2, 1500, d, generator=gen),
+        torch.randn(2, 2, 1500, d, generator=gen))] + [t.cuda().detach().requires_grad_()
+                                                        for t in extra]
     _check(lambda q, k, v, *s: flashgen.attention(
                q, k, v, causal=causal, sinks=s[0] if s else None, return_lse=True,
                variant=variant, **mods),
@@ -392,17 +399,7 @@ def test_persistent_fa3_softcap_and_sinks_on_the_gpu(name: str, variant: Variant
     wanted = {"softcap": 20.0} if name != "sinks" else {}
     mods, extra = _sinks({**wanted, **({"sinks": True} if name != "softcap" else {})}, 8,
                          dtype)
-    gen = torch.Generator().manual_seed(17)
-    leaves = [t.to("cuda", dtype).requires_grad_() for t in (
-        torch.randn(2, 8, 1300, d, generator=gen), torch.randn(2, 2, 1500, d, generator=gen),
-        torch.randn(2, 2, 1500, d, generator=gen))] + [t.cuda().detach().requires_grad_()
-                                                        for t in extra]
-    _check(lambda q, k, v, *s: flashgen.attention(
-               q, k, v, causal=causal, sinks=s[0] if s else None, return_lse=True,
-               variant=variant, **mods),
-           lambda q, k, v, *s, dtype: reference.attention(
-               q, k, v, causal, None, dtype, sinks=s[0] if s else None, **mods),
-           leaves)  # fmt: skip
+    _check_dense_gqa(variant, causal, mods, extra, d, dtype, seed=17)
 
 
 @pytest.mark.parametrize("causal", [False, True])
