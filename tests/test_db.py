@@ -145,6 +145,24 @@ def test_older_file_is_migrated_and_keeps_its_rows(tmp_path: Path) -> None:
         assert db.db["winners"].exists()
 
 
+def test_windowed_and_packed_tflops_from_before_the_visible_pair_count_are_dropped(
+        tmp_path: Path) -> None:
+    # Counted over dense pairs, they would outrank every trial timed since.
+    path = tmp_path / "old.db"
+    old = sqlite_utils.Database(path)
+    migrations.apply(old, stop_before="m012_visible_pair_tflops")
+    key = key_of()
+    for modifiers in ("", "w", "kv2", "k"):
+        old["trials"].insert({"key_id": key.id + modifiers, **key.to_columns(),
+                              "modifiers": modifiers, "problem_json": "{}",
+                              "variant_json": "{}", "status": "ok", "median_ms": 1.0,
+                              "tflops": 900.0, "created_at": "2026-01-01"})
+    old.close()
+    with TuningDB(path) as db:
+        kept = {r["modifiers"]: r["tflops"] for r in db.db["trials"].rows}
+    assert kept == {"": 900.0, "w": None, "kv2": None, "k": 900.0}
+
+
 # ---- trials and winners ----------------------------------------------------------------
 
 

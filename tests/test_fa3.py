@@ -352,7 +352,10 @@ def test_fa3_d256_matches_the_reference_on_gpu(variant: flashgen.Variant,
 
 
 def test_fa3_pads_head_dims_with_16_byte_rows_but_serves_them_only_tuned() -> None:
-    # 80, 96, 112 tile as 128 and 40, 48 as 64: TMA zero-fills the columns past D.
+    # 80, 96, 112 tile as 128, 40 and 48 as 64 (and 192 as 256, one-tile only): TMA
+    # zero-fills the columns past D.
+    assert any(v.loop_order == "fa3" for v in flashgen.search_space(_problem(192, "bf16"),
+                                                                     HOPPER))
     for d, padded in ((40, 64), (48, 64), (80, 128), (96, 128), (112, 128)):
         problem = _problem(d, "bf16", True)
         assert problem.padded_head_dim == padded
@@ -388,13 +391,16 @@ def test_fa3_padded_head_dim_compiles_for_hopper(variant: flashgen.Variant) -> N
                                                       pingpong=True),
                                      flashgen.Variant("fa3", 128, 64, 4, 3, programs_per_sm=1)],
                          ids=str)
-@pytest.mark.parametrize("d", [40, 80, 96, 112])
+@pytest.mark.parametrize("d", [40, 80, 96, 112, 192])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_fa3_padded_head_dims_match_the_reference_on_gpu(variant: flashgen.Variant, d: int,
                                                          causal: bool) -> None:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("needs a Hopper GPU")
     q, k, v = make_inputs(2, 4, 2, 700, 530, d, torch.bfloat16, "cuda", seed=d + causal)
+    reason = flashgen.why_invalid(variant, flashgen.Problem.from_tensors(q, k, v, causal=causal))
+    if reason:  # D192 pads to 256: one-tile kernels with 64-key tiles only
+        pytest.skip(reason)
     out, lse = flashgen.attention(q, k, v, causal=causal, variant=variant, return_lse=True)
     check = compare(out, q, k, v, causal, None, lse)
     assert check.ok, check.reason

@@ -104,3 +104,28 @@ def test_tune_refuses_bad_modifier_options(args: list[str], message: str) -> Non
     shape = [] if "--shape" in args else ["--shape", DENSE]
     result = runner.invoke(app, [*base, *shape, *args])
     assert result.exit_code != 0 and message in result.output, result.output
+
+
+def test_plain_persistent_fa3_winners_do_not_serve_modified_calls_untuned() -> None:
+    """A plain winner serves a softcap call with the cap rendered in, except the persistent
+    fa3 kernel, whose modifiers serve only from keys tuned with them (their gate)."""
+    def entry(variant: dict, q: int, modifiers: str = "") -> dict:
+        return {"dtype": "bf16", "causal": True, "head_dim": 128, "gqa": 1,
+                "seq_q_bucket": q, "seq_k_bucket": q, "variant": variant,
+                "modifiers": modifiers}
+
+    persistent = {"loop_order": "fa3", "block_m": 128, "block_n": 128, "num_warps": 4,
+                  "num_stages": 2, "programs_per_sm": 1, "pingpong": True}
+    one_tile = {**persistent, "programs_per_sm": 0, "pingpong": False, "num_stages": 3}
+    table = runtime_table.Table({"preprocess_block_m": 64, "fwd": [
+        entry(persistent, 4096), entry(one_tile, 1024)]}, "test", 132)
+    capped = runtime_table.Shape(1, 8, 8, 4096, 4096, 128, "bf16", True, softcap=True)
+    e, how, reason = table.lookup("fwd", capped, lambda e: None)
+    assert e is not None and e["variant"] == one_tile and how == "nearest"
+    assert "persistent fa3 kernel runs softcap and sinks only where tuned" in reason
+    # Plain calls still take it, and a key tuned with the cap serves it to capped calls.
+    plain = capped._replace(softcap=False)
+    assert table.lookup("fwd", plain, lambda e: None)[0]["variant"] == persistent
+    tuned = runtime_table.Table({"preprocess_block_m": 64, "fwd": [
+        entry(persistent, 4096, "k")]}, "test", 132)
+    assert tuned.lookup("fwd", capped, lambda e: None)[0]["variant"] == persistent

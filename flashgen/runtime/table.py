@@ -128,6 +128,15 @@ def knobs(data: Mapping[str, Any]) -> SimpleNamespace:
     return SimpleNamespace(**data)
 
 
+def modified_untuned(v: Any) -> str | None:
+    """Why a forward winner tuned on plain attention may not serve a modified call with the
+    modifiers rendered in (None: it may). A dispatch rule: the persistent fa3 kernel's
+    modifiers serve only where a key tuned with them put them through its gate."""
+    if getattr(v, "loop_order", "") == "fa3" and getattr(v, "programs_per_sm", 0):
+        return "the persistent fa3 kernel runs softcap and sinks only where tuned with them"
+    return None
+
+
 def head_units_leave_programs_idle(v: Any, p: Any, sm_count: int) -> str | None:
     """Why a whole-heads (head_units) winner should not serve call `p` (a `Shape` or a
     `Problem`): given too few heads, whole heads keep fewer of its programs busy than tile
@@ -210,7 +219,11 @@ class Table:
                     return e, "exact", f"{e.get('role', what)} for this bucket {got}{passed}"
                 return e, "nearest", (f"no {what} for bucket {want}; nearest bucket {got} "
                                       f"is valid here{passed}")
-        found = self._search(mode, shape, check, "", skipped)
+        plain_check = check
+        if mods and mode == "fwd":
+            def plain_check(e: Entry) -> str | None:
+                return modified_untuned(knobs(e["variant"])) or check(e)
+        found = self._search(mode, shape, check=plain_check, mods="", skipped=skipped)
         passed = f" (passed over: {'; '.join(skipped)})" if skipped else ""
         if found is not None:
             e, got, want = found

@@ -280,8 +280,20 @@ def m011_modifier_keys(db: sqlite_utils.Database) -> None:
         db[table].add_column("modifiers", str, not_null_default="")
 
 
+@migrations()
+def m012_visible_pair_tflops(db: sqlite_utils.Database) -> None:
+    """TFLOP/s of windowed and packed problems count only the visible (query, key) pairs
+    since this schema; rows recorded before counted dense pairs (up to ~2x more). Their
+    TFLOP/s are dropped, so no re-tune ranks an old trial above a new one by a larger count
+    (`update_winner` ranks by TFLOP/s); their times stay, and `flashgen tune --remeasure`
+    ranks their variants again."""
+    for table in ("trials", "winners"):
+        db.execute(f"UPDATE {table} SET tflops = NULL "
+                   "WHERE modifiers LIKE '%w%' OR modifiers LIKE '%v%'")
+
+
 #: The number of migrations above; a test checks that a fresh file reaches it.
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 
 
 def _migration_names() -> list[str]:
@@ -338,7 +350,7 @@ class WinnerRow:
     problem: Problem
     trial_id: int
     median_ms: float
-    tflops: float
+    tflops: float | None  # None: a windowed or packed row from before m012
     sdpa_backend: str | None
     sdpa_ms: float | None
     updated_at: str
