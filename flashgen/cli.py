@@ -904,6 +904,10 @@ def export(
              "tuned GPU, with a manifest and a C header for C/C++ launchers.")] = "python",
     force: Annotated[bool, typer.Option(
         help="Replace an existing package of the same name.")] = False,
+    fp8_out: Annotated[str, typer.Option(
+        "--fp8-out", metavar="LIST",
+        help="aot: output dtypes to compile each fp8 kernel for, bf16 and/or fp16 "
+             "(comma-separated; each is a cubin of its own).")] = "bf16",
 ) -> None:
     """Write the tuned winners (and default variants for their kinds) as a self-contained
     package DIR/NAME that runs without flashgen. Without --db: the user database, then the
@@ -933,7 +937,8 @@ def export(
         else:
             from flashgen.export.aot import write_aot
 
-            aot = write_aot(selection, out, name, force)
+            aot = write_aot(selection, out, name, force,
+                            fp8_out=[d.strip() for d in fp8_out.split(",") if d.strip()])
             typer.echo(f"wrote {aot.path}: {aot.kernels} cubins for {', '.join(aot.gpus)}; "
                        f"{len(aot.skipped)} winner(s) skipped (see manifest.json)")
     except (ValueError, FileExistsError) as exc:

@@ -4,11 +4,13 @@ manifest and header are produced without a GPU; on a GPU both run and match the 
 from __future__ import annotations
 
 import ast
+import ctypes
 import importlib
 import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 import sqlite3
 import subprocess
@@ -49,6 +51,9 @@ BWD_FP16 = BwdVariant(16, 32, 2, 1, "atomic")  # a backward winner, in the atomi
 #: An fa3 (Gluon, TMA) winner on a Hopper GPU: ahead of time it is compiled as its fa2 twin.
 P_FA3 = flashgen.Problem(1, 2, 2, 256, 256, 64, "bf16", False)
 V_FA3 = flashgen.Variant("fa3", 128, 128, 4, 2)
+#: An fp8 TMA winner on a Hopper GPU: ahead of time, its pointer twin with the fp8 arguments.
+P_FP8 = flashgen.Problem(1, 2, 1, 256, 256, 32, "fp8", True)
+V_FP8 = flashgen.Variant("fa2", 64, 32, 4, 2, use_tma=True)
 
 
 def _store(path: Path, problem: flashgen.Problem, variant: Any, device: DeviceInfo,
@@ -408,6 +413,9 @@ def test_cli_refusals(tmp_path: Path) -> None:
     assert ours.exit_code == 2 and "shadow" in ours.output
     aot = runner.invoke(app, ["export", "--db", str(db), "--out", str(tmp_path), "--format", "aot"])
     assert aot.exit_code == 2 and "only the CPU interpreter" in aot.output
+    fp32 = runner.invoke(app, ["export", "--db", str(db), "--out", str(tmp_path), "--format",
+                               "aot", "--fp8-out", "bf16,fp32"])
+    assert fp32.exit_code == 2 and "bf16, fp16, got bf16, fp32" in fp32.output
 
 
 # ---- AOT: cubins for a GPU this machine does not have --------------------------------------
@@ -430,8 +438,7 @@ def aot_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     _store(db, flashgen.Problem(1, 2, 1, 512, 512, 16, "fp16", True),
            flashgen.Variant("fa1", 64, 32, 4, 2), H200)
     _store(db, P_FA3, V_FA3, H200)
-    _store(db, flashgen.Problem(1, 2, 1, 256, 256, 32, "fp8", True),  # skipped: Python only
-           flashgen.Variant("fa2", 64, 32, 4, 2), H200)
+    _store(db, P_FP8, V_FP8, H200)
     _store(db, P_FP16, V_FP16, INTERPRETER)
     output = _export("--db", str(db), "--out", str(tmp), "--name", "fgaot", "--format", "aot")
     assert "NVIDIA H200" in output
@@ -442,7 +449,8 @@ def test_aot_manifest_and_cubins(aot_export: Path) -> None:
     manifest = json.loads((aot_export / "manifest.json").read_text())
     assert (manifest["format"], manifest["version"]) == ("flashgen-aot", 1)
     assert manifest["gpus"]["NVIDIA H200"]["capability"] == "9.0"
-    tuned, fa3 = sorted(manifest["dispatch"], key=lambda r: r["head_dim"])
+    tuned, fa3 = sorted((r for r in manifest["dispatch"] if r["dtype"] != "fp8"),
+                        key=lambda r: r["head_dim"])
     assert (tuned["seq_q_bucket"], tuned["head_dim"], tuned["gqa"]) == (256, 16, 2)
     # The fa3 winner's cubin is its pointer twin: fa2 code, the same tiles and warps; the row
     # says per row that, and why, it is not the tuned kernel.
@@ -451,8 +459,9 @@ def test_aot_manifest_and_cubins(aot_export: Path) -> None:
     assert fa3["tuned_variant"]["loop_order"] == "fa3" and tuned["as_tuned"]
     reasons = [s["reason"] for s in manifest["skipped"]]
     assert any("fa1" in r for r in reasons) and any("interpreter" in r for r in reasons)
-    assert any("fp8" in r and "Python export" in r for r in reasons)
-    assert len(manifest["defaults"]) == 2 * len(LENGTHS) ** 2  # two kinds: D16 fp16, D64 bf16
+    assert not any("fp8" in r for r in reasons)
+    # three kinds: D16 fp16, D64 bf16, D32 fp8 (bf16 out)
+    assert len(manifest["defaults"]) == 3 * len(LENGTHS) ** 2
     kernels = {k["id"]: k for k in manifest["kernels"]}
     assert tuned["kernel"] in kernels and all(r["kernel"] in kernels for r in manifest["defaults"])
     twin = kernels[fa3["kernel"]]
@@ -472,6 +481,8 @@ def test_aot_manifest_and_cubins(aot_export: Path) -> None:
     assert types["N_K"] == {"name": "N_K", "type": "i32"}
     assert types["sm_scale"]["type"] == "fp32"
     assert entry["constexprs"]["BLOCK_M"] == 64 and entry["constexprs"]["stride_qd"] == 1
+    assert (entry["abi"], entry["out_dtype"]) == ("fwd", "fp16")
+    assert manifest["argument_lists"]["fwd"] == names
     assert entry["grid"] == ["cdiv(N_Q, 64)", "B * H_Q", "1"] and entry["block"] == [128, 1, 1]
     assert entry["shared_bytes"] > 0 and entry["global_scratch_bytes"] == 0
     assert [t["name"] for t in manifest["abi"]["trailing_arguments"]] == [
@@ -491,6 +502,104 @@ def test_aot_loader_checks_without_a_gpu(aot_export: Path) -> None:
             loader.check_args(entry, {**args, name: value})
 
 
+#: What an fp8 kernel compiles in as 1 and does not take: the head-dim strides of Q, K, O and
+#: V's key stride (V keys-inner, `fp8.quantize`'s layout).
+FP8_FIXED = {"stride_qd", "stride_kd", "stride_vn", "stride_od"}
+
+
+def _signature_names(source: str) -> list[str]:
+    """The parameters of `attn_fwd` in a rendered kernel, parsed here (not by the export)."""
+    (fn,) = [n for n in ast.walk(ast.parse(source))
+             if isinstance(n, ast.FunctionDef) and n.name == "attn_fwd"]
+    return [a.arg for a in fn.args.args]
+
+
+def test_aot_fp8_kernels_and_their_argument_list(aot_export: Path) -> None:
+    """fp8 winners and defaults are compiled (the TMA winner as its pointer twin); each fp8
+    kernel's manifest arguments are its signature's runtime parameters in order, and the
+    header's fp8 struct lists the same."""
+    manifest = json.loads((aot_export / "manifest.json").read_text())
+    (row,) = [r for r in manifest["dispatch"] if r["dtype"] == "fp8"]
+    assert (row["head_dim"], row["causal"], row["out_dtype"]) == (32, True, "bf16")
+    assert not row["as_tuned"] and "use_tma" in row["why_not"] and "twin" in row["why_not"]
+    defaults = [r for r in manifest["defaults"] if r["dtype"] == "fp8"]
+    assert len(defaults) == len(LENGTHS) ** 2 and {r["out_dtype"] for r in defaults} == {"bf16"}
+    assert manifest["fp8_out_dtypes"] == ["bf16"]
+    fp8 = {k["id"]: k for k in manifest["kernels"] if k["dtype"] == "fp8"}
+    assert set(fp8) == {row["kernel"]} | {r["kernel"] for r in defaults}
+    assert fp8[row["kernel"]]["variant"] == V_FP8.pointer_twin().to_dict()
+    for entry in fp8.values():
+        assert (entry["abi"], entry["out_dtype"]) == ("fwd_fp8", "bf16")
+        cubin = (aot_export / entry["cubin"]).read_bytes()
+        assert cubin[:4] == b"\x7fELF" and entry["kernel_name"].encode() in cubin
+        params = _signature_names((aot_export / entry["source"]).read_text())
+        names = [a["name"] for a in entry["arguments"]]
+        assert names == [n for n in params if n not in FP8_FIXED]
+        assert all(entry["constexprs"][n] == 1 for n in FP8_FIXED)
+        assert names == manifest["argument_lists"]["fwd_fp8"]
+    assert names[24:] == ["DQ", "DK", "DV", *(f"stride_d{t}{s}" for t in "qkv" for s in "bhn")]
+    types = {a["name"]: a for a in entry["arguments"]}
+    assert types["Q"] == types["V"] | {"name": "Q"} == {"name": "Q", "type": "*fp8e4nv",
+                                                       "align": 16}
+    assert types["O"]["type"] == "*bf16" and types["LSE"]["type"] == "*fp32"
+    assert types["DQ"] == {"name": "DQ", "type": "*fp32", "align": 4}
+    assert types["stride_dqn"] == {"name": "stride_dqn", "type": "i32"}  # 0: per-tensor
+    assert types["stride_vd"]["divisible_by"] == 16 and types["stride_qn"]["divisible_by"] == 16
+    header = (aot_export / "fgaot.h").read_text()
+    struct = re.search(r"typedef struct \{\n([^}]*)\n\} fgaot_fwd_fp8_args;", header)
+    assert struct is not None
+    assert [line.split()[-1].rstrip(";") for line in struct[1].splitlines()] == names
+    assert "fgaot_launch_fwd_fp8(" in header and '"fp8", "bf16", "fwd_fp8"' in header
+
+
+def test_aot_loader_packs_fp8_arguments(aot_export: Path) -> None:
+    loader = _load_module(aot_export / "cuda_loader.py")
+    manifest = json.loads((aot_export / "manifest.json").read_text())
+    entry = next(k for k in manifest["kernels"] if k["abi"] == "fwd_fp8")
+    args: dict[str, int | float] = {a["name"]: 16 for a in entry["arguments"]}
+    args.update(DQ=4, stride_dqb=0, stride_dqh=0, stride_dqn=0, sm_scale=0.125)
+    loader.check_args(entry, {**args, "stride_vn": 1})
+    values = loader.pack_args(entry, args)
+    assert len(values) == len(entry["arguments"]) == 36
+    kinds = {a["name"]: type(v) for a, v in zip(entry["arguments"], values, strict=True)}
+    assert kinds["V"] is kinds["DQ"] is ctypes.c_uint64 and kinds["stride_dvn"] is ctypes.c_int32
+    assert values[-12].value == 4 and kinds["sm_scale"] is ctypes.c_float
+    for name, value, message in (("stride_vn", 64, "compiled"), ("DQ", 2, "aligned"),
+                                 ("stride_vd", 40, "multiple of 16"), ("V", 8, "aligned")):
+        with pytest.raises(ValueError, match=message):
+            loader.check_args(entry, {**args, name: value})
+
+
+def test_aot_fp8_out_dtypes_and_gpus_without_fp8(tmp_path: Path) -> None:
+    """Each fp8 out dtype is its own kernel (O's type is compiled in) with its own rows; an
+    fa3 fp8 winner runs its fa2 twin; a GPU below sm89 gets no fp8 kernels. Planned only:
+    nothing is compiled."""
+    from flashgen.export.aot import NO_FP8, _Compiler, _plan_gpu, arg_names, signature
+
+    db = tmp_path / "t.db"
+    _store(db, flashgen.Problem(1, 2, 2, 256, 256, 64, "fp8", False), V_FA3, H200)
+    a100 = DeviceInfo("NVIDIA A100-SXM4-80GB", (8, 0), 108, 166912)
+    _store(db, flashgen.Problem(1, 2, 2, 256, 256, 64, "fp8", False),
+           flashgen.Variant("fa2", 64, 32, 4, 2), a100)
+    sel = select_winners([db])
+    comp = _Compiler(tmp_path)
+    manifest: dict[str, Any] = {"dispatch": [], "defaults": [], "skipped": []}
+    for gpu in sel.gpus:
+        _plan_gpu(comp, gpu, sel.families(), manifest, ("bf16", "fp16"))
+    rows = {r["out_dtype"]: r for r in manifest["dispatch"]}
+    assert set(rows) == {"bf16", "fp16"} and rows["bf16"]["kernel"] != rows["fp16"]["kernel"]
+    assert {r["gpu"] for r in manifest["dispatch"] + manifest["defaults"]} == {"NVIDIA H200"}
+    assert len(manifest["defaults"]) == 2 * len(LENGTHS) ** 2
+    assert all(j.variant.loop_order == "fa2" and not j.variant.use_tma
+               for j in comp.jobs.values())
+    assert len({j.out_dtype for j in comp.jobs.values()}) == 2
+    assert len(comp.jobs) == 2 * len({(j.source, j.variant) for j in comp.jobs.values()})
+    job = comp.jobs[rows["fp16"]["kernel"]]
+    sig, _, _ = signature(arg_names(job.source), "fp8", 64, job.out_dtype)
+    assert (sig["O"], sig["Q"], sig["DV"]) == ("*fp16", "*fp8e4nv", "*fp32")
+    assert [s["reason"] for s in manifest["skipped"]] == [NO_FP8, f"defaults: {NO_FP8}"]
+
+
 def test_aot_header_compiles(aot_export: Path) -> None:
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
@@ -499,8 +608,10 @@ def test_aot_header_compiles(aot_export: Path) -> None:
 
     include = Path(triton.__file__).parent / "backends" / "nvidia" / "include"
     main = aot_export.parent / "main.c"
-    main.write_text('#include "fgaot.h"\nint main(void) { fgaot_fwd_args a = {0}; return '
-                    "fgaot_launch_fwd(0, &fgaot_kernels[0], &a, 1, 0, 0) != CUDA_SUCCESS; }\n")
+    main.write_text('#include "fgaot.h"\nint main(void) { fgaot_fwd_args a = {0}; '
+                    "fgaot_fwd_fp8_args f = {0}; return "
+                    "fgaot_launch_fwd(0, &fgaot_kernels[0], &a, 1, 0, 0) != CUDA_SUCCESS || "
+                    "fgaot_launch_fwd_fp8(0, &fgaot_kernels[0], &f, 1, 0, 0) != CUDA_SUCCESS; }\n")
     run = subprocess.run([compiler, "-std=c99", "-Wall", "-Werror", "-fsyntax-only",
                           f"-I{aot_export}", f"-I{include}", str(main)],
                          capture_output=True, text=True)
@@ -523,6 +634,23 @@ def _fwd_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tens
     return args
 
 
+def _aot_on_this_gpu(tmp_path: Path, problem: flashgen.Problem, variant: flashgen.Variant,
+                     dev: DeviceInfo, *options: str,
+                     ) -> tuple[Path, ModuleType, list[tuple[str, tuple[int, int]]]]:
+    """Export `variant` tuned on `dev` as AOT: (root, its loader, [(kernel id, (Nq, Nk))]
+    for the tuned kernel at 300 x 333 and the default of bucket (32, 32) at 20 x 27)."""
+    _store(tmp_path / "t.db", problem, variant, dev)
+    _export("--db", str(tmp_path / "t.db"), "--out", str(tmp_path), "--name", "fgaot",
+            "--format", "aot", *options)
+    root = tmp_path / "fgaot"
+    manifest = json.loads((root / "manifest.json").read_text())
+    (tuned,) = manifest["dispatch"]
+    short = next(r for r in manifest["defaults"]
+                 if (r["seq_q_bucket"], r["seq_k_bucket"]) == (32, 32))
+    return root, _load_module(root / "cuda_loader.py"), [(tuned["kernel"], (300, 333)),
+                                                         (short["kernel"], (20, 27))]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(("dtype", "d", "causal", "variant", "layout"), [
     ("fp16", 64, True, flashgen.Variant("fa2", 128, 64, 4, 3), "bhnd"),
@@ -537,17 +665,9 @@ def test_gpu_aot_cubin_through_the_driver_api(tmp_path: Path, dtype: str, d: int
     if variant.warp_specialize and not dev.is_hopper:
         pytest.skip("warp specialization needs Hopper")
     problem = flashgen.Problem(2, 4, 2, 512, 512, d, dtype, causal)
-    _store(tmp_path / "t.db", problem, variant, dev)
-    _export("--db", str(tmp_path / "t.db"), "--out", str(tmp_path), "--name", "fgaot",
-            "--format", "aot")
-    root = tmp_path / "fgaot"
-    manifest = json.loads((root / "manifest.json").read_text())
-    loader = _load_module(root / "cuda_loader.py")
-    (tuned,) = manifest["dispatch"]
-    short = next(r for r in manifest["defaults"]
-                 if (r["seq_q_bucket"], r["seq_k_bucket"]) == (32, 32))
+    root, loader, runs = _aot_on_this_gpu(tmp_path, problem, variant, dev)
     torch_dtype = DTYPES[dtype]
-    for kid, (nq, nk) in ((tuned["kernel"], (300, 333)), (short["kernel"], (20, 27))):
+    for kid, (nq, nk) in runs:
         q, k, v = make_inputs(2, 4, 2, nq, nk, d, torch_dtype, "cuda", seed=nq, layout=layout)
         out = torch.empty_like(q)
         lse = torch.empty((2, 4, nq), device="cuda", dtype=torch.float32)
@@ -558,6 +678,59 @@ def test_gpu_aot_cubin_through_the_driver_api(tmp_path: Path, dtype: str, d: int
         torch.cuda.synchronize()
         result = compare(out, q, k, v, causal, lse=lse)
         assert result.ok, (kid, result.reason)
+        kernel.unload()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("causal", "variant", "per_tensor", "out_dtype"), [
+    (True, flashgen.Variant("fa2", 64, 64, 4, 3), False, "bf16"),
+    (False, flashgen.Variant("fa2", 128, 64, 8, 3, use_tma=True), True, "fp16"),
+])
+def test_gpu_aot_fp8_cubin_through_the_driver_api(tmp_path: Path, causal: bool,
+                                                  variant: flashgen.Variant, per_tensor: bool,
+                                                  out_dtype: str) -> None:
+    """An fp8 winner (a TMA one runs its pointer twin) and an fp8 default, launched through
+    the loader on `fp8.quantize`'s output (V keys-inner), block and per-tensor descales, match
+    flashgen's own fp8 attention and pass the fp8 gate."""
+    from flashgen.fp8 import quantize
+    from flashgen.runtime.modifiers import Fp8
+    from flashgen.tune.check import compare_fp8
+
+    dev = flashgen.device_info("cuda")
+    if dev.capability < (8, 9):
+        pytest.skip("fp8 needs compute capability 8.9 or later")
+    problem = flashgen.Problem(2, 4, 2, 512, 512, 64, "fp8", causal)
+    root, loader, runs = _aot_on_this_gpu(tmp_path, problem, variant, dev, "--fp8-out",
+                                          out_dtype)
+    torch_out = DTYPES[out_dtype]
+    for kid, (nq, nk) in runs:
+        gen = torch.Generator(device="cuda").manual_seed(nq)
+        q = torch.randn(2, 4, nq, 64, device="cuda", generator=gen)
+        k, v = (torch.randn(2, 2, nk, 64, device="cuda", generator=gen) for _ in range(2))
+        qz = quantize(q, k, v, block=None if per_tensor else 128)
+        assert qz.v.stride(2) == 1  # keys inner, as the fp8 ABI takes it
+        out = torch.empty(q.shape, device="cuda", dtype=torch_out)
+        lse = torch.empty((2, 4, nq), device="cuda", dtype=torch.float32)
+        # flashgen's runtime view of the descales: (B, H, blocks), a per-tensor one expanded
+        # with zero strides; the ABI takes exactly that.
+        scales = Fp8.of(qz.q, qz.k, (qz.descale_q, qz.descale_k, qz.descale_v), torch_out, 128)
+        args = _fwd_args(qz.q, qz.k, qz.v, out, lse, 1 / math.sqrt(64))
+        for name, t in zip(("DQ", "DK", "DV"), (scales.descale_q, scales.descale_k,
+                                                scales.descale_v), strict=True):
+            args[name] = t.data_ptr()
+            args.update(zip((f"stride_d{name[1].lower()}{s}" for s in "bhn"), t.stride(),
+                            strict=True))
+        kernel = loader.Kernel.load(root, kid, torch.cuda.current_device())
+        kernel.launch(kernel.grid(B=2, N_Q=nq, H_Q=4), args,
+                      torch.cuda.current_stream().cuda_stream)
+        torch.cuda.synchronize()
+        checked = compare_fp8(out, qz, causal=causal, block=None if per_tensor else 128)
+        assert checked.ok, (kid, checked.reason)
+        ours = flashgen.attention(qz.q, qz.k, qz.v, causal=causal, descale_q=qz.descale_q,
+                                  descale_k=qz.descale_k, descale_v=qz.descale_v,
+                                  out_dtype=torch_out)
+        assert (out.double() - ours.double()).abs().max().item() <= checked.bound, kid
+        assert torch.isfinite(lse).all()
         kernel.unload()
 
 

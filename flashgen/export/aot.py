@@ -18,6 +18,13 @@ vectorise); every other integer a plain i32, so any length works. fa1 winners ne
 buffers and are recorded as skipped; a use_tma or fa3 winner is compiled as its pointer twin (the
 ABI passes pointers, not CUtensorMaps), and its dispatch row says so (`as_tuned`, `why_not`);
 backward kernels are not exported ahead of time.
+
+fp8 kernels (the fa2 pointer kernel's `fp8` structure) take a longer argument list, the
+"fwd_fp8" ABI (`ABI["fp8"]`): e4m3 Q, K, V with V keys-inner (stride_vn compiled in as 1,
+`fp8.quantize`'s layout), the fp32 descales and their strides after GROUP, and O in the
+output dtype, which is part of the kernel's identity: one cubin per exported out dtype
+(`fp8_out`, bf16 unless asked). GPUs below sm89 have no fp8 tensor cores: their fp8 rows are
+skipped.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,7 +64,18 @@ WORKER = Path(__file__).with_name("cubin_worker.py")
 POINTER_ALIGN = 16
 #: Head-dim strides, compiled in as 1: contiguous rows let every load vectorise.
 UNIT_STRIDES = ("stride_qd", "stride_kd", "stride_vd", "stride_od")
+#: fp8's: V is keys-inner (`fp8.quantize`'s layout), so its key stride is the unit one.
+FP8_UNIT_STRIDES = ("stride_qd", "stride_kd", "stride_vn", "stride_od")
+#: fp8 V strides that are multiples of 16 in any keys-inner layout: key rows padded to 16.
+FP8_V_DIVISIBLE = ("stride_vb", "stride_vh", "stride_vd")
 TENSORS = ("Q", "K", "V", "O")
+#: The fp8 descales: fp32, read one scalar at a time, so only fp32's own alignment is asked.
+DESCALES = ("DQ", "DK", "DV")
+DESCALE_ALIGN = 4
+#: Output dtypes an fp8 kernel may be compiled for (`fp8_out`); the first is the default.
+FP8_OUT = ("bf16", "fp16")
+#: Triton's name of e4m3 (torch.float8_e4m3fn).
+FP8_TRITON = "fp8e4nv"
 C_TYPES = {"i32": "int32_t", "i64": "int64_t", "fp32": "float"}
 
 ABI: dict[str, Any] = {
@@ -65,7 +84,11 @@ ABI: dict[str, Any] = {
     "kernel_params": "kernelParams[i] points at the value of arguments[i], in order, followed "
                      "by one pointer per trailing_arguments entry",
     "types": {"*fp16": "CUdeviceptr (8 bytes)", "*bf16": "CUdeviceptr (8 bytes)",
-              "*fp32": "CUdeviceptr (8 bytes)", "i32": "int32_t", "fp32": "float (4 bytes)"},
+              "*fp32": "CUdeviceptr (8 bytes)", f"*{FP8_TRITON}": "CUdeviceptr (8 bytes)",
+              "i32": "int32_t", "fp32": "float (4 bytes)"},
+    "argument_lists": "each kernel's `abi` names its argument list: `fwd` (16-bit and fp32 "
+                      "kernels) or `fwd_fp8`; manifest `argument_lists` gives the names of "
+                      "each in order, every kernel's `arguments` its names, types and promises",
     "trailing_arguments": [
         {"name": "global_scratch", "type": "CUdeviceptr",
          "value": "0 when global_scratch_bytes is 0, else a buffer of grid_x * grid_y * grid_z "
@@ -87,14 +110,32 @@ ABI: dict[str, Any] = {
         "memory viewed as (B, H, N, D))",
     ],
     "grid_variables": {"B": "batch size", "N_Q": "query length", "H_Q": "query heads"},
+    "fp8": {
+        "kernels": "dtype fp8, abi fwd_fp8: the fa2 pointer kernel (fa3 and use_tma winners "
+                   "as their pointer twin); forward only",
+        "inputs": f"Q, K, V float8_e4m3fn (*{FP8_TRITON}); value = fp8 value * descale",
+        "output": "O of the kernel's out_dtype (bf16 unless exported with more, see "
+                  "fp8_out_dtypes); LSE fp32 as above",
+        "v_layout": "V keys-inner: (B, H_KV, N_K, D) indexed through its strides with "
+                    "stride_vn compiled in as 1 (not passed), i.e. (B, H_KV, D, N_pad) memory "
+                    "whose key rows are padded to a multiple of 16 (flashgen.fp8.quantize's "
+                    "default layout); stride_vb, stride_vh and stride_vd are multiples of 16",
+        "descales": "DQ, DK, DV: fp32, 4-byte aligned, element [b, h, n // 128] at "
+                    "b * stride_d?b + h * stride_d?h + (n // 128) * stride_d?n (elements), "
+                    "h being the tensor's own head (H_KV for DK and DV); a per-tensor descale "
+                    "is one float with its three strides 0. They follow GROUP, after the "
+                    "common arguments",
+    },
 }
 
 DISPATCH_RULE = (
-    "For (gpu, dtype, causal, head_dim, gqa) and lengths Nq, Nk: bucket(n) = the next power of "
+    "For (gpu, dtype, out_dtype, causal, head_dim, gqa) and lengths Nq, Nk (out_dtype: the "
+    "output's dtype, the input dtype except for fp8): bucket(n) = the next power of "
     "two >= n. Among `dispatch` rows of that kind whose need = [q, k] satisfies "
     "max(16, bucket(Nq)) >= q and max(16, bucket(Nk)) >= k, take the smallest "
     "|log2(seq_q_bucket / bucket(Nq))| + |log2(seq_k_bucket / bucket(Nk))| (ties: the larger "
-    "seq_q_bucket). If none fits, take the `defaults` row of (gpu, dtype, causal, head_dim) "
+    "seq_q_bucket). If none fits, take the `defaults` row of (gpu, dtype, out_dtype, causal, "
+    "head_dim) "
     "with seq_q_bucket = clamp(bucket(Nq), 16, 256) and seq_k_bucket = clamp(bucket(Nk), 16, "
     "256)."
 )
@@ -108,18 +149,23 @@ class AotReport:
     skipped: list[dict[str, Any]] = field(default_factory=list)
 
 
-def signature(arg_names: list[str], dtype: str,
-              head_dim: int) -> tuple[dict[str, str], dict[str, int], list[str]]:
-    """(Triton signature, constexprs, names of arguments promised divisible by 16)."""
+def signature(arg_names: list[str], dtype: str, head_dim: int, out_dtype: str | None = None,
+              ) -> tuple[dict[str, str], dict[str, int], list[str]]:
+    """(Triton signature, constexprs, names of arguments promised divisible by 16; pointers
+    other than the descales are promised 16-byte aligned by the caller)."""
+    fp8 = dtype == "fp8"
+    units = FP8_UNIT_STRIDES if fp8 else UNIT_STRIDES
     sig: dict[str, str] = {}
     constexprs: dict[str, int] = {}
     divisible: list[str] = []
     for name in arg_names:
-        if name in TENSORS:
-            sig[name] = f"*{dtype}"
-        elif name == "LSE":
+        if name == "O":
+            sig[name] = f"*{out_dtype or (FP8_OUT[0] if fp8 else dtype)}"
+        elif name in TENSORS:
+            sig[name] = f"*{FP8_TRITON}" if fp8 else f"*{dtype}"
+        elif name == "LSE" or name in DESCALES:
             sig[name] = "*fp32"
-        elif name in UNIT_STRIDES:
+        elif name in units:
             sig[name], constexprs[name] = "constexpr", 1
         elif name == "sm_scale":
             sig[name] = "fp32"
@@ -127,7 +173,8 @@ def signature(arg_names: list[str], dtype: str,
             sig[name] = "i32"
             # Row, head and batch strides of a tensor with D % 16 == 0 are multiples of D in
             # every layout flashgen serves, so the promise costs nothing and buys vector loads.
-            if name.startswith("stride_") and name[7] in "qkvo" and head_dim % 16 == 0:
+            if name.startswith("stride_") and name[7] in "qkvo" and (
+                    head_dim % 16 == 0 or (fp8 and name in FP8_V_DIVISIBLE)):
                 divisible.append(name)
     return sig, constexprs, divisible
 
@@ -155,6 +202,7 @@ class _Job:
     problem: Problem
     gpu: GpuWinners
     source: str
+    out_dtype: str
     serves: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -183,14 +231,21 @@ class _Compiler:
         self.root = root
         self.jobs: dict[str, _Job] = {}
 
-    def kernel(self, variant: Variant, problem: Problem, gpu: GpuWinners) -> _Job:
+    def kernel(self, variant: Variant, problem: Problem, gpu: GpuWinners,
+               out_dtype: str | None = None) -> _Job:
+        """The job of `variant` for `problem` on `gpu`; fp8 takes its `out_dtype` (O's
+        pointer type is compiled in, so each out dtype is its own cubin)."""
         source = render(variant, problem)
         major, minor = gpu.device.capability
+        out = out_dtype or problem.dtype
+        # The out dtype joins the digest for fp8 only: other kernels keep their ids.
+        tail = f"\0{out}" if problem.dtype == "fp8" else ""
         digest = hashlib.sha256(
-            f"{source}\0{variant.num_warps}\0{variant.num_stages}".encode()).hexdigest()[:12]
+            f"{source}\0{variant.num_warps}\0{variant.num_stages}{tail}".encode()
+        ).hexdigest()[:12]
         kid = f"attn_fwd_{digest}_sm{major}{minor}"
         if kid not in self.jobs:
-            self.jobs[kid] = _Job(kid, variant, problem, gpu, source)
+            self.jobs[kid] = _Job(kid, variant, problem, gpu, source, out)
         return self.jobs[kid]
 
     def compile(self, workers: int) -> dict[str, dict[str, Any]]:
@@ -200,11 +255,12 @@ class _Compiler:
             base = self.root / "kernels" / kid
             base.with_suffix(".py").write_text(job.source, encoding="utf-8")
             sig, constexprs, divisible = signature(arg_names(job.source), job.problem.dtype,
-                                                   job.problem.head_dim)
+                                                   job.problem.head_dim, job.out_dtype)
             specs.append({
                 "source": str(base.with_suffix(".py")), "function": "attn_fwd",
                 "signature": sig, "constexprs": constexprs,
-                "divisible": [n for n, t in sig.items() if t.startswith("*")] + divisible,
+                "divisible": [n for n, t in sig.items()
+                              if t.startswith("*") and n not in DESCALES] + divisible,
                 "capability": list(job.gpu.device.capability),
                 "num_warps": job.variant.num_warps, "num_stages": job.variant.num_stages,
                 "cubin": str(base.with_suffix(".cubin")),
@@ -221,23 +277,34 @@ class _Compiler:
         return entries
 
 
+def manifest_arguments(sig: dict[str, str], divisible: list[str]) -> list[dict[str, Any]]:
+    """The manifest's argument rows of a kernel: its non-constexpr signature, in order, with
+    the promises (pointer alignment, divisibility) the cubin was compiled under."""
+    rows = []
+    for n, t in sig.items():
+        if t == "constexpr":
+            continue
+        row: dict[str, Any] = {"name": n, "type": t}
+        if t.startswith("*"):
+            row["align"] = DESCALE_ALIGN if n in DESCALES else POINTER_ALIGN
+        elif n in divisible:
+            row["divisible_by"] = 16
+        rows.append(row)
+    return rows
+
+
 def _entry(job: _Job, md: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
-    divisible = set(spec["divisible"])
-    arguments = [
-        {"name": n, "type": t, **({"align": POINTER_ALIGN} if t.startswith("*") else {}),
-         **({"divisible_by": 16} if n in divisible and not t.startswith("*") else {})}
-        for n, t in spec["signature"].items() if t != "constexpr"
-    ]
     major, minor = job.gpu.device.capability
     v = job.variant
     return {
         "id": job.kid, "kernel_name": md["name"],
         "cubin": f"kernels/{job.kid}.cubin", "source": f"kernels/{job.kid}.py",
         "gpu": job.gpu.device.name, "capability": f"{major}.{minor}", "arch": f"sm{major}{minor}",
-        "dtype": job.problem.dtype, "causal": job.problem.causal,
+        "dtype": job.problem.dtype, "out_dtype": job.out_dtype, "causal": job.problem.causal,
         "head_dim": job.problem.head_dim, "variant": v.to_dict(),
+        "abi": abi_of(job.problem.dtype),
         "constexprs": {**constexprs_of(job.source), **spec["constexprs"]},
-        "arguments": arguments,
+        "arguments": manifest_arguments(spec["signature"], spec["divisible"]),
         # A persistent variant's programs stride over Q tiles by the grid's width, so the
         # full grid (one tile each) is correct for it too; C callers need no SM count.
         "grid": [f"cdiv(N_Q, {v.block_m})", "B * H_Q", "1"],
@@ -258,6 +325,16 @@ def _entry(job: _Job, md: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any
     }
 
 
+def abi_of(dtype: str) -> str:
+    """The argument list a kernel of `dtype` takes: fp8's adds the descales."""
+    return "fwd_fp8" if dtype == "fp8" else "fwd"
+
+
+def _out_dtypes(dtype: str, fp8_out: Sequence[str]) -> Sequence[str]:
+    """The output dtypes a kernel of `dtype` is compiled for: its own, or fp8's chosen ones."""
+    return fp8_out if dtype == "fp8" else (dtype,)
+
+
 def _bucket_row(gpu: GpuWinners, **fields: Any) -> dict[str, Any]:
     return {"gpu": gpu.device.name, "capability": "{}.{}".format(*gpu.device.capability),
             **fields}
@@ -272,19 +349,22 @@ def _why_twin(tuned: Variant, twin: Variant) -> str:
             "the Python export runs the winner itself")
 
 
+#: Why a GPU below sm89 gets no fp8 kernels (a tuning key there would be a foreign row).
+NO_FP8 = "no fp8 tensor cores below compute capability 8.9"
+
+
 def _plan_gpu(comp: _Compiler, gpu: GpuWinners, families: list[Family],
-              manifest: dict[str, Any]) -> None:
+              manifest: dict[str, Any], fp8_out: Sequence[str] = FP8_OUT[:1]) -> None:
     """Queue `gpu`'s winners and defaults; fill the dispatch and defaults tables."""
+    fp8_ok = gpu.device.capability >= (8, 9)
     for row in gpu.fwd:
         w, k = row.winner, row.winner.key
         variant: AnyVariant = w.variant
         bucket = {"dtype": k.dtype, "causal": k.causal, "head_dim": k.head_dim, "gqa": k.gqa,
                   "seq_q_bucket": k.seq_q_bucket, "seq_k_bucket": k.seq_k_bucket}
-        if k.dtype == "fp8":
-            manifest["skipped"].append(_bucket_row(
-                gpu, **bucket, variant=variant.to_dict(),
-                reason="fp8 kernels take descales and a bf16 or fp16 output the C ABI has no "
-                       "slots for; the Python export serves them"))
+        if k.dtype == "fp8" and not fp8_ok:
+            manifest["skipped"].append(_bucket_row(gpu, **bucket, variant=variant.to_dict(),
+                                                   reason=NO_FP8))
             continue
         if not isinstance(variant, Variant) or variant.loop_order == "fa1":
             manifest["skipped"].append(_bucket_row(
@@ -299,20 +379,28 @@ def _plan_gpu(comp: _Compiler, gpu: GpuWinners, families: list[Family],
             twin = variant.pointer_twin()
             note.update(as_tuned=False, why_not=_why_twin(variant, twin))
             variant = twin
-        job = comp.kernel(variant, w.problem, gpu)
-        job.serves.append(bucket)
-        manifest["dispatch"].append(_bucket_row(
-            gpu, **bucket, kernel=job.kid, need=list(tile_needs("fwd", variant, w.problem)),
-            tuned_triton_version=gpu.triton_version, source=row.source(),
-            kernel_hash=w.kernel_hash, **note))
-    for family in (f for f in families if f[0] != "fp8"):  # fp8: Python export only
+        for out in _out_dtypes(k.dtype, fp8_out):
+            job = comp.kernel(variant, w.problem, gpu, out)
+            job.serves.append({**bucket, "out_dtype": out})
+            manifest["dispatch"].append(_bucket_row(
+                gpu, **bucket, out_dtype=out, kernel=job.kid,
+                need=list(tile_needs("fwd", variant, w.problem)),
+                tuned_triton_version=gpu.triton_version, source=row.source(),
+                kernel_hash=w.kernel_hash, **note))
+    for family in families:
+        if family[0] == "fp8" and not fp8_ok:
+            manifest["skipped"].append(_bucket_row(
+                gpu, dtype="fp8", causal=family[1], head_dim=family[2],
+                reason=f"defaults: {NO_FP8}"))
+            continue
         for nq, nk, variant, problem in default_grid("fwd", family, gpu.device):
             assert isinstance(variant, Variant)
-            job = comp.kernel(variant.pointer_twin() if variant.needs_tma else variant, problem,
-                              gpu)
-            manifest["defaults"].append(_bucket_row(
-                gpu, dtype=family[0], causal=family[1], head_dim=family[2], seq_q_bucket=nq,
-                seq_k_bucket=nk, kernel=job.kid))
+            for out in _out_dtypes(family[0], fp8_out):
+                job = comp.kernel(variant.pointer_twin() if variant.needs_tma else variant,
+                                  problem, gpu, out)
+                manifest["defaults"].append(_bucket_row(
+                    gpu, dtype=family[0], out_dtype=out, causal=family[1], head_dim=family[2],
+                    seq_q_bucket=nq, seq_k_bucket=nk, kernel=job.kid))
 
 
 def _drop_failed(manifest: dict[str, Any], entries: dict[str, dict[str, Any]]) -> None:
@@ -330,13 +418,24 @@ def _drop_failed(manifest: dict[str, Any], entries: dict[str, dict[str, Any]]) -
             kept.append(row)
     manifest["dispatch"] = kept
     manifest["kernels"] = [e for e in entries.values() if "error" not in e]
+    lists: dict[str, list[str]] = {}
+    for e in manifest["kernels"]:
+        names = [a["name"] for a in e["arguments"]]
+        if lists.setdefault(e["abi"], names) != names:  # the header's one struct per list
+            raise RuntimeError(f"kernel {e['id']} breaks the {e['abi']} argument list")
+    manifest["argument_lists"] = lists
 
 
 def write_aot(selection: Selection, out: Path, name: str, force: bool = False,
-              workers: int | None = None) -> AotReport:
-    """Compile and write the AOT export `name` under `out` (see the module docstring)."""
+              workers: int | None = None, fp8_out: Sequence[str] = FP8_OUT[:1]) -> AotReport:
+    """Compile and write the AOT export `name` under `out` (see the module docstring);
+    `fp8_out`: the output dtypes each fp8 kernel is compiled for."""
     if not name.isidentifier():
         raise ValueError(f"export name {name!r} is not a C/Python identifier")
+    if not fp8_out or any(d not in FP8_OUT for d in fp8_out):
+        raise ValueError(f"fp8 output dtypes must be some of {', '.join(FP8_OUT)}, got "
+                         f"{', '.join(fp8_out) or 'none'}")
+    fp8_out = tuple(dict.fromkeys(fp8_out))
     target = out / name
     if target.exists() and not force:
         raise FileExistsError(f"{target} exists; pass --force to replace it")
@@ -349,11 +448,12 @@ def write_aot(selection: Selection, out: Path, name: str, force: bool = False,
     manifest: dict[str, Any] = {
         "format": "flashgen-aot", "version": MANIFEST_VERSION,
         "flashgen_version": __version__, "triton_version": Versions.current().triton,
-        "abi": ABI, "dispatch_rule": DISPATCH_RULE,
+        "abi": ABI, "dispatch_rule": DISPATCH_RULE, "fp8_out_dtypes": list(fp8_out),
         "gpus": {g.device.name: {"capability": "{}.{}".format(*g.device.capability),
                                  "device_key": g.device_key,
                                  "tuned_triton_version": g.triton_version} for g in gpus},
-        "kernels": [], "dispatch": [], "defaults": [], "skipped": skipped,
+        "kernels": [], "argument_lists": {}, "dispatch": [], "defaults": [],
+        "skipped": skipped,
     }
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out))
@@ -363,7 +463,7 @@ def write_aot(selection: Selection, out: Path, name: str, force: bool = False,
         comp = _Compiler(tmp)
         families = Selection(gpus).families()  # the compiled GPUs' kinds only
         for gpu in gpus:
-            _plan_gpu(comp, gpu, families, manifest)
+            _plan_gpu(comp, gpu, families, manifest, fp8_out)
         _drop_failed(manifest, comp.compile(workers))
         for entry in manifest["kernels"]:
             (tmp / "kernels" / f"{entry['id']}.json").write_text(json.dumps(entry, indent=1) + "\n")
@@ -379,53 +479,37 @@ def write_aot(selection: Selection, out: Path, name: str, force: bool = False,
                      manifest["skipped"])
 
 
-def c_header(name: str, manifest: dict[str, Any]) -> str:
-    """A C header: the argument struct, the kernel list and a cuLaunchKernel wrapper."""
-    kernels = manifest["kernels"]
-    arguments = kernels[0]["arguments"]
+#: The header's comment on each argument list's struct.
+ABI_NOTES = {
+    "fwd": "Strides are in elements; the head-dim strides are compiled in as 1 and are not "
+           "passed.",
+    "fwd_fp8": "fp8 (e4m3) Q, K, V; O in the kernel's out_dtype. Strides are in elements; "
+               "stride_qd, stride_kd, stride_od and V's key stride stride_vn are compiled in "
+               "as 1 and not passed (V keys-inner, key rows padded to 16: fp8.quantize's "
+               "layout). DQ, DK, DV: fp32 descales [b, h, n / 128] by their strides; a "
+               "per-tensor descale is one float with strides 0 (manifest.json abi.fp8).",
+}
+
+
+def _c_abi(name: str, abi: str, arguments: list[dict[str, Any]]) -> str:
+    """The argument struct and launch wrapper of one argument list (`abi`)."""
     fields = "\n".join(
         f"  {'CUdeviceptr' if a['type'].startswith('*') else C_TYPES[a['type']]} {a['name']};"
         for a in arguments)
     params = ", ".join(f"(void *)&a->{a['name']}" for a in arguments)
-    rows = "\n".join(
-        f'  {{"{k["id"]}", "{k["cubin"]}", "{k["kernel_name"]}", "{k["gpu"]}", '
-        f'"{k["dtype"]}", {int(k["causal"])}, {k["head_dim"]}, {k["variant"]["block_m"]}, '
-        f'{k["num_warps"]}, {k["shared_bytes"]}, {k["global_scratch_bytes"]}}},'
-        for k in kernels)
-    guard = f"{name.upper()}_H"
     return f"""\
-/* {name}.h: flash-attention forward kernels compiled ahead of time by flashgen
- * {manifest["flashgen_version"]} with Triton {manifest["triton_version"]}. Which kernel serves
- * which problem: manifest.json ("dispatch", "defaults", "dispatch_rule"); the launch contract
- * and the promises the arguments must keep: manifest.json "abi". */
-#ifndef {guard}
-#define {guard}
-
-#include <cuda.h>
-#include <stdint.h>
-
-/* Arguments of every kernel below, in kernelParams order. Strides are in elements; the
- * head-dim strides are compiled in as 1 and are not passed. */
+/* Arguments of the kernels whose abi is "{abi}", in kernelParams order.
+ * {ABI_NOTES[abi]} */
 typedef struct {{
 {fields}
-}} {name}_fwd_args;
+}} {name}_{abi}_args;
 
-typedef struct {{
-  const char *id, *cubin, *kernel_name, *gpu, *dtype;
-  int causal, head_dim, block_m, num_warps, shared_bytes, global_scratch_bytes;
-}} {name}_kernel;
-
-static const {name}_kernel {name}_kernels[] = {{
-{rows}
-}};
-#define {name.upper()}_NUM_KERNELS {len(kernels)}
-
-/* Launch `k` (its CUfunction `f`, loaded from k->cubin, with the dynamic shared memory
- * attribute set when k->shared_bytes > 49152) on `batch` x H_Q x N_Q queries.
+/* Launch `k` (an "{abi}" kernel; its CUfunction `f`, loaded from k->cubin, with the dynamic
+ * shared memory attribute set when k->shared_bytes > 49152) on `batch` x H_Q x N_Q queries.
  * `global_scratch`: 0 when k->global_scratch_bytes is 0, else device memory of
  * grid_x * grid_y * k->global_scratch_bytes bytes (grid as computed here; one CTA each). */
-static inline CUresult {name}_launch_fwd(CUfunction f, const {name}_kernel *k,
-                                         const {name}_fwd_args *a, int batch,
+static inline CUresult {name}_launch_{abi}(CUfunction f, const {name}_kernel *k,
+                                         const {name}_{abi}_args *a, int batch,
                                          CUdeviceptr global_scratch, CUstream stream) {{
   CUdeviceptr profile_scratch = 0;
   void *params[] = {{{params},
@@ -434,6 +518,46 @@ static inline CUresult {name}_launch_fwd(CUfunction f, const {name}_kernel *k,
                         (unsigned)(batch * a->H_Q), 1, (unsigned)(32 * k->num_warps), 1, 1,
                         (unsigned)k->shared_bytes, stream, params, NULL);
 }}
+"""
 
+
+def c_header(name: str, manifest: dict[str, Any]) -> str:
+    """A C header: an argument struct and cuLaunchKernel wrapper per argument list (16-bit
+    and fp8 kernels take different ones), and the kernel list."""
+    kernels = manifest["kernels"]
+    arguments = {}
+    for k in kernels:  # one argument list per abi (`_drop_failed` checked the names agree)
+        arguments.setdefault(k["abi"], k["arguments"])
+    abis = "\n".join(_c_abi(name, abi, args) for abi, args in sorted(arguments.items()))
+    rows = "\n".join(
+        f'  {{"{k["id"]}", "{k["cubin"]}", "{k["kernel_name"]}", "{k["gpu"]}", '
+        f'"{k["dtype"]}", "{k["out_dtype"]}", "{k["abi"]}", {int(k["causal"])}, '
+        f'{k["head_dim"]}, {k["variant"]["block_m"]}, {k["num_warps"]}, {k["shared_bytes"]}, '
+        f'{k["global_scratch_bytes"]}}},'
+        for k in kernels)
+    guard = f"{name.upper()}_H"
+    return f"""\
+/* {name}.h: flash-attention forward kernels compiled ahead of time by flashgen
+ * {manifest["flashgen_version"]} with Triton {manifest["triton_version"]}. Which kernel serves
+ * which problem: manifest.json ("dispatch", "defaults", "dispatch_rule"); the launch contract
+ * and the promises the arguments must keep: manifest.json "abi". A kernel's `abi` names its
+ * argument struct and launcher: {name}_<abi>_args, {name}_launch_<abi>. */
+#ifndef {guard}
+#define {guard}
+
+#include <cuda.h>
+#include <stdint.h>
+
+typedef struct {{
+  const char *id, *cubin, *kernel_name, *gpu, *dtype, *out_dtype, *abi;
+  int causal, head_dim, block_m, num_warps, shared_bytes, global_scratch_bytes;
+}} {name}_kernel;
+
+static const {name}_kernel {name}_kernels[] = {{
+{rows}
+}};
+#define {name.upper()}_NUM_KERNELS {len(kernels)}
+
+{abis}
 #endif /* {guard} */
 """

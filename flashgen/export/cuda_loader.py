@@ -7,6 +7,10 @@ this file into every AOT export as `cuda_loader.py`.
     kernel = Kernel.load(export_dir, kernel_id)
     kernel.launch(kernel.grid(B=b, N_Q=nq, H_Q=hq), {"Q": q_ptr, ..., "GROUP": g}, stream)
 
+Arguments go by the names of the kernel's manifest `arguments`, whatever its argument list
+(`abi`): an fp8 kernel ("fwd_fp8") also takes DQ, DK, DV (descale pointers) and their
+strides, and no stride_vn (V keys-inner, compiled in as 1).
+
 `launch` checks the promises the binary was compiled under (aligned pointers, arguments
 divisible by 16, compiled-in values, 32-bit integers) and raises ValueError on a broken one
 instead of computing garbage.
@@ -108,6 +112,23 @@ def check_args(entry: Mapping[str, Any], args: Mapping[str, int | float]) -> Non
             raise ValueError(f"{name} = {value} must be a multiple of {a['divisible_by']}")
 
 
+def pack_args(entry: Mapping[str, Any], args: Mapping[str, int | float]) -> list[Any]:
+    """The ctypes values of the manifest `arguments`, in kernelParams order (no scratch):
+    pointers (any `*type`, fp8 and the fp32 descales included) as 8-byte addresses."""
+    values: list[Any] = []
+    for a in entry["arguments"]:
+        kind, value = a["type"], args[a["name"]]
+        if kind.startswith("*"):
+            values.append(ctypes.c_uint64(int(value)))
+        elif kind in _INT_TYPES:
+            values.append(_INT_TYPES[kind][0](int(value)))
+        elif kind == "fp32":
+            values.append(ctypes.c_float(float(value)))
+        else:
+            raise ValueError(f"argument {a['name']} has unsupported type {kind}")
+    return values
+
+
 class Kernel:
     """One loaded cubin of an AOT export, described by its manifest entry."""
 
@@ -147,17 +168,7 @@ class Kernel:
         e = self.entry
         if e["profile_scratch_bytes"]:
             raise CudaError(f"{e['id']} was compiled with profiling instrumentation")
-        values: list[Any] = []
-        for a in e["arguments"]:
-            kind, value = a["type"], args[a["name"]]
-            if kind.startswith("*"):
-                values.append(ctypes.c_uint64(int(value)))
-            elif kind in _INT_TYPES:
-                values.append(_INT_TYPES[kind][0](int(value)))
-            elif kind == "fp32":
-                values.append(ctypes.c_float(float(value)))
-            else:
-                raise ValueError(f"argument {a['name']} has unsupported type {kind}")
+        values = pack_args(e, args)
         scratch = self._scratch(grid[0] * grid[1] * grid[2] * e["num_ctas"]
                                 * e["global_scratch_bytes"])
         values += [ctypes.c_uint64(scratch), ctypes.c_uint64(0)]  # global, profile scratch
