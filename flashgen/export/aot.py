@@ -58,7 +58,9 @@ from flashgen.kernels.variant import Variant
 from flashgen.store.keys import Versions
 from flashgen.version import __version__
 
-MANIFEST_VERSION = 1
+#: Bumped when a manifest or header field changes meaning or layout (2: argument lists per
+#: kernel ABI, out_dtype, the kernel struct's new fields).
+MANIFEST_VERSION = 2
 LOADER = Path(__file__).with_name("cuda_loader.py")
 WORKER = Path(__file__).with_name("cubin_worker.py")
 POINTER_ALIGN = 16
