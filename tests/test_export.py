@@ -447,7 +447,7 @@ def aot_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_aot_manifest_and_cubins(aot_export: Path) -> None:
     manifest = json.loads((aot_export / "manifest.json").read_text())
-    assert (manifest["format"], manifest["version"]) == ("flashgen-aot", 1)
+    assert (manifest["format"], manifest["version"]) == ("flashgen-aot", 2)
     assert manifest["gpus"]["NVIDIA H200"]["capability"] == "9.0"
     tuned, fa3 = sorted((r for r in manifest["dispatch"] if r["dtype"] != "fp8"),
                         key=lambda r: r["head_dim"])
