@@ -83,7 +83,10 @@ LABELS_HELP = (
     "'bf16 c D128 g4 2k B8 H32' is bf16, causal (f: full), head dim 128, 4 query heads per "
     "key/value head (left out when 1), Nq = Nk = 2048 ('512/2k' where they differ; for "
     "stored winners the length buckets), batch 8, 32 query heads. Backward winners leave "
-    "out 'bwd-' and the usual dQ mode 'separate'."
+    "out 'bwd-' and the usual dQ mode 'separate'. Modified problems end in a letter each "
+    "(stored winners: 'mods:'): w sliding window, k softcap, s sinks, vN packed varlen "
+    "(N: longest / mean length), as in 'wv4'. Decode problems end in their cache: pN (pages "
+    "of N keys) or contig; stored decode winners add bhN (the batch x KV heads bucket)."
 )
 
 #: The one --db option of tune, show, bench and export. No envvar= on purpose: the default
@@ -434,17 +437,19 @@ def _run_workers(problems: list[Problem], run: RunOptions, slots: list[int | Non
         invocation = new_id()
         plan = WorkerPlan(tuple(problems), run, url, campaign or invocation,
                           package_version("flashgen"), invocation=invocation)
-        console = _console()
-        with Progress(*progress_columns(run.wide), console=Console(stderr=True)) as progress:
+        console, stderr = _console(), Console(stderr=True)
+        where = [f"w{i} {'cpu' if gpu is None else f'gpu{gpu}'}" for i, gpu in enumerate(slots)]
+        longest = max(len(f"{w} {mode} {problem_label(p)}")
+                      for w in where for p in problems for mode in run.modes)
+        with Progress(*progress_columns(run.wide, longest, stderr.width),
+                      console=stderr) as progress:
             where = f"storage {_redacted(storage)}" if storage else "a temporary journal"
             if campaign:
                 where += f", campaign {campaign}"
             progress.console.print(
                 f"tuning {len(problems)} problem(s) with {len(slots)} worker(s) through "
                 f"{where} (db: {run.db_path})")
-            tasks = [progress.add_task(
-                f"w{i} {'cpu' if gpu is None else f'gpu{gpu}'}", total=run.trials, best="-",
-                last="") for i, gpu in enumerate(slots)]
+            tasks = [progress.add_task(w, total=run.trials, best="-", last="") for w in where]
 
             def show(index: int, r: TuneResult) -> None:
                 best = f"{tflops_text(r.best_tflops)} TFLOP/s" if r.best_tflops else "-"
@@ -535,7 +540,12 @@ def _run_tuning(problems: list[Problem], run: RunOptions) -> None:
     from flashgen.kernels.hardware import device_info
     from flashgen.kernels.presets import problem_label
     from flashgen.store.db import TuningDB
-    from flashgen.tune.report import progress_columns, results_tables, tflops_text
+    from flashgen.tune.report import (
+        none_passed_notes,
+        progress_columns,
+        results_tables,
+        tflops_text,
+    )
     from flashgen.tune.search import TuneOptions, tune_problem
     from flashgen.tune.workers import make_bench
 
@@ -556,8 +566,10 @@ def _run_tuning(problems: list[Problem], run: RunOptions) -> None:
     current: tuple[Problem, str] | None = None  # the problem and mode being tuned
     reported: list[TuneResult] = []  # its result, as its progress last gave it
     interrupted = False
+    stderr = Console(stderr=True)
+    longest = max(len(f"{mode} {problem_label(p)}") for p in problems for mode in run.modes)
     with TuningDB(run.db_path) as database, Progress(
-        *progress_columns(run.wide), console=Console(stderr=True),
+        *progress_columns(run.wide, longest, stderr.width), console=stderr,
     ) as progress:
         progress.console.print(f"tuning {len(problems)} problem(s) on {info.name} "
                                f"(db: {database.path})")
@@ -590,6 +602,8 @@ def _run_tuning(problems: list[Problem], run: RunOptions) -> None:
         finally:
             database.finish_run(run_id, status)
     _print_tables(console, results_tables(results, run.wide), run.wide)
+    for line in none_passed_notes(results, info.is_interpreter):
+        typer.echo(line, err=True)
     if interrupted:
         raise typer.Exit(130)  # as a shell reports a process that SIGINT stopped
 
@@ -632,6 +646,11 @@ def pull(
     from flashgen.tune.pull import pull as pull_rows
     from flashgen.tune.storage import StorageError, open_storage
 
+    if storage.endswith(".log") and "://" not in storage and not Path(storage).expanduser(
+            ).is_file():
+        # Opening a journal creates it: a mistyped path would pull nothing, silently.
+        raise _fail(f"--storage {storage}: journal file does not exist (`flashgen tune "
+                    f"--storage` writes it)")
     try:
         shared = open_storage(storage)
     except StorageError as exc:

@@ -425,3 +425,148 @@ def test_show_tables_fit_80_columns(tmp_path: Path) -> None:
     assert "own128x32 w4 s3 fa3-dq dq-x128" in text and "1.2e-05" in text
     wide = runner.invoke(app, ["show", "--db", str(db_path), "--wide"], env={"COLUMNS": "80"})
     assert "B32 Hq64 Hkv8 Nq512 Nk2048" in wide.stdout and "…" not in wide.stdout
+
+
+# ---- labels of modified, decode and fp8 problems ----------------------------------------
+
+#: Long labels of the newer kinds: a modified packed backward and a modified fp8 forward
+#: over 1000 TFLOP/s (`_new_kind_descriptions` adds a paged decode).
+NEW_KIND_ROWS: list[tuple[Problem, str, float]] = [
+    (Problem(8, 32, 4, 512, 2048, 128, "bf16", True, window=True, softcap=True, sinks=True,
+             varlen=True, mix=4), "bwd", 312.0),
+    (Problem(16, 128, 8, 16384, 131072, 256, "fp8", True, window=True, softcap=True,
+             sinks=True), "fwd", 1234.4),
+]
+
+
+def _new_kind_descriptions() -> list[tuple[str, float]]:
+    from flashgen.kernels.presets import problem_label
+    from flashgen.kernels.problem import DecodeProblem
+
+    decode = DecodeProblem(64, 64, 8, 1, 32768, 128, "bf16", True, page_size=16)
+    return [(f"{mode} {problem_label(p)}", tflops) for p, mode, tflops in NEW_KIND_ROWS] + [
+        (f"decode {problem_label(decode)}", 12.3)]
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_progress_lines_of_long_labels_keep_their_counts_at_80_columns(wide: bool) -> None:
+    """Labels of modified, decode and fp8 problems run to 40 characters: rich used to squeeze
+    every column alike, cutting the counts and the time ("99/…", "0:00…")."""
+    import io
+
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from flashgen.tune.report import progress_columns, tflops_text
+
+    described = _new_kind_descriptions()
+    console = Console(width=80, file=io.StringIO(), record=True)
+    longest = max(len(d) for d, _ in described)
+    progress = Progress(*progress_columns(wide, longest, 80), console=console,
+                        auto_refresh=False)
+    for description, tflops in described:
+        task = progress.add_task(description, total=100, best=f"{tflops_text(tflops)} TFLOP/s",
+                                 last="fa2 m128 n64 w8 s3 nosplit p1: failed (wrong answer)")
+        progress.update(task, completed=99)
+    console.print(progress.get_renderable())
+    lines = [line for line in console.export_text().splitlines() if line.strip()]
+    assert len(lines) == len(described), lines  # one line a task
+    for line, (description, tflops) in zip(lines, described, strict=True):
+        assert len(line) <= 80 and line.startswith(f"{description} "), line
+        assert "99/100" in line and f"best {tflops_text(tflops)} TFLOP/s" in line, line
+        assert "0:00:00" in line, line
+    assert "1.23e+03" not in console.export_text() and tflops_text(1234.4) == "1234"
+
+
+def test_tables_of_modified_and_decode_problems_explain_their_letters() -> None:
+    """'... B8 H32 wksv4' and 'mods:wv16' meant nothing without the code: a caption
+    spells out the letters the rows use, within 80 columns."""
+    from flashgen.kernels.problem import DecodeProblem
+    from flashgen.store.db import WinnerRow
+    from flashgen.tune.report import Listed, results_tables, winners_tables
+    from flashgen.tune.search import TuneResult
+
+    results = [TuneResult(p, TuningKey.for_problem(p, HOPPER, mode), 50, best=None,
+                          best_tflops=tflops) for p, mode, tflops in NEW_KIND_ROWS]
+    decode = DecodeProblem(64, 64, 8, 1, 32768, 128, "bf16", True, page_size=16)
+    results.append(TuneResult(decode, TuningKey.for_problem(decode, HOPPER, "decode"), 50))
+    text = _render(results_tables(results))
+    assert all(len(line) <= 80 for line in text.splitlines()), text
+    for words in ("w window", "k softcap", "s sinks", "vN varlen", "pN pages of N keys"):
+        assert words in text, (words, text)
+    plain = _render(results_tables([TuneResult(LONG_ROWS[0][0], TuningKey.for_problem(
+        LONG_ROWS[0][0], HOPPER, "fwd"), 50)]))
+    assert "window" not in plain  # no legend where no row needs one
+    p, mode, _ = NEW_KIND_ROWS[1]
+    row = WinnerRow(TuningKey.for_problem(p, HOPPER, mode), default_variant(p, HOPPER), p,
+                    1, 1.0, 1234.4, None, None, "2026-01-01")
+    shown = _render(winners_tables([Listed(row, "db", Path("t.db"), True)]))
+    assert "mods:wks" in shown and "w window; k softcap; s sinks" in shown, shown
+    assert "varlen" not in shown  # only the letters that occur
+    from flashgen.cli import LABELS_HELP
+
+    assert "k softcap" in LABELS_HELP and "mods:" in LABELS_HELP and "bhN" in LABELS_HELP
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--preset", "llama3-8b-decode"], "'llama3-8b-decode' is a decode preset: add --mode decode"),
+    (["--preset", "llama3-8b", "--mode", "decode"], "'llama3-8b' is not a decode preset"),
+])
+def test_a_preset_of_the_other_mode_is_named_as_such(args: list[str], message: str,
+                                                     tmp_path: Path) -> None:
+    """A decode preset under the default --mode fwd was reported 'unknown', with a list that
+    leaves it out: the user hunted for a typo."""
+    result = runner.invoke(app, ["tune", "--device", "cpu", "--db", str(tmp_path / "t.db"),
+                                 *args])
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert "unknown" not in result.output
+
+
+def test_fp8_hints_tune_the_forward_and_its_bench_asks_no_backward(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`flashgen bench --dtype fp8` logged 'Run `flashgen tune ... --dtype fp8 --mode bwd`',
+    a command `tune` refuses: fp8 has no backward."""
+    import torch
+
+    from flashgen.bench.competitors import _flashgen
+    from flashgen.kernels.presets import tune_command
+    from flashgen.serve import Dispatcher
+
+    fp8 = Problem(1, 2, 1, 32, 32, 32, "fp8", False)
+    assert tune_command(INTERPRETER, fp8, "both").endswith("--mode fwd")
+    assert tune_command(INTERPRETER, fp8.with_(dtype="fp16"), "bwd").endswith("--mode bwd")
+
+    def refuse(*args: object) -> None:
+        raise AssertionError("fp8 asked for a backward variant")
+
+    monkeypatch.setattr(Dispatcher, "choose_bwd", refuse)
+    prepared = _flashgen(fp8, torch.device("cpu"), Dispatcher([tmp_path / "none.db"]))
+    assert "no backward (fp8)" in prepared.note
+
+
+def test_a_problem_where_nothing_passed_says_why() -> None:
+    """The table said 'none passed' and nothing else; the reasons were only in the database
+    (fp8 on the CPU interpreter fails every variant this way)."""
+    from flashgen.tune.report import none_passed_notes
+    from flashgen.tune.search import Outcome, TuneResult
+
+    fp8 = Problem(1, 2, 1, 32, 32, 32, "fp8", False)
+    result = TuneResult(fp8, TuningKey.for_problem(fp8, INTERPRETER, "fwd"), 2, failed=2,
+                        outcomes={"a": Outcome("failed", reason="wrong answer: max error 0.14"),
+                                  "b": Outcome("failed", reason="wrong answer: max error 0.14")})
+    passed = TuneResult(fp8, result.key, 2, best=default_variant(fp8, HOPPER), failed=1)
+    notes = none_passed_notes([result, passed], interpreter=True)
+    assert notes[0] == ("note: fwd fp8 f D32 g2 32 B1 H2: no variant passed (2 failed); "
+                        "most often: wrong answer: max error 0.14")
+    assert len(notes) == 2 and "interpreter rounds to e4m3" in notes[1]
+    assert len(none_passed_notes([result])) == 1  # the interpreter's note on it alone
+
+
+def test_pull_from_a_missing_journal_is_an_error_and_creates_nothing(tmp_path: Path) -> None:
+    """Opening a journal creates it, so a mistyped path pulled '0 trial(s)' and left an
+    empty file behind."""
+    journal = tmp_path / "studies.log"
+    result = runner.invoke(app, ["pull", "--storage", str(journal), "--db",
+                                 str(tmp_path / "t.db")])
+    assert result.exit_code == 2 and "journal file does not exist" in result.output
+    assert not journal.exists() and not (tmp_path / "t.db").exists()

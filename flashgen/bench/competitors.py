@@ -61,14 +61,18 @@ def _flashgen(problem: Problem, device: torch.device,
     dispatcher = dispatcher or default_dispatcher()
     info = device_info(device)
     fwd = dispatcher.choose(problem, info)
-    bwd = dispatcher.choose_bwd(problem, info)
-    note = f"fwd {fwd.variant} ({fwd.how}); bwd {bwd.variant} ({bwd.how})"
+    # fp8 is forward only: asking for its backward would log a hint to tune one
+    # (`flashgen tune --dtype fp8 --mode bwd`) that `flashgen tune` refuses.
+    bwd = None if problem.dtype == "fp8" else dispatcher.choose_bwd(problem, info)
+    note = f"fwd {fwd.variant} ({fwd.how}); " + (
+        "no backward (fp8)" if bwd is None else f"bwd {bwd.variant} ({bwd.how})")
+    bwd_variant = None if bwd is None else bwd.variant
     if layout:
-        return Prepared(flashgen_fn(problem, layout, fwd.variant, bwd.variant), note)
+        return Prepared(flashgen_fn(problem, layout, fwd.variant, bwd_variant), note)
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **fp8: torch.Tensor) -> torch.Tensor:
         out = attention(q, k, v, causal=problem.causal, variant=fwd.variant,
-                        bwd_variant=bwd.variant, **fp8)  # type: ignore[arg-type]
+                        bwd_variant=bwd_variant, **fp8)  # type: ignore[arg-type]
         assert isinstance(out, torch.Tensor)
         return out
 

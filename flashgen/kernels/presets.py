@@ -104,6 +104,9 @@ def decode_problems(shapes: Iterable[str], presets: Iterable[str], dtypes: Itera
         try:
             preset = DECODE_PRESETS[name]
         except KeyError:
+            if name in PRESETS:  # a forward preset under --mode decode: say so, not "unknown"
+                raise ValueError(f"{name!r} is not a decode preset: drop --mode decode, or "
+                                 f"choose from {sorted(DECODE_PRESETS)}") from None
             raise ValueError(f"unknown decode preset {name!r}; choose from "
                              f"{sorted(DECODE_PRESETS)}") from None
         texts += [",".join(map(str, s)) for s in preset.shapes()]
@@ -136,6 +139,8 @@ def preset_problems(name: str, dtypes: Iterable[str], causal: Iterable[bool]) ->
     try:
         preset = PRESETS[name]
     except KeyError:
+        if name in DECODE_PRESETS:  # exists, but "unknown" would send the user to a typo hunt
+            raise ValueError(f"{name!r} is a decode preset: add --mode decode") from None
         raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}") from None
     return shape_problems([",".join(map(str, s)) for s in preset.shapes()], dtypes, causal)
 
@@ -208,8 +213,11 @@ def shape_text(p: Problem) -> str:
 def tune_command(device: DeviceInfo, problem: Problem, mode: str = "both") -> str:
     """The `flashgen tune` line that tunes `problem`'s kind on `device`, for hints: the CPU
     interpreter needs `--device cpu` (and a GPU index would be wrong there), a GPU the index
-    under which this process sees that model."""
+    under which this process sees that model. An fp8 problem's line says --mode fwd, the
+    only mode fp8 has."""
     where = "--device cpu" if device.is_interpreter else f"--gpu {cuda_index(device)}"
+    if problem.dtype == "fp8":
+        mode = "fwd"  # fp8 tunes the forward only: `tune` refuses --mode both, bwd and decode
     page = (f" --page-size {problem.page_size}"
             if isinstance(problem, DecodeProblem) and mode == "decode" else "")
     return (f"flashgen tune {where} --shape {shape_text(problem)} --dtype {problem.dtype} "

@@ -8,6 +8,7 @@ less (milliseconds, failure counts, versions) appear with `wide` only. Numbers a
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -18,14 +19,17 @@ from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     ProgressColumn,
+    Task,
     TextColumn,
     TimeElapsedColumn,
 )
-from rich.table import Table
+from rich.table import Column, Table
+from rich.text import Text
 
 from flashgen.kernels.bwd_variant import BwdVariant
 from flashgen.kernels.modes import AnyVariant, space_of
 from flashgen.kernels.presets import kind_label, problem_label
+from flashgen.kernels.problem import MODIFIER_LETTERS
 from flashgen.store.current import row_is_current
 from flashgen.store.db import RunRow, WinnerRow
 from flashgen.store.keys import TuningKey, Versions
@@ -38,8 +42,13 @@ def _num(value: float | None, fmt: str) -> str:
 
 def tflops_text(value: float | None) -> str:
     """Three digits; below 0.01 (the CPU interpreter's) two in exponent form, which is
-    never wider than the column's header."""
-    return "-" if value is None else f"{value:.3g}" if value >= 0.01 else f"{value:.1e}"
+    never wider than the column's header; from 1000 (fp8 on Hopper) whole numbers, as
+    "1230" is both shorter and plainer than "1.23e+03"."""
+    if value is None:
+        return "-"
+    if value >= 999.5:
+        return f"{value:.0f}"
+    return f"{value:.3g}" if value >= 0.01 else f"{value:.1e}"
 
 
 def _table(title: str | None = None) -> Table:
@@ -61,16 +70,66 @@ def variant_label(variant: AnyVariant | None, wide: bool = False) -> str:
     return str(variant).removeprefix("bwd-").removeprefix("separate ")
 
 
-def progress_columns(wide: bool = False) -> list[ProgressColumn]:
+class _LastColumn(ProgressColumn):
+    """The latest trial, for `wide` progress: the one column that gives way (cut with an
+    ellipsis) when a line would pass the console's width, so the problem and the counts
+    never do."""
+
+    def __init__(self) -> None:
+        super().__init__(table_column=Column(no_wrap=False))  # the only column rich shrinks
+
+    def render(self, task: Task) -> Text:
+        return Text(str(task.fields.get("last", "")), no_wrap=True, overflow="ellipsis")
+
+
+#: What a progress line holds besides its label and bar: the count ("100/100"), the best
+#: throughput ("best 1230 TFLOP/s"), the elapsed time, and the gaps between the columns.
+_FIXED_WIDTH = len("100/100") + len("best 1230 TFLOP/s") + len("0:00:00") + 4
+
+
+def progress_columns(wide: bool = False, longest: int = 0,
+                     width: int = 80) -> list[ProgressColumn]:
     """The columns of tune's progress line; the task's description is "MODE LABEL" and its
-    fields `best` and `last` (the latest trial, shown with `wide` only: it is long)."""
+    fields `best` and `last` (the latest trial, shown with `wide` only: it is long).
+
+    Labels of modified, decode and fp8 problems run to 40 characters; the bar is what gets
+    narrower for them (`longest`: the widest description; `width`: the console's), so a line
+    still fits (with `wide`, leaving the latest trial a few cells). Only the description
+    may fold, and only where even a 3-cell bar leaves no room: rich would otherwise squeeze
+    every column alike and cut the counts ("49/…")."""
+    bar = max(3, min(10, width - longest - _FIXED_WIDTH - (8 if wide else 0)))
     columns: list[ProgressColumn] = [
-        TextColumn("{task.description}"), BarColumn(bar_width=10), MofNCompleteColumn(),
-        TextColumn("best {task.fields[best]}"), TimeElapsedColumn(),
+        TextColumn("{task.description}",
+                   table_column=Column(no_wrap=wide, overflow="fold")),
+        BarColumn(bar_width=bar, table_column=Column(no_wrap=True)),
+        MofNCompleteColumn(table_column=Column(no_wrap=True)),
+        TextColumn("best {task.fields[best]}", table_column=Column(no_wrap=True)),
+        TimeElapsedColumn(table_column=Column(no_wrap=True)),
     ]
     if wide:
-        columns.append(TextColumn("{task.fields[last]}"))
+        columns.append(_LastColumn())
     return columns
+
+
+#: The words for each modifier letter of a label ("... B4 H16 wv4", "mods:wv4"), by
+#: `MODIFIER_LETTERS`' names; a table whose rows carry letters explains them in a caption.
+_MODIFIER_WORDS = {"window": "window", "softcap": "softcap", "sinks": "sinks",
+                   "varlen": "varlen, N = longest/mean length"}
+
+
+def legend(modifier_keys: Iterable[str], decode: bool = False, bh: bool = False) -> str:
+    """The caption that spells out the short suffixes of a table's labels: the modifier
+    letters that occur in `modifier_keys` (e.g. "w window; vN varlen, ..."), with `decode`
+    the cache (pages of N keys, or contiguous) and with `bh` the decode key's batch x
+    KV-heads bucket. "" when the rows have none of them."""
+    letters = {ch for key in modifier_keys for ch in key if ch.isalpha()}
+    parts = [f"{letter}{'N' if name == 'varlen' else ''} {_MODIFIER_WORDS[name]}"
+             for name, letter in MODIFIER_LETTERS.items() if letter in letters]
+    if decode:
+        parts.append("pN pages of N keys; contig contiguous cache")
+    if bh:
+        parts.append("bhN batch x KV heads")
+    return "; ".join(parts)
 
 
 #: Titles of the per-mode tables.
@@ -109,8 +168,32 @@ def results_tables(results: Sequence[TuneResult], wide: bool = False) -> list[Ta
                 cells += [str(r.measured), str(r.failed), str(r.pruned), str(r.resumed),
                           f"{r.seconds:.1f}s"]
             table.add_row(*cells)
+        table.caption = legend([r.problem.modifier_key for r in rows],
+                               decode=mode == "decode") or None
+        table.caption_justify = "left"
         tables.append(table)
     return tables
+
+
+def none_passed_notes(results: Sequence[TuneResult], interpreter: bool = False) -> list[str]:
+    """A line for each problem where no variant passed, with the commonest failure reason:
+    the table alone says "none passed" and the reasons sit in the database. With
+    `interpreter`, an fp8 problem whose variants gave wrong answers adds why that is
+    expected there."""
+    lines = []
+    for r in results:
+        if r.best is not None or not r.failed:
+            continue
+        reasons = Counter(o.reason for o in r.outcomes.values() if o.status == "failed")
+        why = f"; most often: {reasons.most_common(1)[0][0][:120]}" if reasons else ""
+        lines.append(f"note: {r.mode} {problem_label(r.problem)}: no variant passed "
+                     f"({r.failed} failed){why}")
+        if interpreter and r.problem.dtype == "fp8" and any(
+                reason.startswith("wrong answer") for reason in reasons):
+            lines.append("note: Triton's interpreter rounds to e4m3 inexactly (seen in "
+                         "Triton 3.6), so fp8 kernels fail the check on --device cpu; tune "
+                         "fp8 on a GPU of compute capability 8.9 or newer")
+    return lines
 
 
 def is_current(winner: WinnerRow, versions: Versions | None = None) -> bool:
@@ -220,6 +303,9 @@ def winners_tables(rows: Iterable[Listed], wide: bool = False) -> list[Table]:
                           w.key.triton_version, (w.kernel_hash or "-")[:16],
                           w.updated_at[:10]]
             table.add_row(*cells, *([note] if any(notes) else []))
+        table.caption = legend([r.winner.key.modifiers for r in group], decode=mode == "decode",
+                               bh=mode == "decode") or None
+        table.caption_justify = "left"
         tables.append(table)
     return tables
 
