@@ -291,6 +291,36 @@ def test_a_killed_worker_loses_only_its_running_trial(
     assert not [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.RUNNING]
 
 
+def test_an_interrupt_of_the_parent_alone_stops_its_workers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # As `timeout -s INT` sends it: to the parent only, not the process group. The workers
+    # hang for 600 s in a measurement; only a forwarded interrupt ends them sooner.
+    from flashgen.tune.workers import run_workers
+
+    mark = tmp_path / "hang"
+    monkeypatch.setenv("HANG_MARK", str(mark))
+    run = RunOptions("cpu", trials=10, db_path=tmp_path / "tuning.db")
+    plan = WorkerPlan((PROBLEM,), run, str(tmp_path / "studies.log"), "stop", "0.1.test",
+                      BEAT_S, GRACE_S, hanging_bench)
+
+    def interrupt_once_hung() -> None:
+        deadline = time.monotonic() + 120
+        while not mark.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if mark.exists():  # else run_workers ends by itself, and the test fails below
+            os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt_once_hung, daemon=True).start()
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        run_workers(plan, [None, None])
+    assert time.monotonic() - started < 150
+    with TuningDB(tmp_path / "tuning.db") as db:
+        assert len([r for r in db.trials() if r.status == "ok"]) >= 2  # nothing lost
+        statuses = {r.status for r in db.runs()}
+    assert "interrupted" in statuses and "running" not in statuses, statuses
+
+
 # ---- workers lease problems -------------------------------------------------------------
 
 

@@ -29,7 +29,9 @@ import multiprocessing
 import os
 import queue as queue_module
 import re
+import signal
 import socket
+import time
 import traceback
 import uuid
 from collections.abc import Callable
@@ -294,6 +296,9 @@ def run_workers(plan: WorkerPlan, gpus: list[int | None],
                     on_skip(index, message[2], message[3])
             elif kind == "done":
                 said[index] = (message[2], message[3])
+    except KeyboardInterrupt:
+        _interrupt(processes)
+        raise
     finally:
         for process in processes:
             process.join()
@@ -304,6 +309,24 @@ def run_workers(plan: WorkerPlan, gpus: list[int | None],
             text = f"exit code {process.exitcode}"
         ends.append(WorkerEnd(i, gpu, status, process.exitcode, text, skipped.get(i, {})))
     return merge_results(results), ends
+
+
+#: Seconds the workers get to stop on their own after this process was interrupted.
+INTERRUPT_GRACE_S = 3.0
+
+
+def _interrupt(processes: list[Any]) -> None:
+    """Pass an interrupt on to the workers still running after a grace period.
+
+    Ctrl-C reaches the whole process group, so the workers stop by themselves (and are
+    left alone to record their runs); a SIGINT sent to this process alone (a job's
+    `timeout -s INT`) would otherwise leave this process waiting on their whole budget."""
+    deadline = time.monotonic() + INTERRUPT_GRACE_S
+    for process in processes:
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive() and process.pid is not None:
+            os.kill(process.pid, signal.SIGINT)
 
 
 def merge_results(results: list[TuneResult]) -> list[TuneResult]:
