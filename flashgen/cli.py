@@ -438,9 +438,9 @@ def _run_workers(problems: list[Problem], run: RunOptions, slots: list[int | Non
         plan = WorkerPlan(tuple(problems), run, url, campaign or invocation,
                           package_version("flashgen"), invocation=invocation)
         console, stderr = _console(), Console(stderr=True)
-        where = [f"w{i} {'cpu' if gpu is None else f'gpu{gpu}'}" for i, gpu in enumerate(slots)]
+        labels = [f"w{i} {'cpu' if gpu is None else f'gpu{gpu}'}" for i, gpu in enumerate(slots)]
         longest = max(len(f"{w} {mode} {problem_label(p)}")
-                      for w in where for p in problems for mode in run.modes)
+                      for w in labels for p in problems for mode in run.modes)
         with Progress(*progress_columns(run.wide, longest, stderr.width),
                       console=stderr) as progress:
             where = f"storage {_redacted(storage)}" if storage else "a temporary journal"
@@ -449,15 +449,13 @@ def _run_workers(problems: list[Problem], run: RunOptions, slots: list[int | Non
             progress.console.print(
                 f"tuning {len(problems)} problem(s) with {len(slots)} worker(s) through "
                 f"{where} (db: {run.db_path})")
-            tasks = [progress.add_task(w, total=run.trials, best="-", last="") for w in where]
+            tasks = [progress.add_task(w, total=run.trials, best="-", last="") for w in labels]
 
             def show(index: int, r: TuneResult) -> None:
                 best = f"{tflops_text(r.best_tflops)} TFLOP/s" if r.best_tflops else "-"
-                gpu = slots[index]
                 progress.update(tasks[index], completed=r.measured, best=best,
                                 last=r.last[:50], description=(
-                                    f"w{index} {'cpu' if gpu is None else f'gpu{gpu}'} "
-                                    f"{r.mode} {problem_label(r.problem)}"))
+                                    f"{labels[index]} {r.mode} {problem_label(r.problem)}"))
 
             def skip(index: int, problem: Problem, kind: str) -> None:
                 why = "done by the campaign" if kind == "done" else "led elsewhere"

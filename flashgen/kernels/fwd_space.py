@@ -35,7 +35,7 @@ def _pow2_at_least_16(n: int) -> int:
 def shared_memory_bytes(v: Variant, p: Problem) -> int:
     """Estimate the shared memory a variant stages: the Q tile (and fa3's O where it has
     its own), plus K and V tiles per stage."""
-    elem = {"fp32": 4, "fp8": 1}.get(p.dtype, 2)
+    elem = p.torch_dtype.itemsize
     d = p.padded_head_dim
     stages = max(1, v.num_stages)
     # fa3 stages O through Q's buffer, except on a persistent grid: there Q is double-buffered

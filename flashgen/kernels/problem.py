@@ -174,16 +174,9 @@ class Problem:
     def flops(self, lens: tuple[Sequence[int], Sequence[int]] | None = None,
               window: tuple[int, int] | None = None) -> float:
         """Forward FLOPs of the two matmuls over the pairs the mask keeps (`pairs`), so
-        TFLOP/s measure work really done; without `lens` and `window` the dense (causal:
-        visible) count, computed as it always was."""
-        if lens is not None or window is not None:
-            return 4.0 * self.pairs(lens, window) * self.heads_q * self.head_dim
-        full = 4.0 * self.batch * self.heads_q * self.seq_q * self.seq_k * self.head_dim
-        if not self.causal:
-            return full
-        # Bottom-right aligned causal mask: query i sees keys j <= i + (Nk - Nq).
-        seen = visible_pairs([self.seq_q], [self.seq_k], causal=True)
-        return full * seen / (self.seq_q * self.seq_k)
+        TFLOP/s measure work really done; without `lens` and `window` the batch's dense
+        (causal: bottom-right visible) pairs."""
+        return 4.0 * self.pairs(lens, window) * self.heads_q * self.head_dim
 
     def with_(self, **changes: Any) -> Problem:
         return replace(self, **changes)
