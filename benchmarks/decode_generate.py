@@ -14,6 +14,7 @@ A tiny CPU run (the Triton interpreter; checks the pipeline, says nothing of spe
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -36,9 +37,9 @@ def build(attn: str, args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.M
 
 
 def tokens_per_second(model: torch.nn.Module, ids: torch.Tensor, new: int, cache: str,
-                      device: str) -> tuple[float, torch.Tensor]:
+                      device: str, repeats: int = 3) -> tuple[float, torch.Tensor]:
     """New tokens per second of greedy `generate` (the prompt's prefill is timed apart and
-    subtracted: the decode steps are what this measures)."""
+    subtracted: the decode steps are what this measures); each the median of `repeats`."""
     extra = {"cache_implementation": "static"} if cache == "static" else {}
     kwargs = {"attention_mask": torch.ones_like(ids), "do_sample": False, **extra}
 
@@ -53,9 +54,24 @@ def tokens_per_second(model: torch.nn.Module, ids: torch.Tensor, new: int, cache
         return time.perf_counter() - start, out
 
     run(min(new, 4))  # compile the kernels of both phases
-    prefill, _ = run(1)
-    total, out = run(new)
-    return ids.shape[0] * (new - 1) / max(total - prefill, 1e-9), out
+    prefill = statistics.median(run(1)[0] for _ in range(repeats))
+    runs = [run(new) for _ in range(repeats)]
+    total = statistics.median(t for t, _ in runs)
+    return ids.shape[0] * (new - 1) / max(total - prefill, 1e-9), runs[0][1]
+
+
+def forced_logits(model: torch.nn.Module, seq: torch.Tensor, prompt: int) -> torch.Tensor:
+    """Logits of each new position, the model fed `seq` one token at a time after the
+    prompt's prefill (teacher forcing: both implementations see the same tokens, so their
+    logits compare step by step even where greedy choices part on a near tie)."""
+    with torch.no_grad():
+        out = model(seq[:, :prompt], use_cache=True)
+        cache, logits = out.past_key_values, [out.logits[:, -1]]
+        for i in range(prompt, seq.shape[1] - 1):
+            out = model(seq[:, i:i + 1], past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            logits.append(out.logits[:, -1])
+    return torch.stack(logits, 1).float()
 
 
 def main() -> None:
@@ -88,10 +104,32 @@ def main() -> None:
             model = build(attn, args, dtype)
             found[attn] = tokens_per_second(model, ids, args.new, cache, args.device)
             del model
-        same = torch.equal(found["sdpa"][1], found["flashgen"][1])
+        a, b = found["sdpa"][1], found["flashgen"][1]
+        same = (a == b).all(0)
+        first = int(same.logical_not().nonzero()[0]) if not bool(same.all()) else a.shape[1]
         sdpa, ours = found["sdpa"][0], found["flashgen"][0]
         print(f"{cache:8s} sdpa {sdpa:9.1f} tok/s   flashgen {ours:9.1f} tok/s   "
-              f"{ours / sdpa:5.2f}x   tokens agree: {same}")
+              f"{ours / sdpa:5.2f}x   tokens agree: {bool(same.all())}"
+              f" (all rows up to position {first - args.prompt} of {args.new})")
+        if cache == "dynamic":
+            agreement(a, args, dtype)
+
+
+def agreement(seq: torch.Tensor, args: argparse.Namespace, dtype: torch.dtype) -> None:
+    """Teacher-forced logits along sdpa's tokens: flashgen's and sdpa's against an fp32 sdpa
+    model's (bf16 greedy tokens of random weights part on near ties, so tokens alone say
+    little), and how often their top choices agree."""
+    found = {}
+    for attn, kind in (("sdpa", dtype), ("flashgen", dtype), ("sdpa", torch.float32)):
+        model = build(attn, args, kind)
+        found[(attn, kind)] = forced_logits(model, seq, args.prompt)
+        del model
+    exact = found[("sdpa", torch.float32)]
+    for attn in ("sdpa", "flashgen"):
+        got = found[(attn, dtype)]
+        top = (got.argmax(-1) == exact.argmax(-1)).float().mean().item()
+        print(f"  teacher-forced {attn:8s} {args.dtype}: max |logit - fp32 sdpa| "
+              f"{(got - exact).abs().max().item():.4f}, top-1 agreement {top:.1%}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 # GPU validation on the device machine, from the repo root, with the device kit copied to
 # .device-kit/ (git-ignored). Each stage has its own time limit so one slow stage cannot eat
 # the lease; logs and the tuning database land in $OUT (or ./gpu-out).
-#   source .device-kit/install.sh && bash scripts/gpu-validate.sh [tests|quick|fa3|tune|tune-all|bench|fp8|search|pending|padded|softcap]...
+#   source .device-kit/install.sh && bash scripts/gpu-validate.sh [tests|quick|fa3|tune|tune-all|bench|fp8|search|pending|padded|softcap|decode]...
 # tune-all tunes fa-bench and llama3-8b, fp16 and bf16, causal and not, into $DB (default
 # $out/tuning.db), with a time cap per preset (TUNE_S); scripts/retune.sh is the shipped
 # database's recipe.
@@ -113,6 +113,28 @@ for what in "${@:-tests}"; do
       stage "softcap cost"
       FLASHGEN_DB="${DB:-$out/tuning.db}" timeout 120 python3 benchmarks/varlen_modifiers.py \
         --only softcap --out "$out/softcap.txt" 2>&1 | grep -v Warning
+      ;;
+    decode)
+      # Issue 30: the decode family's GPU tests, a tune of the target grid (contiguous and
+      # pages of 16), the target table against SDPA flash/cuDNN (pages of 16 and 256 too),
+      # then generate() tokens per second against sdpa.
+      stage "decode gpu tests"
+      timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 tests/test_decode.py \
+        >"$out/t/decode.log" 2>&1; tail -2 "$out/t/decode.log"
+      stage "tune decode targets"
+      timeout -s INT "${DECODE_TUNE_S:-270}" python3 -m flashgen tune --gpu 0 --mode decode \
+        --preset decode-targets --dtype bf16 --causal yes --page-size 0,16 \
+        --trials "${TRIALS:-16}" --compile-workers 14 --db "${DB:-$out/tuning.db}" \
+        >"$out/t/tune-decode.log" 2>&1; tail -30 "$out/t/tune-decode.log"
+      stage "bench decode targets"
+      timeout -s INT 200 python3 -m flashgen bench --gpu 0 --mode decode \
+        --preset decode-targets --dtype bf16 --causal yes --page-size 0,16,256 \
+        --db "${DB:-$out/tuning.db}" --no-plot --out "$out/decode-bench" \
+        >"$out/t/bench-decode.log" 2>&1; tail -c 6000 "$out/t/bench-decode.log"
+      stage "generate tokens per second"
+      FLASHGEN_DB="${DB:-$out/tuning.db}" timeout 150 python3 benchmarks/decode_generate.py \
+        --layers 2 --prompt 4096 --new 128 --batch 8 >"$out/t/generate.log" 2>&1
+      tail -8 "$out/t/generate.log"
       ;;
     search)
       # Issue 33's sweep: the grid's first four problems, every fa3 point plus a sample of

@@ -323,3 +323,34 @@ def test_modified_decode_kernels_compile_for_hopper_as_plain_ones_do() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert found["true"] == found["false"] and found["true"][1] > 0, found
+
+
+@interpreter
+def test_compiles_in_one_graph() -> None:
+    """Under torch.compile (a static-cache `generate()` compiles its forward) the call is one
+    opaque op, no graph break (fullgraph), an explicit variant included; traced, the kernel
+    launch failed. Modifiers run outside the graph and still answer right."""
+    p = DecodeProblem(2, 8, 2, 1, 40, 16, "fp32", True)
+    c = make_kvcache(p, "cpu", 5, seqlens=[40, 17])
+    variant = DecodeVariant(16, 16, 2, 1, 1)
+
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             lens: torch.Tensor) -> torch.Tensor:
+        out = flashgen.attention_with_kvcache(q, k, v, lens, variant=variant)
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    torch._dynamo.reset()
+    out = torch.compile(call, backend="eager", fullgraph=True)(c.q, c.k, c.v, c.seqlens)
+    got = compare_kvcache(out, c, True)
+    assert got.ok, got.reason
+
+    def capped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               lens: torch.Tensor) -> torch.Tensor:
+        out = flashgen.attention_with_kvcache(q, k, v, lens, softcap=5.0)
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    out = torch.compile(capped, backend="eager")(c.q, c.k, c.v, c.seqlens)
+    got = compare_kvcache(out, c, True, modifiers={"softcap": 5.0})
+    assert got.ok, got.reason

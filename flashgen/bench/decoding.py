@@ -16,6 +16,7 @@ same kind (`gate`), then timed with L2 flushed (`tune.timing.time_cuda`, by `--t
 from __future__ import annotations
 
 import csv
+import gc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -135,28 +136,14 @@ def run_decode_bench(problems: Sequence[DecodeProblem], device: torch.device,
                 rows.append(next(replace(r, problem=problem, note="contiguous twin's figure")
                                  for r in rows if r.problem == twin and r.competitor == name))
                 continue
-            try:
-                fn, note = (_flashgen(problem, dispatcher) if name == FLASHGEN
-                            else _other(name, problem, device))
-                checked = compare_kvcache(fn(small), small, problem.causal)
-                timing = None
-                if checked.ok:  # the timed shape may compile again (FlexAttention) and fail
-                    timing = (time_cuda(lambda fn=fn, c=cache: fn(c), device,
-                                        warmup_ms=rep_ms / 4, rep_ms=rep_ms, timer=timer)
-                              if gpu else time_cpu(lambda fn=fn, c=cache: fn(c)))
-            except Exception as exc:  # a competitor that cannot run this is a data point
-                rows.append(DecodeRow(problem, name, "n/a", note=f"{type(exc).__name__}: "
-                                      f"{str(exc).splitlines()[0][:160] if str(exc) else ''}"))
-                continue
-            if timing is None:
-                rows.append(DecodeRow(problem, name, "failed", note=checked.reason))
-                continue
-            us = timing.median_ms * 1e3
-            rows.append(DecodeRow(problem, name, "ok", us, problem.kv_bytes / (us * 1e-6) / 1e9,
-                                  note))
-            del fn
+            rows.append(_measure(name, problem, small, cache, device, dispatcher, rep_ms,
+                                 timer))
         if csv_path is not None:  # after every problem: a run cut short keeps what it measured
             write_decode_csv(rows, csv_path, rate)
+        # Let go of this problem's caches before the next is made: two 128k caches of B64 do
+        # not fit an 80 GB GPU together.
+        small = cache = None  # type: ignore[assignment]
+        gc.collect()
         if gpu:
             torch.cuda.empty_cache()
     console.print(decode_table(rows, names, rate))
@@ -164,6 +151,29 @@ def run_decode_bench(problems: Sequence[DecodeProblem], device: torch.device,
         write_decode_csv(rows, csv_path, rate)
         console.print(f"CSV: {csv_path}")
     return rows
+
+
+def _measure(name: str, problem: DecodeProblem, small: KVCache, cache: KVCache,
+             device: torch.device, dispatcher: Dispatcher, rep_ms: float,
+             timer: str) -> DecodeRow:
+    """One competitor on one problem: checked on `small`, then timed on `cache`. Its call
+    (and any copy of the cache it made) goes when this returns."""
+    try:
+        fn, note = (_flashgen(problem, dispatcher) if name == FLASHGEN
+                    else _other(name, problem, device))
+        checked = compare_kvcache(fn(small), small, problem.causal)
+        timing = None
+        if checked.ok:  # the timed shape may compile again (FlexAttention) and fail
+            timing = (time_cuda(lambda: fn(cache), device, warmup_ms=rep_ms / 4,
+                                rep_ms=rep_ms, timer=timer)
+                      if device.type == "cuda" else time_cpu(lambda: fn(cache)))
+    except Exception as exc:  # a competitor that cannot run this is a data point
+        return DecodeRow(problem, name, "n/a", note=f"{type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0][:160] if str(exc) else ''}")
+    if timing is None:
+        return DecodeRow(problem, name, "failed", note=checked.reason)
+    us = timing.median_ms * 1e3
+    return DecodeRow(problem, name, "ok", us, problem.kv_bytes / (us * 1e-6) / 1e9, note)
 
 
 def _label(p: DecodeProblem) -> str:

@@ -252,9 +252,36 @@ def attention_with_kvcache(
                     _kernel_sinks(check_sinks(sinks, q.shape[1], q.dtype, q.device)))
         if mods.flags == (False, False, False, False):
             mods = None
-    out, lse = (dispatcher or default_dispatcher()).kvcache(
-        q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, variant, mods)
+    if torch.compiler.is_compiling():
+        out, lse = _compiled_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal,
+                                     scale, variant, mods, dispatcher)
+    else:
+        out, lse = (dispatcher or default_dispatcher()).kvcache(
+            q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, variant, mods)
     return (out, lse) if return_lse else out
+
+
+def _compiled_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
+                      causal: bool, scale: float | None, variant: Any, mods: Mods | None,
+                      dispatcher: Dispatcher | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Under torch.compile: the registered op (opaque to the compiler, as the forward's is),
+    or, for modifiers or a dispatcher of the caller's, a call outside the graph."""
+    if mods is None and dispatcher is None:
+        text = "" if variant is None else _encoded("decode", variant)
+        return ops.attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal,
+                                     scale, text)
+    return _kvcache_outside_graph(q, k_cache, v_cache, cache_seqlens, block_table, causal,
+                                  scale, variant, mods, dispatcher)
+
+
+@torch.compiler.disable
+def _kvcache_outside_graph(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
+                           causal: bool, scale: float | None, variant: Any, mods: Mods | None,
+                           dispatcher: Dispatcher | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return (dispatcher or default_dispatcher()).kvcache(
+        q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, variant, mods)
 
 
 def explain(

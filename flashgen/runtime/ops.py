@@ -87,6 +87,32 @@ def _backward(ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor | None) -
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+@torch.library.custom_op(f"{NAMESPACE}::attention_kvcache", mutates_args=())
+def attention_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    causal: bool,
+    scale: float | None,
+    variant: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, log-sum-exp) of the decode family, for torch.compile: traced, the kernel
+    launch itself broke the graph (its float arguments became fp64 and the kernels failed to
+    compile), which is what a static-cache `generate()` compiles. Eager calls skip the op."""
+    dispatcher = default_dispatcher()
+    return dispatcher.kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale,
+                              dispatcher.decode("decode", variant))
+
+
+@attention_kvcache.register_fake
+def _attention_kvcache_fake(q: torch.Tensor, *_: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output like q (the launcher's `empty_like`) and an fp32 (B, Hq, Nq) log-sum-exp."""
+    b, h, n, _ = q.shape
+    return torch.empty_like(q), q.new_empty((b, h, n), dtype=torch.float32)
+
+
 class EagerAttention(torch.autograd.Function):
     """The same autograd as the registered op, for eager calls, without the op's dispatch
     layers: those cost a few hundred microseconds of host time per training step, which
