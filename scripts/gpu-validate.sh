@@ -2,7 +2,7 @@
 # GPU validation on the device machine, from the repo root, with the device kit copied to
 # .device-kit/ (git-ignored). Each stage has its own time limit so one slow stage cannot eat
 # the lease; logs and the tuning database land in $OUT (or ./gpu-out).
-#   source .device-kit/install.sh && bash scripts/gpu-validate.sh [tests|quick|fa3|tune|tune-all|bench|fp8|search|pending|padded|softcap|decode]...
+#   source .device-kit/install.sh && bash scripts/gpu-validate.sh [tests|quick|fa3|tune|tune-all|bench|fp8|search|pending|padded|softcap|decode|decode-bench]...
 # tune-all tunes fa-bench and llama3-8b, fp16 and bf16, causal and not, into $DB (default
 # $out/tuning.db), with a time cap per preset (TUNE_S); scripts/retune.sh is the shipped
 # database's recipe.
@@ -115,9 +115,9 @@ for what in "${@:-tests}"; do
         --only softcap --out "$out/softcap.txt" 2>&1 | grep -v Warning
       ;;
     decode)
-      # Issue 30: the decode family's GPU tests, a tune of the target grid (contiguous and
-      # pages of 16), the target table against SDPA flash/cuDNN (pages of 16 and 256 too),
-      # then generate() tokens per second against sdpa.
+      # Issue 30: the decode family's GPU tests and a tune of the target grid (contiguous
+      # and pages of 16); decode-bench: the target table against SDPA flash/cuDNN (pages of
+      # 16 and 256 too), then generate() tokens per second against sdpa.
       stage "decode gpu tests"
       timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 tests/test_decode.py \
         >"$out/t/decode.log" 2>&1; tail -2 "$out/t/decode.log"
@@ -126,6 +126,8 @@ for what in "${@:-tests}"; do
         --preset decode-targets --dtype bf16 --causal yes --page-size 0,16 \
         --trials "${TRIALS:-16}" --compile-workers 14 --db "${DB:-$out/tuning.db}" \
         >"$out/t/tune-decode.log" 2>&1; tail -30 "$out/t/tune-decode.log"
+      ;;
+    decode-bench)
       stage "bench decode targets"
       timeout -s INT 200 python3 -m flashgen bench --gpu 0 --mode decode \
         --preset decode-targets --dtype bf16 --causal yes --page-size 0,16,256 \
