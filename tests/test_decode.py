@@ -354,3 +354,27 @@ def test_compiles_in_one_graph() -> None:
     out = torch.compile(capped, backend="eager")(c.q, c.k, c.v, c.seqlens)
     got = compare_kvcache(out, c, True, modifiers={"softcap": 5.0})
     assert got.ok, got.reason
+
+
+@interpreter
+def test_growing_cache_reuses_its_buckets_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dynamic cache grows a key each generated token: every step is a new shape, but its
+    plan is prepared once per Nk bucket (33..64 keys here: one), each answer right."""
+    from flashgen.serve import Dispatcher
+
+    dispatcher = Dispatcher([])
+    prepared = []
+    real = dispatcher._decode_prepared
+
+    def counting(*args: object, **kwargs: object) -> object:
+        prepared.append(args[0])
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(dispatcher, "_decode_prepared", counting)
+    for n in (40, 41, 47, 64, 65):
+        p = DecodeProblem(2, 8, 2, 1, n, 16, "fp32", True)
+        c = make_kvcache(p, "cpu", n, seqlens=[n, n - 5])
+        out = flashgen.attention_with_kvcache(c.q, c.k, c.v, c.seqlens, dispatcher=dispatcher)
+        got = compare_kvcache(out, c, True)
+        assert got.ok, f"Nk {n}: {got.reason}"
+    assert [s.seq_k for s in prepared] == [40, 65]

@@ -51,13 +51,17 @@ from .kvcache import (
     serves_as_decode,
 )
 from .modifiers import Mods
-from .table import Choice, Entry, Shape, Table, mix_bucket
+from .table import Choice, Entry, Shape, Table, bucket, mix_bucket
 
 #: The package this runtime serves ("flashgen", or an exported package's name), which names
 #: its logger and its torch.library namespace.
 PACKAGE = (__package__ or __name__).rpartition(".")[0]
 log = logging.getLogger(PACKAGE)
 _DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+
+#: Exact-shape decode plans kept before the dict starts again: a dynamic cache makes a new
+#: shape every generated token (each maps to its bucket's plan, which stays).
+MAX_DECODE_PLANS = 4096
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,7 @@ class Dispatcher:
         self._plans: dict[tuple, _Plan] = {}
         self._bwd_plans: dict[tuple, _Plan] = {}
         self._decode_plans: dict[tuple, _Plan] = {}
+        self._decode_buckets: dict[tuple, _Plan] = {}  # by Nk bucket (see _decode_plan)
         self._current: dict[int, str | None] = {}  # id(entry) -> kernel_is_current's answer
         self._decoded: dict[tuple[str, str], Any] = {}
         self._failed: set[tuple] = set()  # kernels whose failure to build was warned of
@@ -366,8 +371,22 @@ class Dispatcher:
         if mods is not None:  # the structure its kernels render
             window, softcap, sinks, _ = mods.flags
             shape = shape._replace(window=window, softcap=softcap, sinks=sinks)
-        plan = self._decode_prepared(shape, q.device, variant)
+        # A dynamic cache grows a key a step, so each step is a new shape: its plan is the one
+        # of its Nk bucket (the launcher reads the cache's length from the tensors; the table
+        # chooses per bucket anyway). Otherwise every generated token paid the table lookup
+        # and the launch preparation again.
+        near = (shape._replace(seq_k=bucket(shape.seq_k)), q.device, variant)
+        try:
+            plan = self._decode_buckets.get(near)
+        except TypeError:  # an unhashable variant
+            near, plan = None, None
+        if plan is None:
+            plan = self._decode_prepared(shape, q.device, variant)
+            if near is not None:
+                self._decode_buckets[near] = plan
         if key is not None:
+            if len(self._decode_plans) >= MAX_DECODE_PLANS:  # a long generation's steps
+                self._decode_plans.clear()
             self._decode_plans[key] = plan
         return plan
 
