@@ -8,6 +8,10 @@ its prepared launcher alone (`prepare_forward`, what dispatch ends in) and for S
 then a cProfile of the dispatched call. Run on the GPU machine:
 
   python3 scripts/profile_host.py --shape 32,16,16,512,512,128 --dtype bf16 --causal
+
+`--decode B,Hq,Hkv,Nq,Nk,D` does the same for `attention_with_kvcache` on a full contiguous
+cache (the database from $FLASHGEN_DB or `--db`), against SDPA flash and cuDNN on it, plus
+the host time of each of its two kernel launches alone.
 """
 
 from __future__ import annotations
@@ -31,13 +35,17 @@ from flashgen.tune.check import make_inputs
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", action="append", required=True, help="B,Hq,Hkv,Nq,Nk,D")
+    ap.add_argument("--shape", action="append", default=[], help="B,Hq,Hkv,Nq,Nk,D")
+    ap.add_argument("--decode", action="append", default=[], help="B,Hq,Hkv,Nq,Nk,D")
+    ap.add_argument("--db", help="tuning database for --decode (else the default ones)")
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args()
     print(f"device {torch.cuda.get_device_name()} "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    for shape in args.decode:
+        profile_decode(shape, args)
     for shape in args.shape:
         b, hq, hkv, nq, nk, d = map(int, shape.split(","))
         problem = Problem(b, hq, hkv, nq, nk, d, args.dtype, args.causal)
@@ -64,6 +72,47 @@ def main() -> None:
             torch.cuda.synchronize()
         stats = pstats.Stats(profiler).strip_dirs().sort_stats("tottime")
         stats.print_stats(args.top)
+
+
+def profile_decode(text: str, args: argparse.Namespace) -> None:
+    """Host time of a decode call, its parts and its competitors; then its cProfile."""
+    from flashgen.bench.decoding import _other
+    from flashgen.kernels.problem import DecodeProblem
+    from flashgen.serve import Dispatcher, default_dispatcher
+    from flashgen.store.table import shipped_db_path
+    from flashgen.tune.decode_bench import make_kvcache
+
+    b, hq, hkv, nq, nk, d = map(int, text.split(","))
+    problem = DecodeProblem(b, hq, hkv, nq, nk, d, args.dtype, args.causal)
+    c = make_kvcache(problem, torch.device("cuda"), 0)
+    dispatcher = (Dispatcher([args.db, shipped_db_path()]) if args.db
+                  else default_dispatcher())
+    call = functools.partial(flashgen.attention_with_kvcache, c.q, c.k, c.v, c.seqlens,
+                             causal=args.causal, dispatcher=dispatcher)
+    choice = dispatcher.explain_kvcache(c.q, c.k, c.v, c.seqlens, causal=args.causal)
+    plan = dispatcher._decode_plan(c.q, c.k, c.v, c.seqlens, None, args.causal, None)
+    calls = {
+        "attention_with_kvcache": call,
+        "its plan's launcher": functools.partial(plan.launch, c.q, c.k, c.v, c.seqlens, None,
+                                                 plan.scale),
+        "torch.empty x4": lambda: [torch.empty((b, hq, nq, d), device="cuda")
+                                   for _ in range(4)],
+    }
+    for name in ("sdpa-flash", "sdpa-cudnn"):
+        fn, _ = _other(name, problem, torch.device("cuda"))
+        calls[name] = functools.partial(fn, c)
+    with torch.no_grad():
+        print(f"{problem}: {choice.variant} ({choice.how}: {choice.reason})")
+        for name, fn in calls.items():
+            print(f"  {name:24s} {host_us(fn):7.1f} us host per call")
+        profiler = cProfile.Profile()
+        torch.cuda._sleep(400_000_000)
+        profiler.enable()
+        for _ in range(300):
+            call()
+        profiler.disable()
+        torch.cuda.synchronize()
+    pstats.Stats(profiler).strip_dirs().sort_stats("tottime").print_stats(args.top)
 
 
 if __name__ == "__main__":
