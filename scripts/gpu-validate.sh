@@ -123,7 +123,7 @@ for what in "${@:-tests}"; do
         >"$out/t/decode.log" 2>&1; tail -2 "$out/t/decode.log"
       stage "tune decode targets"
       timeout -s INT "${DECODE_TUNE_S:-270}" python3 -m flashgen tune --gpu 0 --mode decode \
-        --preset decode-targets --dtype bf16 --causal yes --page-size 0,16 \
+        --preset decode-targets --dtype bf16 --causal yes --page-size "${PAGES:-0,16}" \
         --trials "${TRIALS:-16}" --compile-workers 14 --db "${DB:-$out/tuning.db}" \
         >"$out/t/tune-decode.log" 2>&1; tail -30 "$out/t/tune-decode.log"
       ;;
