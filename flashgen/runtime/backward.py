@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from .forward import KernelOf, cdiv, gluon_descriptor, strides4, tma_ready
+from .launch import bind
 from .modifiers import Mods
 from .table import Entry, Shape, knobs
 
@@ -58,10 +59,16 @@ class _Kernels:
     def __init__(self, variant: Any, kernel_of: KernelOf, suffix: str) -> None:
         self.variant = variant
         self.gluon = {role: is_gluon(variant, role) for role in ("dkdv", "dq")}
-        self.dkdv = kernel_of("dkdv" + suffix)
+        # Gluon kernels take TMA descriptors, which `bind` never caches: no key to work out.
+        self.dkdv = _maybe_bind(kernel_of("dkdv" + suffix), self.gluon["dkdv"])
         # The atomic dQ mode has no dQ kernel (the Gluon ones run only in the separate mode).
-        self.dq = kernel_of("dq" + suffix) if variant.dq_mode == "separate" else None
+        self.dq = (_maybe_bind(kernel_of("dq" + suffix), self.gluon["dq"])
+                   if variant.dq_mode == "separate" else None)
         self.launch = {"num_warps": variant.num_warps, "num_stages": variant.num_stages}
+
+
+def _maybe_bind(kernel: Any, gluon: bool) -> Any:
+    return kernel if gluon else bind(kernel)
 
 
 def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
@@ -76,7 +83,7 @@ def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
     key/value head. Gluon kernels need 16-byte aligned rows (`tma_ready`); on inputs that are
     not, the entry's twin runs, which computes the same gradients.
     """
-    preprocess = kernel_of("preprocess")
+    preprocess = bind(kernel_of("preprocess"))
     main = _Kernels(knobs(entry["variant"]), kernel_of, "")
     plain: list[_Kernels] = []  # the twin's, loaded on first need
     group = shape.group

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .launch import bind
 from .modifiers import Mods
 from .table import Entry, Shape, knobs
 
@@ -163,7 +164,7 @@ def prepare_forward(entry: Entry, shape: Shape, kernel: KernelOf, strict: bool) 
     variant = knobs(entry["variant"])
     if variant.use_tma or variant.loop_order == "fa3":
         return _prepare_tma(entry, shape, kernel, strict)
-    return _prepare_pointers(variant, shape, kernel("fwd"))
+    return _prepare_pointers(variant, shape, bind(kernel("fwd")))
 
 
 def _prepare_pointers(variant: Any, shape: Shape, kernel: Any) -> Launcher:

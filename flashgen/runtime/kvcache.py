@@ -23,6 +23,7 @@ import torch
 
 from .forward import cdiv, padded_head_dim, sm_count
 from .inputs import DTYPE_NAMES, MAX_HEAD_DIM
+from .launch import bind
 from .modifiers import Mods
 from .table import Entry, knobs
 
@@ -196,7 +197,7 @@ def prepare_decode(entry: Entry, shape: DecodeShape, kernel: KernelOf) -> Decode
     The output keeps q's memory layout.
     """
     variant = knobs(entry["variant"])
-    split_kernel = kernel("decode")
+    split_kernel = bind(kernel("decode"))
     combine: list[Any] = []  # the combine kernel, loaded on first need
     launch = {"num_warps": variant.num_warps, "num_stages": variant.num_stages}
     group, paged = shape.group, bool(shape.page_size)
@@ -240,7 +241,7 @@ def prepare_decode(entry: Entry, shape: DecodeShape, kernel: KernelOf) -> Decode
         )  # fmt: skip
         if splits > 1:
             if not combine:
-                combine.append(kernel("decode_combine"))
+                combine.append(bind(kernel("decode_combine")))
             width = _pow2(splits)
             combine[0][(b * hq * nq,)](
                 part, part_lse, out, lse, *part.stride(), *part_lse.stride(), *out.stride(),

@@ -1,0 +1,111 @@
+"""`runtime.launch.bind`: the JIT's binding paid once per call signature. A fake JIT function
+and CUDA-looking tensors stand in for the GPU, so the CPU checks which launches go through
+the JIT and which straight to the compiled kernel."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from flashgen.runtime import launch
+
+
+class CudaLooking(torch.Tensor):
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+
+def cuda_looking(t: torch.Tensor) -> torch.Tensor:
+    return torch.Tensor._make_subclass(CudaLooking, t)
+
+
+class Compiled:
+    packed_metadata = ()
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def __getitem__(self, grid: tuple) -> Any:
+        return lambda *args: self.log.append(("direct", grid, args))
+
+
+class FakeJit:
+    def __init__(self) -> None:
+        self.log: list = []
+
+        def kernel(x, n, scale, flag, BLOCK, EXTRA=7):
+            pass
+
+        self.fn = kernel
+
+    def run(self) -> None:  # a JIT function has one
+        pass
+
+    def __getitem__(self, grid: tuple) -> Any:
+        def go(*args: Any, **kwargs: Any) -> Compiled:
+            self.log.append(("jit", grid, args, kwargs))
+            return Compiled(self.log)
+        return go
+
+
+@pytest.fixture(autouse=True)
+def one_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(launch.torch.cuda, "current_device", lambda: 0)
+
+
+def test_second_launch_goes_straight_to_the_compiled_kernel() -> None:
+    jit = FakeJit()
+    bound = launch.bind(jit)
+    x = cuda_looking(torch.zeros(64))
+    bound[(4, 2)](x, 16, 0.5, True, BLOCK=32, num_warps=4)
+    bound[(4, 2)](x, 16, 0.25, True, BLOCK=32, num_warps=4)  # a float changes nothing
+    assert [e[0] for e in jit.log] == ["jit", "direct"]
+    # The direct launch gets every parameter in order (the default of EXTRA included) and
+    # a three-dimensional grid; options such as num_warps stay with the compiled kernel.
+    assert jit.log[1][1] == (4, 2, 1) and jit.log[1][2][1:] == (16, 0.25, True, 32, 7)
+
+
+@pytest.mark.parametrize("change", ["int", "bool", "alignment", "constexpr", "option"])
+def test_what_triton_specialises_on_goes_through_the_jit(change: str) -> None:
+    jit = FakeJit()
+    bound = launch.bind(jit)
+    base = torch.zeros(64)
+    x = cuda_looking(base)
+    args: dict[str, Any] = {"x": x, "n": 16, "flag": True}
+    kw: dict[str, Any] = {"BLOCK": 32, "num_warps": 4}
+    bound[(1,)](args["x"], args["n"], 1.0, args["flag"], **kw)
+    if change == "int":
+        args["n"] = 17
+    elif change == "bool":
+        args["flag"] = 1  # an int 1 is not the bool True to Triton
+    elif change == "alignment":
+        args["x"] = cuda_looking(base[1:])  # 4 bytes past a 16-byte boundary
+    elif change == "constexpr":
+        kw["BLOCK"] = 64
+    else:
+        kw["num_warps"] = 8
+    bound[(1,)](args["x"], args["n"], 1.0, args["flag"], **kw)
+    assert [e[0] for e in jit.log] == ["jit", "jit"]
+
+
+def test_cpu_tensors_and_unknown_arguments_are_never_cached() -> None:
+    """The interpreter's CPU tensors, and an argument of a type the key does not know (a TMA
+    descriptor), take the JIT every time."""
+    jit = FakeJit()
+    bound = launch.bind(jit)
+    for _ in range(2):
+        bound[(1,)](torch.zeros(4), 1, 1.0, True, BLOCK=16)
+        bound[(1,)](cuda_looking(torch.zeros(4)), object(), 1.0, True, BLOCK=16)
+    assert [e[0] for e in jit.log] == ["jit"] * 4
+
+
+def test_bind_leaves_other_launchers_alone() -> None:
+    def loaded_cubin(*args: Any) -> None:  # no JIT function
+        pass
+
+    assert launch.bind(loaded_cubin) is loaded_cubin
+    bound = launch.bind(FakeJit())
+    assert launch.bind(bound) is bound
