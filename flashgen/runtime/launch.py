@@ -30,7 +30,7 @@ def _spec(value: Any) -> Any:
         # A CPU tensor is the interpreter's: nothing to cache (and no CUDA to ask).
         return (value.dtype, value.data_ptr() % 16 == 0) if value.is_cuda else _UNKNOWN
     if type(value) is bool:  # apart from the ints 0 and 1, which Triton types otherwise
-        return (bool, value)
+        return "true" if value else "false"
     if value is None or isinstance(value, (int, str)):
         return value
     if isinstance(value, float):
@@ -69,13 +69,14 @@ class Bound:
 
     @staticmethod
     def _key(args: tuple, kwargs: dict[str, Any]) -> tuple | None:
-        specs = tuple(map(_spec, args))
-        named = tuple((name, _spec(value)) for name, value in kwargs.items())
-        if any(s is _UNKNOWN for s in specs) or any(s is _UNKNOWN for _, s in named):
+        # Inline for the ints (most arguments are strides): this runs on every launch.
+        parts = [a if type(a) is int else _spec(a) for a in args]
+        if _UNKNOWN in parts or not any(type(p) is tuple for p in parts):
+            return None  # an unknown type, or no (GPU) tensor: the JIT's path
+        named = tuple([(name, _spec(value)) for name, value in kwargs.items()])
+        if any(s is _UNKNOWN for _, s in named):
             return None
-        if not any(isinstance(a, torch.Tensor) for a in args):
-            return None  # no tensor to tell a GPU launch from the interpreter's
-        return (torch.cuda.current_device(), specs, named)
+        return (torch.cuda.current_device(), tuple(parts), named)
 
 
 def bind(kernel: Any) -> Any:
