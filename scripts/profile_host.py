@@ -29,6 +29,7 @@ import flashgen
 from flashgen.bench.competitors import COMPETITORS
 from flashgen.kernels.problem import Problem
 from flashgen.runtime.forward import default_scale
+from flashgen.runtime.launch import Bound
 from flashgen.serve import prepare_forward
 from flashgen.tune.check import make_inputs
 
@@ -74,6 +75,10 @@ def main() -> None:
         stats.print_stats(args.top)
 
 
+def _through_jit(self: Bound, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:
+    self.fn[grid](*args, **kwargs)
+
+
 def profile_decode(text: str, args: argparse.Namespace) -> None:
     """Host time of a decode call, its parts and its competitors; then its cProfile."""
     from flashgen.bench.decoding import _other
@@ -105,6 +110,18 @@ def profile_decode(text: str, args: argparse.Namespace) -> None:
         print(f"{problem}: {choice.variant} ({choice.how}: {choice.reason})")
         for name, fn in calls.items():
             print(f"  {name:24s} {host_us(fn):7.1f} us host per call")
+        # The same launcher with every launch through Triton's JIT (as before runtime.launch
+        # bound them), interleaved with the bound one: this host's timings drift between runs.
+        launcher = calls["its plan's launcher"]
+        bound_launch = Bound.launch
+        for _ in range(3):
+            bound = host_us(launcher)
+            Bound.launch = _through_jit  # type: ignore[method-assign]
+            try:
+                jit = host_us(launcher)
+            finally:
+                Bound.launch = bound_launch  # type: ignore[method-assign]
+            print(f"  launcher bound {bound:6.1f} us, through the JIT {jit:6.1f} us")
         profiler = cProfile.Profile()
         torch.cuda._sleep(400_000_000)
         profiler.enable()
