@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import itertools
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -378,3 +379,61 @@ def test_growing_cache_reuses_its_buckets_plan(monkeypatch: pytest.MonkeyPatch) 
         got = compare_kvcache(out, c, True)
         assert got.ok, f"Nk {n}: {got.reason}"
     assert [s.seq_k for s in prepared] == [40, 65]
+
+
+def _left_padded(c: Any, pads: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`c`'s contiguous caches with `pads[b]` slots of large junk before each row's keys, and
+    the lengths that then cover them (the pads included)."""
+    b, hkv, n, d = c.k.shape
+    extra = max(pads)
+    gen = torch.Generator().manual_seed(11)
+    k = 100 * torch.randn(b, hkv, n + extra, d, generator=gen).to(c.k.dtype)
+    v = 100 * torch.randn(b, hkv, n + extra, d, generator=gen).to(c.v.dtype)
+    for i, pad in enumerate(pads):
+        k[i, :, pad:pad + n] = c.k[i]
+        v[i, :, pad:pad + n] = c.v[i]
+    return k, v, c.seqlens + torch.tensor(pads, dtype=torch.int32)
+
+
+@interpreter
+@pytest.mark.parametrize("causal,nq,splits,window", [
+    (True, 1, 3, None), (True, 3, 0, None), (False, 3, 1, None), (True, 1, 2, (8, 0))])
+def test_left_padded_rows_match_the_unpadded_call(causal: bool, nq: int, splits: int,
+                                                  window: tuple[int, int] | None) -> None:
+    """cache_leftpad: each row's keys start past its pad slots (a left-padded batch in a
+    static cache). The answer is the unpadded cache's, against the reference: the junk in the
+    pads is never read, and the causal alignment and the window follow each row's end."""
+    p = DecodeProblem(3, 8, 2, nq, 40, 24, "fp32", causal)
+    c = make_kvcache(p, "cpu", 7, seqlens=[40, 9, 23])
+    pads = [5, 0, 17]
+    k, v, lens = _left_padded(c, pads)
+    out = flashgen.attention_with_kvcache(
+        c.q, k, v, lens, causal=causal, window=window,
+        cache_leftpad=torch.tensor(pads, dtype=torch.int32),
+        variant=DecodeVariant(16, 16, splits, 1, 1))
+    got = compare_kvcache(out, c, causal, modifiers={"window": window} if window else None)
+    assert got.ok, got.reason
+
+
+@interpreter
+def test_left_padding_bad_input() -> None:
+    p = DecodeProblem(2, 4, 1, 1, 32, 16, "fp32", True)
+    c = make_kvcache(p, "cpu", 1, seqlens=[32, 20])
+
+    def call(pads: object, **kw: object) -> None:
+        flashgen.attention_with_kvcache(c.q, c.k, c.v, c.seqlens, cache_leftpad=pads, **kw)
+
+    with pytest.raises(TypeError, match="cache_leftpad must be int32"):
+        call(torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"cache_leftpad must have shape \(batch,\)"):
+        call(torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"cache_leftpad\[1\] = 21 is outside"):
+        call(torch.tensor([0, 21], dtype=torch.int32))
+    with pytest.raises(ValueError, match="leaves 0 keys, fewer than Nq"):
+        call(torch.tensor([0, 20], dtype=torch.int32))
+    paged = DecodeProblem(2, 4, 1, 1, 32, 16, "fp32", True, page_size=16)
+    pc = make_kvcache(paged, "cpu", 1, seqlens=[32, 20])
+    with pytest.raises(ValueError, match="cache_leftpad is for contiguous caches"):
+        flashgen.attention_with_kvcache(pc.q, pc.k, pc.v, pc.seqlens,
+                                        block_table=pc.block_table,
+                                        cache_leftpad=torch.zeros(2, dtype=torch.int32))

@@ -41,6 +41,10 @@ def decode_render_context(kernel: DecodeKernel, variant: DecodeVariant,
         return context | {"sinks": problem.sinks, "tile_mods": " SINKS," if problem.sinks else ""}
     decode_template_name(kernel)
     paged = isinstance(problem, DecodeProblem) and problem.paged
+    leftpad = isinstance(problem, DecodeProblem) and problem.leftpad
+    mods = render.modifier_context(problem)
+    if leftpad:  # its pointer after the modifiers' arguments
+        mods["tile_mods"] += " LEFTPAD,"
     return context | {
         "block_m": variant.block_m,
         "block_n": variant.block_n,
@@ -50,8 +54,9 @@ def decode_render_context(kernel: DecodeKernel, variant: DecodeVariant,
         # fp32 inputs get true fp32 products: tf32 would lose ~3 decimal digits.
         "dot_precision": "ieee" if problem.dtype == "fp32" else "tf32",
         # Window, softcap and sinks as structure (the shared online-softmax fragment reads
-        # the same flags); none of them changes a plain kernel's text.
-        **render.modifier_context(problem),
+        # the same flags); none of them changes a plain kernel's text, nor does leftpad.
+        **mods,
+        "leftpad": leftpad,
     }
 
 

@@ -232,15 +232,27 @@ class DecodeProblem(Problem):
 
     page_size: 0 for contiguous caches (B, Hkv, Nmax, D); else the keys per page of a paged
     cache (num_pages, page_size, Hkv, D), a power of two.
+    leftpad: each sequence's keys start at its own offset of a contiguous cache (left-padded
+    batches, `cache_leftpad`): kernel structure, like the modifiers; tuned rows are plain.
     """
 
     page_size: int = 0
+    leftpad: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         p = self.page_size
         if not isinstance(p, int) or p < 0 or (p and p & (p - 1)):
             raise ValueError(f"page_size must be 0 (contiguous) or a power of two, got {p!r}")
+        if self.leftpad and p:
+            raise ValueError("leftpad is for contiguous caches (page_size 0)")
+
+    def to_dict(self) -> dict[str, Any]:
+        """As `Problem.to_dict`: without leftpad unless asked for (rows stay as they were)."""
+        data = super().to_dict()
+        if not data["leftpad"]:
+            del data["leftpad"]
+        return data
 
     @property
     def paged(self) -> bool:

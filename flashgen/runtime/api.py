@@ -222,6 +222,7 @@ def attention_with_kvcache(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     return_lse: bool = False,
+    cache_leftpad: torch.Tensor | None = None,
     variant: Any = None,
     dispatcher: Dispatcher | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -240,6 +241,10 @@ def attention_with_kvcache(
     trusted (a check would cost a GPU sync each call). Inference only: no gradient.
     `window`, `softcap` and `sinks` as `attention` takes them, query i of a sequence of L
     keys at position i + L - Nq (the window's splits start at the first query's left edge).
+    `cache_leftpad` (B,) int32, contiguous caches only: pad slots at the start of each
+    sequence's row (a left-padded batch); its keys are then [pad, length), aligned as if the
+    row began at the pad's end. Lengths are worked out on the GPU, so a padded batch needs no
+    host sync (what a compiled static-cache `generate()` needs).
     `variant=` (flashgen: a `flashgen.DecodeVariant`) runs exactly that variant.
     Returns the output (like q), and with `return_lse` the log-sum-exp (B, Hq, Nq) fp32.
     """
@@ -254,34 +259,37 @@ def attention_with_kvcache(
             mods = None
     if torch.compiler.is_compiling():
         out, lse = _compiled_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal,
-                                     scale, variant, mods, dispatcher)
+                                     scale, variant, mods, dispatcher, cache_leftpad)
     else:
         out, lse = (dispatcher or default_dispatcher()).kvcache(
-            q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, variant, mods)
+            q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, variant, mods,
+            cache_leftpad)
     return (out, lse) if return_lse else out
 
 
 def _compiled_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
                       causal: bool, scale: float | None, variant: Any, mods: Mods | None,
-                      dispatcher: Dispatcher | None) -> tuple[torch.Tensor, torch.Tensor]:
+                      dispatcher: Dispatcher | None, leftpad: torch.Tensor | None,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Under torch.compile: the registered op (opaque to the compiler, as the forward's is),
     or, for modifiers or a dispatcher of the caller's, a call outside the graph."""
     if mods is None and dispatcher is None:
         text = "" if variant is None else _encoded("decode", variant)
         return ops.attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal,
-                                     scale, text)
+                                     scale, text, leftpad)
     return _kvcache_outside_graph(q, k_cache, v_cache, cache_seqlens, block_table, causal,
-                                  scale, variant, mods, dispatcher)
+                                  scale, variant, mods, dispatcher, leftpad)
 
 
 @torch.compiler.disable
 def _kvcache_outside_graph(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
                            causal: bool, scale: float | None, variant: Any, mods: Mods | None,
-                           dispatcher: Dispatcher | None) -> tuple[torch.Tensor, torch.Tensor]:
+                           dispatcher: Dispatcher | None, leftpad: torch.Tensor | None,
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     return (dispatcher or default_dispatcher()).kvcache(
-        q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, variant, mods)
+        q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, variant, mods, leftpad)
 
 
 def explain(

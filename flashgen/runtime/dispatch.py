@@ -349,25 +349,30 @@ class Dispatcher:
 
     def _decode_plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      seqlens: torch.Tensor, block_table: torch.Tensor | None, causal: bool,
-                     variant: Any, mods: Mods | None = None) -> _Plan:
+                     variant: Any, mods: Mods | None = None,
+                     leftpad: torch.Tensor | None = None) -> _Plan:
         """The decode plan of a call's shape (`runtime.kvcache`), checked and chosen on the
         first call of its shape; later calls of the shape are a dict lookup (the value checks
         run again where they need no GPU sync: CPU tensors, or FLASHGEN_DEBUG=1)."""
         try:
             table_kind = (None if block_table is None
                           else (block_table.shape, block_table.dtype, block_table.device))
+            pads = None if leftpad is None else (leftpad.shape, leftpad.dtype, leftpad.device)
             key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device,
                    v.device, seqlens.shape, seqlens.dtype, seqlens.device, table_kind, causal,
-                   variant, None if mods is None else mods.plan_key)  # fmt: skip
+                   variant, None if mods is None else mods.plan_key, pads)  # fmt: skip
             plan = self._decode_plans.get(key)
         except (AttributeError, TypeError):  # not tensors, or an unhashable variant
             key, plan = None, None
         if plan is not None:
             if seqlens.device.type == "cpu" or debug_checks():
-                check_kvcache(q, k, v, seqlens, block_table, causal)
+                check_kvcache(q, k, v, seqlens, block_table, causal, leftpad)
             return plan
         check_options(causal, None)
-        shape = check_kvcache(q, k, v, seqlens, block_table, causal)
+        shape = check_kvcache(q, k, v, seqlens, block_table, causal, leftpad)
+        if shape.leftpad and not self.renders_modifiers:
+            raise ValueError(f"{PACKAGE} ships plain decode kernels only: cache_leftpad needs "
+                             "flashgen itself")
         if mods is not None:  # the structure its kernels render
             window, softcap, sinks, _ = mods.flags
             shape = shape._replace(window=window, softcap=softcap, sinks=sinks)
@@ -393,14 +398,15 @@ class Dispatcher:
     def kvcache(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 cache_seqlens: torch.Tensor, block_table: torch.Tensor | None = None,
                 causal: bool = True, scale: float | None = None,
-                variant: Any = None,
-                mods: Mods | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                variant: Any = None, mods: Mods | None = None,
+                leftpad: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(output, log-sum-exp) of the decode family on a KV cache (`attention_with_kvcache`);
-        `mods`: its window, softcap and sinks (checked), None for none."""
+        `mods`: its window, softcap and sinks (checked), None for none; `leftpad`: the
+        call's `cache_leftpad`."""
         plan = self._decode_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal,
-                                 variant, mods)
+                                 variant, mods, leftpad)
         return plan.launch(q, k_cache, v_cache, cache_seqlens, block_table,
-                           plan.scale if scale is None else scale, mods)
+                           plan.scale if scale is None else scale, mods, leftpad)
 
     def explain_kvcache(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         cache_seqlens: torch.Tensor, block_table: torch.Tensor | None = None,

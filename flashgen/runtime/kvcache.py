@@ -49,14 +49,15 @@ MIN_TILES_PER_SPLIT = 2
 _DECODE_SHAPE = NamedTuple("_DECODE_SHAPE", [  # noqa: UP014
     ("batch", int), ("heads_q", int), ("heads_kv", int), ("seq_q", int), ("seq_k", int),
     ("head_dim", int), ("dtype", str), ("causal", bool), ("page_size", int),
-    ("window", bool), ("softcap", bool), ("sinks", bool)])
-_DECODE_SHAPE.__new__.__defaults__ = (False, False, False)
+    ("window", bool), ("softcap", bool), ("sinks", bool), ("leftpad", bool)])
+_DECODE_SHAPE.__new__.__defaults__ = (False, False, False, False)
 
 
 class DecodeShape(_DECODE_SHAPE):
     """What a decode call asks for. seq_k is the cache capacity (Nmax, or max_pages x
     page_size: the lengths are on the device); page_size 0 is a contiguous cache; window,
-    softcap and sinks say which modifiers its kernels render."""
+    softcap and sinks say which modifiers its kernels render, leftpad whether each sequence
+    starts at its own offset (`cache_leftpad`)."""
 
     __slots__ = ()
 
@@ -67,7 +68,8 @@ class DecodeShape(_DECODE_SHAPE):
     def __str__(self) -> str:
         mask = "causal" if self.causal else "full"
         cache = f"paged{self.page_size}" if self.page_size else "contiguous"
-        mods = "".join(f" {n}" for n in ("window", "softcap", "sinks") if getattr(self, n))
+        mods = "".join(f" {n}" for n in ("window", "softcap", "sinks", "leftpad")
+                       if getattr(self, n))
         return (f"B{self.batch} Hq{self.heads_q} Hkv{self.heads_kv} Nq{self.seq_q} "
                 f"Nk{self.seq_k} D{self.head_dim} {self.dtype} {mask} decode {cache}{mods}")
 
@@ -92,7 +94,7 @@ def _tensor(name: str, t: object) -> torch.Tensor:
 
 def check_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
-                  causal: bool) -> DecodeShape:
+                  causal: bool, cache_leftpad: torch.Tensor | None = None) -> DecodeShape:
     """Raise TypeError/ValueError naming the problem, else the call's `DecodeShape`."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _tensor(name, t)
@@ -143,13 +145,27 @@ def check_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     devices = {t.device for t in (q, k_cache, v_cache, seqlens)}
     if block_table is not None:
         devices.add(block_table.device)
+    if cache_leftpad is not None:
+        pads = _tensor("cache_leftpad", cache_leftpad)
+        if block_table is not None:
+            raise ValueError("cache_leftpad is for contiguous caches; a paged cache's block "
+                             "table already names where each sequence's keys are")
+        if pads.dtype != torch.int32:
+            raise TypeError(f"cache_leftpad must be int32, got {pads.dtype}")
+        if pads.shape != (b,):
+            raise ValueError(f"cache_leftpad must have shape (batch,) = ({b},); got "
+                             f"{tuple(pads.shape)}")
+        devices.add(pads.device)
     if len(devices) > 1:
         raise ValueError(f"inputs are on different devices: {sorted(map(str, devices))}")
     if seqlens.device.type == "cpu" or debug_checks():
         check_lengths(seqlens, n_max, nq, causal)
         if block_table is not None:
             check_pages(block_table, seqlens, page_size, k_cache.shape[0])
-    return DecodeShape(b, hq, hkv, nq, n_max, d, DTYPE_NAMES[q.dtype], bool(causal), page_size)
+        if cache_leftpad is not None:
+            check_leftpad(cache_leftpad, seqlens, nq, causal)
+    return DecodeShape(b, hq, hkv, nq, n_max, d, DTYPE_NAMES[q.dtype], bool(causal), page_size,
+                       leftpad=cache_leftpad is not None)
 
 
 def check_lengths(seqlens: torch.Tensor, n_max: int, nq: int, causal: bool) -> None:
@@ -164,6 +180,18 @@ def check_lengths(seqlens: torch.Tensor, n_max: int, nq: int, causal: bool) -> N
         if causal and n < nq:
             raise ValueError(f"cache_seqlens[{i}] = {n} is shorter than Nq = {nq}: under causal "
                              "the last Nq keys of each sequence are the queries' own")
+
+
+def check_leftpad(pads: torch.Tensor, seqlens: torch.Tensor, nq: int, causal: bool) -> None:
+    """Every pad in [0, length], and under `causal` leaving at least Nq keys (the queries'
+    own). Reads both on the host."""
+    for i, (pad, n) in enumerate(zip(pads.tolist(), seqlens.tolist(), strict=True)):
+        if not 0 <= pad <= n:
+            raise ValueError(f"cache_leftpad[{i}] = {pad} is outside [0, cache_seqlens[{i}] = "
+                             f"{n}]")
+        if causal and n - pad < nq:
+            raise ValueError(f"cache_leftpad[{i}] = {pad} leaves {n - pad} keys, fewer than "
+                             f"Nq = {nq}: under causal the last Nq keys are the queries' own")
 
 
 def check_pages(block_table: torch.Tensor, seqlens: torch.Tensor, page_size: int,
@@ -205,8 +233,8 @@ def prepare_decode(entry: Entry, shape: DecodeShape, kernel: KernelOf) -> Decode
     padded = padded_head_dim(shape.head_dim)
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: torch.Tensor | None,
-            block_table: torch.Tensor | None, scale: float,
-            mods: Mods | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            block_table: torch.Tensor | None, scale: float, mods: Mods | None = None,
+            leftpad: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         b, hq, nq, d = q.shape
         if paged:
             assert block_table is not None
@@ -234,6 +262,8 @@ def prepare_decode(entry: Entry, shape: DecodeShape, kernel: KernelOf) -> Decode
             part_lse = torch.empty((b, hq, nq, splits), device=q.device, dtype=torch.float32)
             part_strides, lse_strides = part.stride(), part_lse.stride()
         extra = [] if mods is None else mods.kernel_args(shape.causal, nq, n_max)
+        if shape.leftpad:
+            extra.append(leftpad)
         split_kernel[(splits, b * hkv, row_tiles)](
             q, k, v, seqlens, table, part, part_lse,
             *q.stride(), *k_strides, *v_strides, table_stride, *part_strides, *lse_strides,

@@ -97,13 +97,14 @@ def attention_kvcache(
     causal: bool,
     scale: float | None,
     variant: str,
+    cache_leftpad: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(output, log-sum-exp) of the decode family, for torch.compile: traced, the kernel
     launch itself broke the graph (its float arguments became fp64 and the kernels failed to
     compile), which is what a static-cache `generate()` compiles. Eager calls skip the op."""
     dispatcher = default_dispatcher()
     return dispatcher.kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale,
-                              dispatcher.decode("decode", variant))
+                              dispatcher.decode("decode", variant), leftpad=cache_leftpad)
 
 
 @attention_kvcache.register_fake
