@@ -72,6 +72,11 @@ def flashgen_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: (B, H, N, D) in, (B, N, H, D) out."""
+    if (torch.compiler.is_compiling() and attention_mask is not None
+            and attention_mask.dim() == 2 and query.shape[2] <= DECODE_MAX_NEW_TOKENS
+            and query.shape[2] < attention_mask.shape[1] <= key.shape[2]):
+        return _compiled_decode_step(module, query, key, value, attention_mask, scaling,
+                                     sliding_window, softcap, s_aux), None
     valid, padded = _mask_state(attention_mask, key.shape[2])
     if dropout and module.training:
         raise ValueError(f"attention dropout {dropout} is not supported by flashgen")
@@ -105,6 +110,31 @@ def flashgen_attention_forward(
         out = flashgen.attention(query, key[:, :, :valid], value[:, :, :valid],
                                  **options).transpose(1, 2)
     return out.contiguous(), None
+
+
+def _compiled_decode_step(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                          value: torch.Tensor, attention_mask: torch.Tensor,
+                          scaling: float | None, sliding_window: int | None,
+                          softcap: float | None, s_aux: torch.Tensor | None) -> torch.Tensor:
+    """A decode step under torch.compile (a static-cache `generate()`), read on the GPU only:
+    reading the mask on the host is a graph break inside the layer loop, which made dynamo
+    run the model eagerly and recompile it every step. The mask (B, valid) covers the keys
+    seen; its zeros are taken as left padding (what generation uses, and transformers warns
+    on right padding), so row b's keys are [valid - sum(mask[b]), valid) of the cache,
+    through `cache_leftpad`."""
+    b, valid = attention_mask.shape
+    lengths = torch.full((b,), valid, dtype=torch.int32, device=query.device)
+    pads = (valid - attention_mask.sum(-1)).to(torch.int32)
+    window = None
+    if sliding_window is not None and sliding_window < valid:
+        window = (sliding_window - 1, sliding_window - 1)
+    if s_aux is not None and s_aux.dtype not in (query.dtype, torch.float32):
+        s_aux = s_aux.float()
+    out = flashgen.attention_with_kvcache(
+        query, key, value, lengths, causal=bool(getattr(module, "is_causal", True)),
+        scale=scaling, window=window, softcap=softcap, sinks=s_aux, cache_leftpad=pads)
+    assert isinstance(out, torch.Tensor)
+    return out.transpose(1, 2).contiguous()
 
 
 def _packed_lengths(query: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -159,9 +189,15 @@ def _padded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: t
 
 
 def _mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:
-    """Masks the way flash-attention implementations get them: None unless there is padding."""
+    """Masks the way flash-attention implementations get them: None unless there is padding.
+    Under torch.compile a 2-D mask is only sliced, never read (reading it for padding breaks
+    the graph): `_compiled_decode_step` reads it on the GPU."""
     from transformers.masking_utils import flash_attention_mask
 
+    kv_length = kwargs.get("kv_length")
+    if (torch.compiler.is_compiling() and isinstance(attention_mask, torch.Tensor)
+            and attention_mask.dim() == 2 and isinstance(kv_length, int)):
+        return attention_mask[:, -kv_length:].bool()
     return flash_attention_mask(*args, attention_mask=attention_mask, **kwargs)
 
 
