@@ -13,7 +13,6 @@ first, or older by whole migrations that only deleted rows; the first should be 
 from __future__ import annotations
 
 import argparse
-import shutil
 import sqlite3
 from pathlib import Path
 
@@ -25,9 +24,11 @@ def columns(db: sqlite3.Connection, table: str, schema: str = "main") -> list[st
 
 
 def merge(first: Path, others: list[Path], out: Path) -> dict[str, int]:
-    shutil.copyfile(first, out)
+    # SQLite's backup, not a file copy: rows of a run still in the first file's write-ahead
+    # log (a run that was killed) come along.
+    with sqlite3.connect(first) as source, sqlite3.connect(out) as copy:
+        source.backup(copy)
     db = sqlite3.connect(out)
-    db.execute("pragma wal_checkpoint(TRUNCATE)")
     for other in others:
         db.execute("attach ? as other", (str(other),))
         for table in TABLES:

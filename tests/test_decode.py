@@ -360,7 +360,9 @@ def test_compiles_in_one_graph() -> None:
 @interpreter
 def test_growing_cache_reuses_its_buckets_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     """A dynamic cache grows a key each generated token: every step is a new shape, but its
-    plan is prepared once per Nk bucket (33..64 keys here: one), each answer right."""
+    plan is prepared once per Nk bucket (33..64 keys here: one), for the bucket's longest
+    cache, so the choice does not depend on which length came first; each answer right. An
+    explicit variant is still checked against each call's own length."""
     from flashgen.serve import Dispatcher
 
     dispatcher = Dispatcher([])
@@ -378,7 +380,17 @@ def test_growing_cache_reuses_its_buckets_plan(monkeypatch: pytest.MonkeyPatch) 
         out = flashgen.attention_with_kvcache(c.q, c.k, c.v, c.seqlens, dispatcher=dispatcher)
         got = compare_kvcache(out, c, True)
         assert got.ok, f"Nk {n}: {got.reason}"
-    assert [s.seq_k for s in prepared] == [40, 65]
+    assert [s.seq_k for s in prepared] == [64, 128]
+    p = DecodeProblem(2, 8, 2, 1, 64, 16, "fp32", True)
+    four = DecodeVariant(16, 16, 4, 1, 1)  # 4 splits: valid for 64 keys, not for 40
+    c = make_kvcache(p, "cpu", 1, seqlens=[64, 30])
+    flashgen.attention_with_kvcache(c.q, c.k, c.v, c.seqlens, variant=four,
+                                    dispatcher=dispatcher)
+    p = DecodeProblem(2, 8, 2, 1, 40, 16, "fp32", True)
+    c = make_kvcache(p, "cpu", 1, seqlens=[40, 30])
+    with pytest.raises(ValueError):
+        flashgen.attention_with_kvcache(c.q, c.k, c.v, c.seqlens, variant=four,
+                                        dispatcher=dispatcher)
 
 
 def _left_padded(c: Any, pads: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

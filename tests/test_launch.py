@@ -68,7 +68,19 @@ def test_second_launch_goes_straight_to_the_compiled_kernel() -> None:
     assert jit.log[1][1] == (4, 2, 1) and jit.log[1][2][1:] == (16, 0.25, True, 32, 7)
 
 
-@pytest.mark.parametrize("change", ["int", "bool", "alignment", "constexpr", "option"])
+def test_ints_of_one_kind_share_the_compiled_kernel() -> None:
+    """A stride or length that changes within 32 bits and its residue mod 16 reuses the
+    kernel (a dynamic KV cache grows a key a step: at most 16 signatures, then hits)."""
+    jit = FakeJit()
+    bound = launch.bind(jit)
+    x = cuda_looking(torch.zeros(64))
+    for n in (32, 48, 4096, 33, 49):
+        bound[(1,)](x, n, 1.0, True, BLOCK=32)
+    assert [e[0] for e in jit.log] == ["jit", "direct", "direct", "jit", "direct"]
+
+
+@pytest.mark.parametrize("change", ["int", "int64", "one", "bool", "alignment", "constexpr",
+                                    "option"])
 def test_what_triton_specialises_on_goes_through_the_jit(change: str) -> None:
     jit = FakeJit()
     bound = launch.bind(jit)
@@ -78,7 +90,11 @@ def test_what_triton_specialises_on_goes_through_the_jit(change: str) -> None:
     kw: dict[str, Any] = {"BLOCK": 32, "num_warps": 4}
     bound[(1,)](args["x"], args["n"], 1.0, args["flag"], **kw)
     if change == "int":
-        args["n"] = 17
+        args["n"] = 17  # no longer divisible by 16
+    elif change == "int64":
+        args["n"] = 2**35  # past 32 bits
+    elif change == "one":
+        args["n"] = 1  # Triton makes a 1 a constant
     elif change == "bool":
         args["flag"] = 1  # an int 1 is not the bool True to Triton
     elif change == "alignment":

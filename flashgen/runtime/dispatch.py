@@ -376,19 +376,19 @@ class Dispatcher:
         if mods is not None:  # the structure its kernels render
             window, softcap, sinks, _ = mods.flags
             shape = shape._replace(window=window, softcap=softcap, sinks=sinks)
-        # A dynamic cache grows a key a step, so each step is a new shape: its plan is the one
-        # of its Nk bucket (the launcher reads the cache's length from the tensors; the table
-        # chooses per bucket anyway). Otherwise every generated token paid the table lookup
-        # and the launch preparation again.
-        near = (shape._replace(seq_k=bucket(shape.seq_k)), q.device, variant)
-        try:
-            plan = self._decode_buckets.get(near)
-        except TypeError:  # an unhashable variant
-            near, plan = None, None
-        if plan is None:
+        if variant is None:
+            # A dynamic cache grows a key a step, so each step is a new shape: its plan is the
+            # one of its Nk bucket, chosen for the bucket's longest cache (the launcher reads
+            # the length from the tensors; every variant computes the same function at any
+            # length, and a choice made for the first length seen would depend on the call
+            # order). Otherwise every generated token paid the lookup and preparation again.
+            top = shape._replace(seq_k=bucket(shape.seq_k))
+            plan = self._decode_buckets.get((top, q.device))
+            if plan is None:
+                plan = self._decode_buckets[(top, q.device)] = self._decode_prepared(
+                    top, q.device, None)
+        else:  # an explicit variant is checked against the call's own shape
             plan = self._decode_prepared(shape, q.device, variant)
-            if near is not None:
-                self._decode_buckets[near] = plan
         if key is not None:
             if len(self._decode_plans) >= MAX_DECODE_PLANS:  # a long generation's steps
                 self._decode_plans.clear()

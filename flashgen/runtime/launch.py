@@ -6,11 +6,14 @@ short calls such as a decode step. `bind(kernel)[grid](*args)` launches the same
 first time, keeps the compiled kernel under a key of everything Triton specialises on, and
 afterwards hands the arguments straight to the compiled kernel's launcher.
 
-The key is finer than Triton's specialisation: every int, bool and None argument by value,
-every tensor by dtype and 16-byte alignment, floats by type (Triton never specialises them),
-the keyword arguments (constexprs and launch options) by value, and the current device. An
-argument of any other type (a TMA descriptor) makes the call go through the JIT every time,
-as does the Triton interpreter, whose launches return no compiled kernel.
+The key is at least as fine as Triton's specialisation: ints by their bits above 31, their
+residue mod 16 and whether they are 1 (Triton: 32- or 64-bit, divisible by 16, 1 a
+constant), bools apart from ints, tensors by dtype and
+16-byte alignment, floats by type (Triton never specialises a runtime float), keyword
+arguments (constexprs and launch options) by value, and the current device. So a cache that
+grows a key a step (a dynamic KV cache) keeps hitting. An argument of any other type (a TMA
+descriptor) makes the call go through the JIT every time, as does the Triton interpreter,
+whose launches return no compiled kernel.
 """
 
 from __future__ import annotations
@@ -25,14 +28,27 @@ import torch
 _UNKNOWN = object()
 
 
+#: Compiled kernels kept per `Bound` before it starts again (a guard: a launch site sees a
+#: handful of signatures).
+MAX_SIGNATURES = 256
+
+def _int_spec(value: int) -> int:
+    """An int's part of the key, finer than what Triton specialises it on (its type by range,
+    a 1 as a constant, divisibility by 16): the bits above 31 (0 or -1 for every 32-bit
+    value), the residue mod 16, and whether it is 1, packed in one int."""
+    return ((value >> 31) << 5) + ((value & 15) << 1) + (value == 1)
+
+
 def _spec(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         # A CPU tensor is the interpreter's: nothing to cache (and no CUDA to ask).
         return (value.dtype, value.data_ptr() % 16 == 0) if value.is_cuda else _UNKNOWN
     if type(value) is bool:  # apart from the ints 0 and 1, which Triton types otherwise
         return "true" if value else "false"
-    if value is None or isinstance(value, (int, str)):
-        return value
+    if isinstance(value, int):
+        return _int_spec(value)
+    if value is None or isinstance(value, str):
+        return ("str", value) if value is not None else None
     if isinstance(value, float):
         return float
     return _UNKNOWN
@@ -65,16 +81,23 @@ class Bound:
         compiled = self.fn[grid](*args, **kwargs)
         if key is not None and hasattr(compiled, "packed_metadata") and all(
                 n in kwargs or n in self.defaults for n in self.names[len(args):]):
+            if len(self.compiled) >= MAX_SIGNATURES:
+                self.compiled.clear()
             self.compiled[key] = compiled
 
     @staticmethod
     def _key(args: tuple, kwargs: dict[str, Any]) -> tuple | None:
-        # Inline for the ints (most arguments are strides): this runs on every launch.
-        parts = [a if type(a) is int else _spec(a) for a in args]
-        if _UNKNOWN in parts or not any(type(p) is tuple for p in parts):
+        # `_int_spec` inline for the ints (most arguments): this runs on every launch.
+        parts = [((a >> 31) << 5) + ((a & 15) << 1) + (a == 1) if type(a) is int
+                 else _spec(a) for a in args]
+        if any(p is _UNKNOWN for p in parts) or not any(
+                type(p) is tuple and type(p[0]) is torch.dtype for p in parts):
             return None  # an unknown type, or no (GPU) tensor: the JIT's path
-        named = tuple([(name, _spec(value)) for name, value in kwargs.items()])
-        if any(s is _UNKNOWN for _, s in named):
+        # Keyword arguments are constexprs and launch options: by value (floats included).
+        named = tuple(kwargs.items())
+        try:
+            hash(named)
+        except TypeError:
             return None
         return (torch.cuda.current_device(), tuple(parts), named)
 
