@@ -88,3 +88,35 @@ def test_generate_runs_the_decode_family(cache: str, monkeypatch: pytest.MonkeyP
     if cache == "static":
         # Every slot of the cache (the last token is never cached), not only the valid keys.
         assert all(nk == 6 + 4 - 1 for _, nk in calls), calls
+
+
+@pytest.mark.interpreter
+def test_compiled_static_cache_generate_has_no_graph_break() -> None:
+    """A static-cache `generate()` compiles the model's forward (on CUDA; forced here on the
+    CPU). A decode step reads the mask on the device only (left padding through
+    `cache_leftpad`), so the compiled forward has no graph break; a host read of the mask
+    inside the layer loop made dynamo run the model eagerly and recompile it every step.
+    Tokens equal eager sdpa's, on a left-padded batch too."""
+    from torch._dynamo.utils import counters
+    from transformers.generation.configuration_utils import CompileConfig
+
+    register()
+    size = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+            "num_key_value_heads": 1}
+    ids = torch.randint(1, 128, (2, 6), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # the second prompt is two tokens shorter, padded on the left
+    compile_config = CompileConfig(fullgraph=False, backend="eager", mode=None)
+    compile_config._compile_all_devices = True
+    options = {"attention_mask": mask, "max_new_tokens": 6, "min_new_tokens": 6,
+               "do_sample": False, "cache_implementation": "static", "pad_token_id": 0}
+    with torch.no_grad():
+        want = _llama("sdpa", "cpu", torch.float32, size).generate(
+            ids, disable_compile=True, **options)
+        torch._dynamo.reset()
+        counters.clear()
+        got = _llama("flashgen", "cpu", torch.float32, size).generate(
+            ids, compile_config=compile_config, **options)
+    assert counters["stats"]["unique_graphs"] >= 1  # it did compile
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert torch.equal(want, got)
