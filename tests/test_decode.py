@@ -233,6 +233,7 @@ def test_transformers_step_limit_matches_dispatch() -> None:
 
 @pytest.mark.parametrize("page,variant,dtype,d", [
     (0, DecodeVariant(16, 64, 0, 4, 3), "bf16", 128),
+    (-1, DecodeVariant(16, 64, 0, 4, 3), "bf16", 128),  # contiguous, left-padded rows
     (16, DecodeVariant(16, 64, 0, 4, 3), "bf16", 128),  # a tile spans 4 pages: the gather
     (256, DecodeVariant(32, 128, 0, 4, 3), "fp16", 72),  # one page per tile, padded D,
 ])                                                      # Nq 8: 32 packed rows
@@ -242,7 +243,8 @@ def test_decode_kernels_compile_for_hopper(page: int, variant: DecodeVariant, dt
     needed) and read ptxas's report."""
     from flashgen.tune.decode_compile import report_in_subprocess
 
-    p = DecodeProblem(8, 32, 8, variant.block_m // 4, 8192, d, dtype, True, page_size=page)
+    p = DecodeProblem(8, 32, 8, variant.block_m // 4, 8192, d, dtype, True,
+                      page_size=max(page, 0), leftpad=page < 0)
     assert why_invalid_decode(variant, p, "cpu") is None
     found = report_in_subprocess(variant, p)
     for role in ("decode", "decode_combine"):

@@ -12,6 +12,7 @@ shared memory and ptxas's register and spill lines. Run it without TRITON_INTERP
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from typing import Any
 
@@ -62,6 +63,8 @@ def compile_decode(variant: DecodeVariant, problem: DecodeProblem,
         split_sig["SOFTCAP"] = "fp32"
     if problem.sinks:
         split_sig["SINKS"] = combine_sig["SINKS"] = "*fp32"
+    if problem.leftpad:
+        split_sig["LEFTPAD"] = "*i32"
     width = 1 << (splits - 1).bit_length()
     return {
         "decode": compile_triton(load_decode_kernel("decode", variant, problem), split_sig,
@@ -83,7 +86,8 @@ def report(variant: DecodeVariant, problem: DecodeProblem) -> dict[str, Any]:
 
 def report_in_subprocess(variant: DecodeVariant, problem: DecodeProblem) -> dict[str, Any]:
     """`report` in a fresh process without TRITON_INTERPRET (see the module docstring)."""
-    extra = ["--page-size", str(problem.page_size)] + ([] if problem.causal else ["--full"])
+    extra = (["--page-size", str(problem.page_size)] + ([] if problem.causal else ["--full"])
+             + (["--leftpad"] if problem.leftpad else []))
     return run_report("flashgen.tune.decode_compile", variant.to_json(), problem, extra)
 
 
@@ -94,8 +98,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16", choices=["fp16", "bf16", "fp32"])
     ap.add_argument("--page-size", type=int, default=0, help="0: a contiguous cache")
     ap.add_argument("--full", action="store_true", help="no causal mask")
+    ap.add_argument("--leftpad", action="store_true", help="per-sequence left padding")
     args = ap.parse_args()
     problem = DecodeProblem.parse(args.shape, args.dtype, not args.full, args.page_size)
+    if args.leftpad:
+        problem = dataclasses.replace(problem, leftpad=True)
     print(json.dumps(report(DecodeVariant.from_json(args.variant), problem)))
 
 
