@@ -120,3 +120,25 @@ def test_compiled_static_cache_generate_has_no_graph_break() -> None:
     assert counters["stats"]["unique_graphs"] >= 1  # it did compile
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert torch.equal(want, got)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("is_causal", [None, False])
+def test_compiled_decode_step_matches_eager(is_causal: bool | None,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled decode step's GPU-side mask reading (a left-padded row) and its causal
+    choice (the call's is_causal over the module's) give the eager path's answer."""
+    import flashgen.integrations.transformers as integration
+
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 4, 3, 16, generator=gen)
+    k, v = (torch.randn(2, 1, 12, 16, generator=gen) for _ in range(2))
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    mask[1, :5] = False
+    module = torch.nn.Module()
+    module.is_causal = True  # type: ignore[assignment]
+    args = (module, q, k, v, mask)
+    want, _ = integration.flashgen_attention_forward(*args, is_causal=is_causal)
+    monkeypatch.setattr(integration.torch.compiler, "is_compiling", lambda: True)
+    got, _ = integration.flashgen_attention_forward(*args, is_causal=is_causal)
+    assert (got - want).abs().max().item() < 1e-5

@@ -72,15 +72,15 @@ def flashgen_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: (B, H, N, D) in, (B, N, H, D) out."""
-    if (torch.compiler.is_compiling() and attention_mask is not None
-            and attention_mask.dim() == 2 and query.shape[2] <= DECODE_MAX_NEW_TOKENS
-            and query.shape[2] < attention_mask.shape[1] <= key.shape[2]):
-        return _compiled_decode_step(module, query, key, value, attention_mask, scaling,
-                                     sliding_window, softcap, s_aux), None
-    valid, padded = _mask_state(attention_mask, key.shape[2])
     if dropout and module.training:
         raise ValueError(f"attention dropout {dropout} is not supported by flashgen")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    if (torch.compiler.is_compiling() and attention_mask is not None
+            and attention_mask.dim() == 2 and query.shape[2] <= DECODE_MAX_NEW_TOKENS
+            and query.shape[2] < attention_mask.shape[1] <= key.shape[2]):
+        return _compiled_decode_step(query, key, value, attention_mask, causal, scaling,
+                                     sliding_window, softcap, s_aux), None
+    valid, padded = _mask_state(attention_mask, key.shape[2])
     window = None
     if sliding_window is not None and sliding_window < valid:
         # Keys (i - sliding_window, i] for causal layers: transformers' flash-attention
@@ -112,27 +112,29 @@ def flashgen_attention_forward(
     return out.contiguous(), None
 
 
-def _compiled_decode_step(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                          value: torch.Tensor, attention_mask: torch.Tensor,
-                          scaling: float | None, sliding_window: int | None,
-                          softcap: float | None, s_aux: torch.Tensor | None) -> torch.Tensor:
-    """A decode step under torch.compile (a static-cache `generate()`), read on the GPU only:
-    reading the mask on the host is a graph break inside the layer loop, which made dynamo
-    run the model eagerly and recompile it every step. The mask (B, valid) covers the keys
-    seen; its zeros are taken as left padding (what generation uses, and transformers warns
-    on right padding), so row b's keys are [valid - sum(mask[b]), valid) of the cache,
-    through `cache_leftpad`."""
-    b, valid = attention_mask.shape
-    lengths = torch.full((b,), valid, dtype=torch.int32, device=query.device)
-    pads = (valid - attention_mask.sum(-1)).to(torch.int32)
+def _compiled_decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: torch.Tensor, causal: bool, scaling: float | None,
+                          sliding_window: int | None, softcap: float | None,
+                          s_aux: torch.Tensor | None) -> torch.Tensor:
+    """A decode step under torch.compile (a static-cache `generate()`), the mask read on the
+    GPU only: read on the host, it was a graph break inside the layer loop, which made dynamo
+    run the model eagerly and recompile it every step. Each row's keys are taken as the run
+    from its mask's first 1 to its last, passed as lengths and `cache_leftpad`: left padding
+    (what generating a padded batch gives) answers as in eager mode. A row with a hole, or
+    whose queries fall on padding (right padding), cannot be told apart here and differs
+    from eager mode, which gives such query rows 0."""
+    valid = attention_mask.shape[1]
+    ones = attention_mask.to(torch.int32)
+    pads = ones.argmax(-1).to(torch.int32)  # the first 1 of each row
+    lengths = (valid - ones.flip(-1).argmax(-1)).to(torch.int32)  # one past its last 1
     window = None
     if sliding_window is not None and sliding_window < valid:
         window = (sliding_window - 1, sliding_window - 1)
     if s_aux is not None and s_aux.dtype not in (query.dtype, torch.float32):
         s_aux = s_aux.float()
     out = flashgen.attention_with_kvcache(
-        query, key, value, lengths, causal=bool(getattr(module, "is_causal", True)),
-        scale=scaling, window=window, softcap=softcap, sinks=s_aux, cache_leftpad=pads)
+        query, key, value, lengths, causal=causal, scale=scaling, window=window,
+        softcap=softcap, sinks=s_aux, cache_leftpad=pads)
     assert isinstance(out, torch.Tensor)
     return out.transpose(1, 2).contiguous()
 
@@ -190,14 +192,15 @@ def _padded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: t
 
 def _mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:
     """Masks the way flash-attention implementations get them: None unless there is padding.
-    Under torch.compile a 2-D mask is only sliced, never read (reading it for padding breaks
-    the graph): `_compiled_decode_step` reads it on the GPU."""
+    Under torch.compile the 2-D mask of a decode step is only sliced, never read (reading it
+    for padding breaks the graph): `_compiled_decode_step` reads it on the GPU."""
     from transformers.masking_utils import flash_attention_mask
 
-    kv_length = kwargs.get("kv_length")
+    kv_length, q_length = kwargs.get("kv_length"), kwargs.get("q_length")
     if (torch.compiler.is_compiling() and isinstance(attention_mask, torch.Tensor)
-            and attention_mask.dim() == 2 and isinstance(kv_length, int)):
-        return attention_mask[:, -kv_length:].bool()
+            and attention_mask.dim() == 2 and isinstance(kv_length, int)
+            and isinstance(q_length, int) and q_length <= DECODE_MAX_NEW_TOKENS):
+        return attention_mask[:, -kv_length:].bool()  # a decode step: read on the GPU
     return flash_attention_mask(*args, attention_mask=attention_mask, **kwargs)
 
 

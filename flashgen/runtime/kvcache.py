@@ -163,7 +163,7 @@ def check_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         if block_table is not None:
             check_pages(block_table, seqlens, page_size, k_cache.shape[0])
         if cache_leftpad is not None:
-            check_leftpad(cache_leftpad, seqlens, nq, causal)
+            check_leftpad(cache_leftpad, seqlens)
     return DecodeShape(b, hq, hkv, nq, n_max, d, DTYPE_NAMES[q.dtype], bool(causal), page_size,
                        leftpad=cache_leftpad is not None)
 
@@ -182,16 +182,14 @@ def check_lengths(seqlens: torch.Tensor, n_max: int, nq: int, causal: bool) -> N
                              "the last Nq keys of each sequence are the queries' own")
 
 
-def check_leftpad(pads: torch.Tensor, seqlens: torch.Tensor, nq: int, causal: bool) -> None:
-    """Every pad in [0, length], and under `causal` leaving at least Nq keys (the queries'
-    own). Reads both on the host."""
+def check_leftpad(pads: torch.Tensor, seqlens: torch.Tensor) -> None:
+    """Every pad in [0, length]. Reads both on the host. (A pad over some of a row's queries
+    is allowed: those queries are padding, and their rows see no key: 0, as padded rows are
+    elsewhere.)"""
     for i, (pad, n) in enumerate(zip(pads.tolist(), seqlens.tolist(), strict=True)):
         if not 0 <= pad <= n:
             raise ValueError(f"cache_leftpad[{i}] = {pad} is outside [0, cache_seqlens[{i}] = "
                              f"{n}]")
-        if causal and n - pad < nq:
-            raise ValueError(f"cache_leftpad[{i}] = {pad} leaves {n - pad} keys, fewer than "
-                             f"Nq = {nq}: under causal the last Nq keys are the queries' own")
 
 
 def check_pages(block_table: torch.Tensor, seqlens: torch.Tensor, page_size: int,
@@ -263,7 +261,10 @@ def prepare_decode(entry: Entry, shape: DecodeShape, kernel: KernelOf) -> Decode
             part_strides, lse_strides = part.stride(), part_lse.stride()
         extra = [] if mods is None else mods.kernel_args(shape.causal, nq, n_max)
         if shape.leftpad:
-            extra.append(leftpad)
+            assert leftpad is not None
+            extra.append(leftpad if leftpad.stride(0) == 1 else leftpad.contiguous())
+        if seqlens is not None and seqlens.stride(0) != 1:  # the kernel reads them at stride 1
+            seqlens = seqlens.contiguous()
         split_kernel[(splits, b * hkv, row_tiles)](
             q, k, v, seqlens, table, part, part_lse,
             *q.stride(), *k_strides, *v_strides, table_stride, *part_strides, *lse_strides,
