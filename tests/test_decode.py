@@ -331,8 +331,8 @@ def test_modified_decode_kernels_compile_for_hopper_as_plain_ones_do() -> None:
 @interpreter
 def test_compiles_in_one_graph() -> None:
     """Under torch.compile (a static-cache `generate()` compiles its forward) the call is one
-    opaque op, no graph break (fullgraph), an explicit variant included; traced, the kernel
-    launch failed. Modifiers run outside the graph and still answer right."""
+    opaque op, no graph break (fullgraph), an explicit variant and the modifiers included;
+    traced, the kernel launch failed."""
     p = DecodeProblem(2, 8, 2, 1, 40, 16, "fp32", True)
     c = make_kvcache(p, "cpu", 5, seqlens=[40, 17])
     variant = DecodeVariant(16, 16, 2, 1, 1)
@@ -348,14 +348,17 @@ def test_compiles_in_one_graph() -> None:
     got = compare_kvcache(out, c, True)
     assert got.ok, got.reason
 
-    def capped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               lens: torch.Tensor) -> torch.Tensor:
-        out = flashgen.attention_with_kvcache(q, k, v, lens, softcap=5.0)
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(3))
+    mods = {"softcap": 5.0, "window": (6, 0), "sinks": sinks}
+
+    def modified(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 lens: torch.Tensor) -> torch.Tensor:
+        out = flashgen.attention_with_kvcache(q, k, v, lens, **mods)  # type: ignore[arg-type]
         assert isinstance(out, torch.Tensor)
         return out
 
-    out = torch.compile(capped, backend="eager")(c.q, c.k, c.v, c.seqlens)
-    got = compare_kvcache(out, c, True, modifiers={"softcap": 5.0})
+    out = torch.compile(modified, backend="eager", fullgraph=True)(c.q, c.k, c.v, c.seqlens)
+    got = compare_kvcache(out, c, True, modifiers=mods)
     assert got.ok, got.reason
 
 

@@ -273,11 +273,15 @@ def _compiled_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       dispatcher: Dispatcher | None, leftpad: torch.Tensor | None,
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Under torch.compile: the registered op (opaque to the compiler, as the forward's is),
-    or, for modifiers or a dispatcher of the caller's, a call outside the graph."""
-    if mods is None and dispatcher is None:
+    modifiers included, or, for a dispatcher of the caller's, a call outside the graph."""
+    if dispatcher is None:
         text = "" if variant is None else _encoded("decode", variant)
+        if mods is None:
+            return ops.attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
+                                         causal, scale, text, leftpad)
+        window = None if mods.window is None else list(mods.window)
         return ops.attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal,
-                                     scale, text, leftpad)
+                                     scale, text, leftpad, window, mods.softcap, mods.sinks)
     return _kvcache_outside_graph(q, k_cache, v_cache, cache_seqlens, block_table, causal,
                                   scale, variant, mods, dispatcher, leftpad)
 

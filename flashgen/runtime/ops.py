@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .dispatch import PACKAGE, Saved, default_dispatcher
+from .modifiers import Mods
 
 #: One namespace per package: two copies of this runtime must not register the same op.
 NAMESPACE = PACKAGE.replace(".", "_")
@@ -98,13 +99,21 @@ def attention_kvcache(
     scale: float | None,
     variant: str,
     cache_leftpad: torch.Tensor | None = None,
+    window: list[int] | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(output, log-sum-exp) of the decode family, for torch.compile: traced, the kernel
     launch itself broke the graph (its float arguments became fp64 and the kernels failed to
-    compile), which is what a static-cache `generate()` compiles. Eager calls skip the op."""
+    compile), which is what a static-cache `generate()` compiles. Eager calls skip the op.
+    `window`, `softcap` and `sinks` as the public call checked them (sinks: the kernels'
+    fp32 vector)."""
     dispatcher = default_dispatcher()
+    mods = None
+    if window is not None or softcap is not None or sinks is not None:
+        mods = Mods(None if window is None else (window[0], window[1]), softcap, sinks)
     return dispatcher.kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale,
-                              dispatcher.decode("decode", variant), leftpad=cache_leftpad)
+                              dispatcher.decode("decode", variant), mods, cache_leftpad)
 
 
 @attention_kvcache.register_fake
