@@ -204,18 +204,22 @@ def cost_path(out: Path, problem: Problem) -> Path:
 def sweep(problem: Problem, db: TuningDB, device: DeviceInfo, target: torch.device,
           args: argparse.Namespace) -> float:
     """Sweep `problem`'s sample into `db` (resuming: measured variants are skipped) and add
-    the costs of what this run measured to its cost file. Returns the wall seconds."""
+    the costs of what this run measured to its cost file, also when it is interrupted (a
+    sweep spread over calls is stopped with SIGINT each time). Returns the wall seconds."""
     with narrowed(sample(problem, device, args.limit, seed=0, every=args.every)):
         bench = TimedBench(KernelBench(problem, target, compile_workers=args.compile_workers))
         start = time.perf_counter()
-        tune_problem(problem, bench, db, device,  # type: ignore[arg-type]
-                     TuneOptions(exhaustive=True, batch=args.compile_workers))
-        wall = time.perf_counter() - start
-    path = cost_path(args.out, problem)
-    known = json.loads(path.read_text()) if path.exists() else {"cost": {}, "sweep_s": 0.0}
-    known["cost"].update({v.to_json(): c for v, c in bench.cost.items()})
-    known["sweep_s"] += wall
-    path.write_text(json.dumps(known))
+        try:
+            tune_problem(problem, bench, db, device,  # type: ignore[arg-type]
+                         TuneOptions(exhaustive=True, batch=args.compile_workers))
+        finally:
+            wall = time.perf_counter() - start
+            path = cost_path(args.out, problem)
+            known = (json.loads(path.read_text()) if path.exists()
+                     else {"cost": {}, "sweep_s": 0.0})
+            known["cost"].update({v.to_json(): c for v, c in bench.cost.items()})
+            known["sweep_s"] += wall
+            path.write_text(json.dumps(known))
     return wall
 
 
