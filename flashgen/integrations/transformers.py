@@ -75,22 +75,26 @@ def flashgen_attention_forward(
     if dropout and module.training:
         raise ValueError(f"attention dropout {dropout} is not supported by flashgen")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
-    if (torch.compiler.is_compiling() and attention_mask is not None
-            and attention_mask.dim() == 2 and query.shape[2] <= DECODE_MAX_NEW_TOKENS
-            and query.shape[2] < attention_mask.shape[1] <= key.shape[2]):
-        return _compiled_decode_step(query, key, value, attention_mask, causal, scaling,
-                                     sliding_window, softcap, s_aux), None
-    valid, padded = _mask_state(attention_mask, key.shape[2])
-    window = None
-    if sliding_window is not None and sliding_window < valid:
-        # Keys (i - sliding_window, i] for causal layers: transformers' flash-attention
-        # convention (sliding_window - 1 on either side; causal cuts the right one).
-        window = (sliding_window - 1, sliding_window - 1)
     if s_aux is not None and s_aux.dtype not in (query.dtype, torch.float32):
         s_aux = s_aux.float()  # under autocast the sinks keep the parameters' dtype
-    options = {"causal": causal, "scale": scaling, "window": window, "softcap": softcap,
-               "sinks": s_aux}
+
+    def options_for(valid: int) -> dict[str, Any]:
+        window = None
+        if sliding_window is not None and sliding_window < valid:
+            # Keys (i - sliding_window, i] for causal layers: transformers' flash-attention
+            # convention (sliding_window - 1 on either side; causal cuts the right one).
+            window = (sliding_window - 1, sliding_window - 1)
+        return {"causal": causal, "scale": scaling, "window": window, "softcap": softcap,
+                "sinks": s_aux}
+
     nq = query.shape[2]
+    if (torch.compiler.is_compiling() and attention_mask is not None
+            and attention_mask.dim() == 2 and nq <= DECODE_MAX_NEW_TOKENS
+            and nq < attention_mask.shape[1] <= key.shape[2]):
+        return _compiled_decode_step(query, key, value, attention_mask,
+                                     options_for(attention_mask.shape[1])), None
+    valid, padded = _mask_state(attention_mask, key.shape[2])
+    options = options_for(valid)
     if padded:
         assert attention_mask is not None
         out = _padded(query, key, value, attention_mask.bool(), options)
@@ -113,9 +117,7 @@ def flashgen_attention_forward(
 
 
 def _compiled_decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                          attention_mask: torch.Tensor, causal: bool, scaling: float | None,
-                          sliding_window: int | None, softcap: float | None,
-                          s_aux: torch.Tensor | None) -> torch.Tensor:
+                          attention_mask: torch.Tensor, options: dict[str, Any]) -> torch.Tensor:
     """A decode step under torch.compile (a static-cache `generate()`), the mask read on the
     GPU only: read on the host, it was a graph break inside the layer loop, which made dynamo
     run the model eagerly and recompile it every step. Each row's keys are taken as the run
@@ -123,18 +125,11 @@ def _compiled_decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.T
     (what generating a padded batch gives) answers as in eager mode. A row with a hole, or
     whose queries fall on padding (right padding), cannot be told apart here and differs
     from eager mode, which gives such query rows 0."""
-    valid = attention_mask.shape[1]
     ones = attention_mask.to(torch.int32)
     pads = ones.argmax(-1).to(torch.int32)  # the first 1 of each row
-    lengths = (valid - ones.flip(-1).argmax(-1)).to(torch.int32)  # one past its last 1
-    window = None
-    if sliding_window is not None and sliding_window < valid:
-        window = (sliding_window - 1, sliding_window - 1)
-    if s_aux is not None and s_aux.dtype not in (query.dtype, torch.float32):
-        s_aux = s_aux.float()
-    out = flashgen.attention_with_kvcache(
-        query, key, value, lengths, causal=causal, scale=scaling, window=window,
-        softcap=softcap, sinks=s_aux, cache_leftpad=pads)
+    lengths = (ones.shape[1] - ones.flip(-1).argmax(-1)).to(torch.int32)  # one past its last
+    out = flashgen.attention_with_kvcache(query, key, value, lengths, cache_leftpad=pads,
+                                          **options)
     assert isinstance(out, torch.Tensor)
     return out.transpose(1, 2).contiguous()
 

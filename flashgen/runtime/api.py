@@ -257,43 +257,22 @@ def attention_with_kvcache(
                     _kernel_sinks(check_sinks(sinks, q.shape[1], q.dtype, q.device)))
         if mods.flags == (False, False, False, False):
             mods = None
-    if torch.compiler.is_compiling():
-        out, lse = _compiled_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal,
-                                     scale, variant, mods, dispatcher, cache_leftpad)
-    else:
-        out, lse = (dispatcher or default_dispatcher()).kvcache(
-            q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, variant, mods,
-            cache_leftpad)
-    return (out, lse) if return_lse else out
-
-
-def _compiled_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
-                      causal: bool, scale: float | None, variant: Any, mods: Mods | None,
-                      dispatcher: Dispatcher | None, leftpad: torch.Tensor | None,
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Under torch.compile: the registered op (opaque to the compiler, as the forward's is),
-    modifiers included, or, for a dispatcher of the caller's, a call outside the graph."""
-    if dispatcher is None:
+    args = (q, k_cache, v_cache, cache_seqlens, block_table, causal, scale)
+    if not torch.compiler.is_compiling():
+        out, lse = (dispatcher or default_dispatcher()).kvcache(*args, variant, mods,
+                                                                cache_leftpad)
+    elif dispatcher is None:
+        # The registered op, opaque to the compiler as the forward's is; modifiers as its
+        # plain arguments.
         text = "" if variant is None else _encoded("decode", variant)
-        if mods is None:
-            return ops.attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table,
-                                         causal, scale, text, leftpad)
-        window = None if mods.window is None else list(mods.window)
-        return ops.attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal,
-                                     scale, text, leftpad, window, mods.softcap, mods.sinks)
-    return _kvcache_outside_graph(q, k_cache, v_cache, cache_seqlens, block_table, causal,
-                                  scale, variant, mods, dispatcher, leftpad)
-
-
-@torch.compiler.disable
-def _kvcache_outside_graph(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
-                           causal: bool, scale: float | None, variant: Any, mods: Mods | None,
-                           dispatcher: Dispatcher | None, leftpad: torch.Tensor | None,
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    return (dispatcher or default_dispatcher()).kvcache(
-        q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, variant, mods, leftpad)
+        m = mods or Mods()
+        out, lse = ops.attention_kvcache(*args, text, cache_leftpad,
+                                         None if m.window is None else list(m.window),
+                                         m.softcap, m.sinks)
+    else:  # a dispatcher of the caller's cannot go through the op: outside the graph
+        out, lse = torch.compiler.disable(dispatcher.kvcache)(*args, variant, mods,
+                                                               cache_leftpad)
+    return (out, lse) if return_lse else out
 
 
 def explain(

@@ -8,10 +8,10 @@ afterwards hands the arguments straight to the compiled kernel's launcher.
 
 The key is at least as fine as Triton's specialisation: ints by their bits above 31, their
 residue mod 16 and whether they are 1 (Triton: 32- or 64-bit, divisible by 16, 1 a
-constant), bools apart from ints, tensors by dtype and
-16-byte alignment, floats by type (Triton never specialises a runtime float), keyword
-arguments (constexprs and launch options) by value, and the current device. So a cache that
-grows a key a step (a dynamic KV cache) keeps hitting. An argument of any other type (a TMA
+constant), bools apart from ints, tensors by dtype and 16-byte alignment, floats by type
+(Triton never specialises a runtime float), keyword arguments (constexprs and launch
+options) by value, and the current device. So a cache that grows a key a step (a dynamic KV
+cache) keeps hitting. An argument of any other type (a TMA
 descriptor) makes the call go through the JIT every time, as does the Triton interpreter,
 whose launches return no compiled kernel.
 """
@@ -27,10 +27,10 @@ import torch
 #: An argument type the key does not know: the launch is not cached.
 _UNKNOWN = object()
 
-
 #: Compiled kernels kept per `Bound` before it starts again (a guard: a launch site sees a
 #: handful of signatures).
 MAX_SIGNATURES = 256
+
 
 def _int_spec(value: int) -> int:
     """An int's part of the key, finer than what Triton specialises it on (its type by range,
@@ -47,8 +47,10 @@ def _spec(value: Any) -> Any:
         return "true" if value else "false"
     if isinstance(value, int):
         return _int_spec(value)
-    if value is None or isinstance(value, str):
-        return ("str", value) if value is not None else None
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return ("str", value)
     if isinstance(value, float):
         return float
     return _UNKNOWN
