@@ -77,17 +77,34 @@ def test_generate_runs_the_decode_family(cache: str, monkeypatch: pytest.MonkeyP
         calls.append((q.shape[2], k.shape[2]))
         return real(q, k, *args, **kw)
 
+    masks: list[tuple[int, ...]] = []
+    real_step = integration._decode_step
+
+    def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+             options: dict) -> torch.Tensor:
+        masks.append(tuple(mask.shape))
+        return real_step(q, k, v, mask, options)
+
     monkeypatch.setattr(integration.flashgen, "attention_with_kvcache", counted)
+    monkeypatch.setattr(integration, "_decode_step", step)
     extra = {"cache_implementation": "static"} if cache == "static" else {}
     with torch.no_grad():
         tokens = {attn: _llama(attn, "cpu", torch.float32, size).generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
             **extra) for attn in ("sdpa", "flashgen")}
     assert torch.equal(tokens["sdpa"], tokens["flashgen"]), calls
-    assert len(calls) == 2 * 3 and all(nq == 1 for nq, _ in calls)
+    # A static cache's prompt (6 queries, within the decode family's 16) runs it too.
+    prompt = 2 if cache == "static" else 0
+    assert [nq for nq, _ in calls] == [6] * prompt + [1] * (2 * 3), calls
     if cache == "static":
-        # Every slot of the cache (the last token is never cached), not only the valid keys.
+        # Every slot of the cache (the last token is never cached), not only the valid keys,
+        # and a mask of the cache's length every step: `generate()` makes it outside the
+        # compiled forward, whose input shapes must not change from token to token.
         assert all(nk == 6 + 4 - 1 for _, nk in calls), calls
+        # (The last step fills the cache: its all-ones mask is None, as flash-attention's.)
+        assert len(masks) == len(calls) - 2 and set(masks) == {(2, 6 + 4 - 1)}, masks
+    else:
+        assert masks == []  # an unpadded dynamic cache has no mask
 
 
 @pytest.mark.interpreter
@@ -124,21 +141,30 @@ def test_compiled_static_cache_generate_has_no_graph_break() -> None:
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("is_causal", [None, False])
-def test_compiled_decode_step_matches_eager(is_causal: bool | None,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """The compiled decode step's GPU-side mask reading (a left-padded row) and its causal
-    choice (the call's is_causal over the module's) give the eager path's answer."""
+@pytest.mark.parametrize("compiling", [False, True])
+def test_decode_step_matches_the_padded_path(is_causal: bool | None, compiling: bool,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step with a 2-D mask reads its runs on the device (left padding, and the 0s
+    a static cache's mask is padded with) and gives what unpadding to packed sequences
+    gives, with the call's is_causal over the module's, compiled or not."""
     import flashgen.integrations.transformers as integration
 
     gen = torch.Generator().manual_seed(4)
     q = torch.randn(2, 4, 3, 16, generator=gen)
     k, v = (torch.randn(2, 1, 12, 16, generator=gen) for _ in range(2))
     mask = torch.ones(2, 12, dtype=torch.bool)
-    mask[1, :5] = False
+    mask[1, :5] = False  # left padding
     module = torch.nn.Module()
     module.is_causal = True  # type: ignore[assignment]
-    args = (module, q, k, v, mask)
-    want, _ = integration.flashgen_attention_forward(*args, is_causal=is_causal)
-    monkeypatch.setattr(integration.torch.compiler, "is_compiling", lambda: True)
-    got, _ = integration.flashgen_attention_forward(*args, is_causal=is_causal)
-    assert (got - want).abs().max().item() < 1e-5
+    causal = True if is_causal is None else is_causal
+    options = {"causal": causal, "scale": None, "window": None, "softcap": None, "sinks": None}
+    # A static cache of 14 slots, 12 seen: the mask padded with 0s to the cache's length.
+    k_static, v_static = (torch.cat([t, torch.randn(2, 1, 2, 16, generator=gen)], 2)
+                          for t in (k, v))
+    static_mask = torch.nn.functional.pad(mask, (0, 2))
+    want = integration._padded(q, k, v, mask, options)
+    monkeypatch.setattr(integration.torch.compiler, "is_compiling", lambda: compiling)
+    for keys, values, m in ((k, v, mask), (k_static, v_static, static_mask)):
+        got, _ = integration.flashgen_attention_forward(module, q, keys, values, m,
+                                                        is_causal=is_causal)
+        assert (got - want).abs().max().item() < 1e-5

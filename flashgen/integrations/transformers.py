@@ -8,11 +8,13 @@ sequences for `flashgen.attention_varlen` and padded back (pad rows give 0), and
 documents (batch 1, position ids restarting at 0, or `cu_seq_lens_*` given) run as separate
 sequences. A layer's `sliding_window`, `softcap` and `s_aux` (attention sinks) are honoured.
 
-Generation: a step of a few new tokens against a cache of an unpadded batch, with the
-layer's modifiers, runs the decode family (`flashgen.attention_with_kvcache`). A dynamic cache hands
-over exactly the keys seen so far; a static cache hands over all of its Nmax slots, and
-transformers' flash-style mask (a 2-D all-ones mask as long as the keys seen, shorter than
-the cache) says how many are valid.
+Generation: a step of a few new tokens against a cache, with the layer's modifiers, runs the
+decode family (`flashgen.attention_with_kvcache`). A dynamic cache hands over exactly the keys
+seen so far; a static cache hands over all of its Nmax slots. Where a step comes with a 2-D
+mask (a padded batch, or a static cache), each row's keys are the run from its mask's first
+1 to its last, read on the GPU (`cache_leftpad` for left padding). A static cache's mask is
+padded to the cache's length, so a compiled step sees one input shape every step (one CUDA
+graph, not a new recording per generated token).
 """
 
 from __future__ import annotations
@@ -88,11 +90,10 @@ def flashgen_attention_forward(
                 "sinks": s_aux}
 
     nq = query.shape[2]
-    if (torch.compiler.is_compiling() and attention_mask is not None
-            and attention_mask.dim() == 2 and nq <= DECODE_MAX_NEW_TOKENS
-            and nq < attention_mask.shape[1] <= key.shape[2]):
-        return _compiled_decode_step(query, key, value, attention_mask,
-                                     options_for(attention_mask.shape[1])), None
+    if (attention_mask is not None and attention_mask.dim() == 2
+            and nq <= DECODE_MAX_NEW_TOKENS and nq < attention_mask.shape[1] <= key.shape[2]):
+        return _decode_step(query, key, value, attention_mask,
+                            options_for(attention_mask.shape[1])), None
     valid, padded = _mask_state(attention_mask, key.shape[2])
     options = options_for(valid)
     if padded:
@@ -116,22 +117,40 @@ def flashgen_attention_forward(
     return out.contiguous(), None
 
 
-def _compiled_decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                          attention_mask: torch.Tensor, options: dict[str, Any]) -> torch.Tensor:
-    """A decode step under torch.compile (a static-cache `generate()`), the mask read on the
-    GPU only: read on the host, it was a graph break inside the layer loop, which made dynamo
-    run the model eagerly and recompile it every step. Each row's keys are taken as the run
-    from its mask's first 1 to its last, passed as lengths and `cache_leftpad`: left padding
-    (what generating a padded batch gives) answers as in eager mode. A row with a hole, or
-    whose queries fall on padding (right padding), cannot be told apart here and differs
-    from eager mode, which gives such query rows 0."""
-    ones = attention_mask.to(torch.int32)
-    pads = ones.argmax(-1).to(torch.int32)  # the first 1 of each row
-    lengths = (ones.shape[1] - ones.flip(-1).argmax(-1)).to(torch.int32)  # one past its last
+def _decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor, options: dict[str, Any]) -> torch.Tensor:
+    """A decode step with a 2-D mask, the mask read on the GPU only: read on the host, it was
+    a sync per pass, and under torch.compile a graph break inside the layer loop, which made
+    dynamo run the model eagerly and recompile it every step. Each row's keys are taken as
+    the run from its mask's first 1 to its last, passed as lengths and `cache_leftpad`: left
+    padding (what generating a padded batch gives) and a static cache's unfilled slots answer
+    as the dense path does. A row with a hole, or whose queries fall on right padding, cannot
+    be told apart here and differs from `_padded`, which gives such query rows 0."""
+    pads, lengths = _mask_runs(attention_mask)
     out = flashgen.attention_with_kvcache(query, key, value, lengths, cache_leftpad=pads,
                                           **options)
     assert isinstance(out, torch.Tensor)
     return out.transpose(1, 2).contiguous()
+
+
+#: The last mask's runs in eager mode: every layer of a step gets the same mask.
+_last_runs: list[Any] = [None, None]
+
+
+def _mask_runs(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first 1, one past the last 1) of each row of a 2-D mask, int32, on its device. Eager
+    calls reuse the answer for the same mask object (the layers of one step)."""
+    compiling = torch.compiler.is_compiling()
+    if not compiling:
+        seen = _last_runs[0]() if _last_runs[0] is not None else None
+        if seen is mask:
+            return _last_runs[1]
+    ones = mask.to(torch.int32)
+    pads = ones.argmax(-1).to(torch.int32)
+    lengths = (ones.shape[1] - ones.flip(-1).argmax(-1)).to(torch.int32)
+    if not compiling:
+        _last_runs[:] = [weakref.ref(mask), (pads, lengths)]
+    return pads, lengths
 
 
 def _packed_lengths(query: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -187,15 +206,24 @@ def _padded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: t
 
 def _mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:
     """Masks the way flash-attention implementations get them: None unless there is padding.
-    Under torch.compile the 2-D mask of a decode step is only sliced, never read (reading it
-    for padding breaks the graph): `_compiled_decode_step` reads it on the GPU."""
-    from transformers.masking_utils import flash_attention_mask
+    The 2-D mask of a decode step is never read on the host (under torch.compile that breaks
+    the graph): `_decode_step` reads it on the GPU. A static cache's full-attention layers
+    (kv_length the cache's length, past the tokens seen) get the mask padded with 0s to that
+    length: `generate()` makes this mask outside the compiled forward, and one that grew a
+    column a step was a new input shape, so a new CUDA graph, every token. Sliding layers keep
+    the window's slice (their cache holds the window, in any order)."""
+    from transformers.masking_utils import causal_mask_function, flash_attention_mask
 
     kv_length, q_length = kwargs.get("kv_length"), kwargs.get("q_length")
-    if (torch.compiler.is_compiling() and isinstance(attention_mask, torch.Tensor)
-            and attention_mask.dim() == 2 and isinstance(kv_length, int)
-            and isinstance(q_length, int) and q_length <= DECODE_MAX_NEW_TOKENS):
-        return attention_mask[:, -kv_length:].bool()  # a decode step: read on the GPU
+    if (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
+            and isinstance(kv_length, int) and isinstance(q_length, int)
+            and q_length <= DECODE_MAX_NEW_TOKENS):
+        if (attention_mask.shape[1] < kv_length
+                and kwargs.get("mask_function", causal_mask_function) is causal_mask_function):
+            return torch.nn.functional.pad(attention_mask.bool(),
+                                           (0, kv_length - attention_mask.shape[1]))
+        if torch.compiler.is_compiling():
+            return attention_mask[:, -kv_length:].bool()
     return flash_attention_mask(*args, attention_mask=attention_mask, **kwargs)
 
 
