@@ -11,8 +11,8 @@ sequences. A layer's `sliding_window`, `softcap` and `s_aux` (attention sinks) a
 Generation: a step of a few new tokens against a cache, with the layer's modifiers, runs the
 decode family (`flashgen.attention_with_kvcache`). A dynamic cache hands over exactly the keys
 seen so far; a static cache hands over all of its Nmax slots. Where a step comes with a 2-D
-mask (a padded batch, or a static cache), each row's keys are the run from its mask's first
-1 to its last, read on the GPU (`cache_leftpad` for left padding). A static cache's mask is
+mask (a padded batch, or a static cache) whose rows' 1s are each one run, a row's keys are
+that run, found on the GPU (`cache_leftpad` for left padding); other masks are unpadded. A static cache's mask is
 padded to the cache's length, so a compiled step sees one input shape every step (one CUDA
 graph, not a new recording per generated token).
 """
@@ -20,6 +20,7 @@ graph, not a new recording per generated token).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,16 +31,31 @@ import flashgen
 #: limit `flashgen.attention` itself uses for a few queries against a long cache.
 DECODE_MAX_NEW_TOKENS = 16
 
-#: The last mask read and whether it was free of padding: every layer of a forward pass gets
-#: the same mask, which is read back once per pass, not once per layer (a GPU sync).
-_last: list[Any] = [None, False]
+#: One host read of a mask per forward pass, not one per layer (each is a GPU sync): per kind
+#: of read, the last mask read (a weak reference), its version (an in-place change reads it
+#: again) and what the read found.
+_reads: dict[str, tuple[Any, int, Any]] = {}
+
+
+def _read_once(kind: str, mask: torch.Tensor, read: Callable[[torch.Tensor], Any]) -> Any:
+    """`read(mask)`, reused while the same mask object, unchanged, comes back (the layers of
+    one pass get the same mask). An inference-mode tensor keeps no version: read each time."""
+    try:
+        version = mask._version
+    except RuntimeError:
+        return read(mask)
+    last = _reads.get(kind)
+    if last is not None and last[0]() is mask and last[1] == version:
+        return last[2]
+    value = read(mask)
+    _reads[kind] = (weakref.ref(mask), version, value)
+    return value
 
 
 def _mask_state(attention_mask: torch.Tensor | None, keys: int) -> tuple[int, bool]:
     """(valid leading keys, padded). Without a mask every key is valid; a 2-D all-ones mask
     (a static cache's) says how many are; any other 2-D mask is padding, which the caller
-    unpads. A mask of more dimensions (a custom mask) raises. Every layer of a pass gets the
-    same mask, read back once per pass (a GPU sync), not once per layer."""
+    unpads. A mask of more dimensions (a custom mask) raises."""
     if attention_mask is None:
         return keys, False
     if attention_mask.dim() != 2:
@@ -47,12 +63,8 @@ def _mask_state(attention_mask: torch.Tensor | None, keys: int) -> tuple[int, bo
             f"flashgen got a {attention_mask.dim()}-D attention_mask (a custom mask); it takes "
             "2-D padding masks only. Use attn_implementation='sdpa' for this model."
         )
-    seen = _last[0]() if _last[0] is not None else None
-    if seen is attention_mask:
-        unpadded = _last[1]
-    else:
-        unpadded = attention_mask.shape[1] <= keys and bool(attention_mask.all())
-        _last[:] = [weakref.ref(attention_mask), unpadded]
+    unpadded = (attention_mask.shape[1] <= keys
+                and _read_once("all", attention_mask, lambda m: bool(m.all())))
     return (attention_mask.shape[1], False) if unpadded else (keys, True)
 
 
@@ -90,8 +102,12 @@ def flashgen_attention_forward(
                 "sinks": s_aux}
 
     nq = query.shape[2]
-    if (attention_mask is not None and attention_mask.dim() == 2
-            and nq <= DECODE_MAX_NEW_TOKENS and nq < attention_mask.shape[1] <= key.shape[2]):
+    # The decode family is inference only: a step that needs gradients takes the dense path.
+    grads = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    if (attention_mask is not None and attention_mask.dim() == 2 and not grads
+            and nq <= DECODE_MAX_NEW_TOKENS and nq < attention_mask.shape[1] <= key.shape[2]
+            and (torch.compiler.is_compiling()
+                 or _read_once("runs", attention_mask, _one_run_per_row))):
         return _decode_step(query, key, value, attention_mask,
                             options_for(attention_mask.shape[1])), None
     valid, padded = _mask_state(attention_mask, key.shape[2])
@@ -105,7 +121,7 @@ def flashgen_attention_forward(
                    for t in (query, key, value))
         out = flashgen.attention_varlen(q, k, v, cu, cu, longest, longest, **options)
         out = out.view(query.shape[0], nq, query.shape[1], query.shape[3])
-    elif nq <= DECODE_MAX_NEW_TOKENS and valid > nq:
+    elif nq <= DECODE_MAX_NEW_TOKENS and valid > nq and not grads:
         # New tokens against a cache: the decode family, every sequence `valid` keys long
         # (window, softcap and sinks included).
         lengths = torch.full((query.shape[0],), valid, dtype=torch.int32, device=query.device)
@@ -119,13 +135,12 @@ def flashgen_attention_forward(
 
 def _decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attention_mask: torch.Tensor, options: dict[str, Any]) -> torch.Tensor:
-    """A decode step with a 2-D mask, the mask read on the GPU only: read on the host, it was
-    a sync per pass, and under torch.compile a graph break inside the layer loop, which made
-    dynamo run the model eagerly and recompile it every step. Each row's keys are taken as
-    the run from its mask's first 1 to its last, passed as lengths and `cache_leftpad`: left
-    padding (what generating a padded batch gives) and a static cache's unfilled slots answer
-    as the dense path does. A row with a hole, or whose queries fall on right padding, cannot
-    be told apart here and differs from `_padded`, which gives such query rows 0."""
+    """A decode step with a 2-D mask, the mask read on the GPU only: each row's keys are the
+    run from its mask's first 1 to its last, passed as lengths and `cache_leftpad`, so left
+    padding and a static cache's unfilled slots need no host read. Under torch.compile a
+    host read was a graph break inside the layer loop (dynamo then ran the model eagerly and
+    recompiled it every step), so a compiled step takes every mask this way; a row with a
+    hole then differs from eager mode, which checks for holes first (`_one_run_per_row`)."""
     pads, lengths = _mask_runs(attention_mask)
     out = flashgen.attention_with_kvcache(query, key, value, lengths, cache_leftpad=pads,
                                           **options)
@@ -133,24 +148,19 @@ def _decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return out.transpose(1, 2).contiguous()
 
 
-#: The last mask's runs in eager mode: every layer of a step gets the same mask.
-_last_runs: list[Any] = [None, None]
-
-
 def _mask_runs(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(first 1, one past the last 1) of each row of a 2-D mask, int32, on its device. Eager
-    calls reuse the answer for the same mask object (the layers of one step)."""
-    compiling = torch.compiler.is_compiling()
-    if not compiling:
-        seen = _last_runs[0]() if _last_runs[0] is not None else None
-        if seen is mask:
-            return _last_runs[1]
+    """(first 1, one past the last 1) of each row of a 2-D mask, int32, on its device."""
     ones = mask.to(torch.int32)
     pads = ones.argmax(-1).to(torch.int32)
     lengths = (ones.shape[1] - ones.flip(-1).argmax(-1)).to(torch.int32)
-    if not compiling:
-        _last_runs[:] = [weakref.ref(mask), (pads, lengths)]
     return pads, lengths
+
+
+def _one_run_per_row(mask: torch.Tensor) -> bool:
+    """Whether every row's 1s are one run (no hole, not empty): what `_decode_step` can
+    express. A host read."""
+    pads, lengths = _mask_runs(mask)
+    return bool((mask.sum(-1) == lengths - pads).all() and (lengths > pads).all())
 
 
 def _packed_lengths(query: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -185,12 +195,17 @@ def _padded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: t
     attended per sequence, scattered back to (B, Nq, Hq, D) with zeros at pad rows. Queries
     are the last Nq positions of each row (left padding), as transformers assumes."""
     b, hq, nq, d = query.shape
+    if mask.shape[1] > nq and not bool(mask[:, -1].any()):
+        # A static cache's mask, padded with 0s to the cache's length: up to its last token.
+        mask = mask[:, :int(mask.any(0).nonzero().max()) + 1]
     if key.shape[2] > mask.shape[1]:  # a static cache longer than the mask
         key, value = key[:, :, :mask.shape[1]], value[:, :, :mask.shape[1]]
     nk = key.shape[2]
     k_rows = mask.reshape(-1).nonzero().view(-1)
     k_lens = mask.sum(dim=1, dtype=torch.int32)
-    q_mask = mask[:, -nq:]
+    # Cross-attention (not causal, queries other than the keys): every query is real.
+    q_mask = (mask[:, -nq:] if options["causal"] or nq == nk
+              else torch.ones(b, nq, dtype=torch.bool, device=mask.device))
     q_rows = q_mask.reshape(-1).nonzero().view(-1)
     q_lens = q_mask.sum(dim=1, dtype=torch.int32)
     cu_k = torch.nn.functional.pad(k_lens.cumsum(0, dtype=torch.int32), (1, 0))
@@ -206,20 +221,20 @@ def _padded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: t
 
 def _mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:
     """Masks the way flash-attention implementations get them: None unless there is padding.
-    The 2-D mask of a decode step is never read on the host (under torch.compile that breaks
-    the graph): `_decode_step` reads it on the GPU. A static cache's full-attention layers
-    (kv_length the cache's length, past the tokens seen) get the mask padded with 0s to that
+    The 2-D mask of a compiled decode step is never read on the host (that breaks the graph):
+    `_decode_step` reads it on the GPU. A decode step's mask for a static cache's plain causal
+    layers (kv_length the cache's length, past the tokens seen) is padded with 0s to that
     length: `generate()` makes this mask outside the compiled forward, and one that grew a
-    column a step was a new input shape, so a new CUDA graph, every token. Sliding layers keep
-    the window's slice (their cache holds the window, in any order)."""
+    column a step was a new input shape, so a new CUDA graph, every token. Other layers
+    (sliding windows, wrapped mask functions) and prompts keep flash-attention's mask."""
     from transformers.masking_utils import causal_mask_function, flash_attention_mask
 
     kv_length, q_length = kwargs.get("kv_length"), kwargs.get("q_length")
     if (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
             and isinstance(kv_length, int) and isinstance(q_length, int)
             and q_length <= DECODE_MAX_NEW_TOKENS):
-        if (attention_mask.shape[1] < kv_length
-                and kwargs.get("mask_function", causal_mask_function) is causal_mask_function):
+        if (q_length < attention_mask.shape[1] < kv_length
+                and kwargs.get("mask_function") is causal_mask_function):
             return torch.nn.functional.pad(attention_mask.bool(),
                                            (0, kv_length - attention_mask.shape[1]))
         if torch.compiler.is_compiling():
