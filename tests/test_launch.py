@@ -125,3 +125,68 @@ def test_bind_leaves_other_launchers_alone() -> None:
     assert launch.bind(loaded_cubin) is loaded_cubin
     bound = launch.bind(FakeJit())
     assert launch.bind(bound) is bound
+
+
+class Launcher:
+    """Triton 3.6's C launcher as the direct launch calls it."""
+
+    launch_cooperative_grid = False
+    launch_pdl = False
+
+    def __init__(self, log: list, scratch: int = 0) -> None:
+        self.log = log
+        self.global_scratch_size = scratch
+        self.profile_scratch_size = 0
+
+    def launch(self, *args: Any) -> None:
+        self.log.append(("c", args))
+
+
+class CompiledWithLauncher(Compiled):
+    function = 1234
+    packed_metadata = (4, 1, 0)
+
+    def __init__(self, log: list, scratch: int = 0) -> None:
+        super().__init__(log)
+        self.run = Launcher(log, scratch)
+
+
+class FakeJitWithLauncher(FakeJit):
+    def __init__(self, scratch: int = 0) -> None:
+        super().__init__()
+        self.scratch = scratch
+
+    def __getitem__(self, grid: tuple) -> Any:
+        def go(*args: Any, **kwargs: Any) -> Compiled:
+            self.log.append(("jit", grid, args, kwargs))
+            return CompiledWithLauncher(self.log, self.scratch)
+        return go
+
+
+@pytest.mark.parametrize("case", ["direct", "hook", "scratch"])
+def test_a_hit_calls_the_c_launcher_where_nothing_needs_the_runner(
+        case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hit hands the arguments to Triton's C launcher in its order (grid, stream, function,
+    cooperative, pdl, no scratch, packed metadata, no launch metadata or hooks, then every
+    parameter); a registered launch hook (a profiler) or scratch memory keeps the runner."""
+    from triton import knobs
+
+    monkeypatch.setattr(launch, "_stream", lambda device: 77)
+    jit = FakeJitWithLauncher(scratch=64 if case == "scratch" else 0)
+    bound = launch.bind(jit)
+    x = cuda_looking(torch.zeros(64))
+    hook = lambda metadata: None
+    if case == "hook":
+        knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        for _ in range(2):
+            bound[(4, 2)](x, 16, 0.5, True, BLOCK=32)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    kinds = [e[0] for e in jit.log]
+    if case == "direct":
+        assert kinds == ["jit", "c"]
+        assert jit.log[1][1] == (4, 2, 1, 77, 1234, False, False, None, None, (4, 1, 0), None,
+                                 None, None, x, 16, 0.5, True, 32, 7)
+    else:
+        assert kinds == ["jit", "direct"]

@@ -12,9 +12,9 @@ Generation: a step of a few new tokens against a cache, with the layer's modifie
 decode family (`flashgen.attention_with_kvcache`). A dynamic cache hands over exactly the keys
 seen so far; a static cache hands over all of its Nmax slots. Where a step comes with a 2-D
 mask (a padded batch, or a static cache) whose rows' 1s are each one run, a row's keys are
-that run, found on the GPU (`cache_leftpad` for left padding); other masks are unpadded. A static cache's mask is
-padded to the cache's length, so a compiled step sees one input shape every step (one CUDA
-graph, not a new recording per generated token).
+that run, found on the GPU (`cache_leftpad` for left padding); other masks are unpadded. A
+static cache's decode mask is padded to the cache's length, so a compiled step sees one
+input shape every step (one CUDA graph, not a new recording per generated token).
 """
 
 from __future__ import annotations
@@ -124,13 +124,32 @@ def flashgen_attention_forward(
     elif nq <= DECODE_MAX_NEW_TOKENS and valid > nq and not grads:
         # New tokens against a cache: the decode family, every sequence `valid` keys long
         # (window, softcap and sinks included).
-        lengths = torch.full((query.shape[0],), valid, dtype=torch.int32, device=query.device)
+        lengths = _lengths(query.shape[0], valid, query.device)
         out = flashgen.attention_with_kvcache(query, key, value, lengths, **options
                                               ).transpose(1, 2)
     else:
         out = flashgen.attention(query, key[:, :, :valid], value[:, :, :valid],
                                  **options).transpose(1, 2)
     return out.contiguous(), None
+
+
+#: Lengths tensors of eager decode steps by (batch, length, device): every layer of a step
+#: asks for the same one, and each is only ever read.
+_lengths_made: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+
+def _lengths(batch: int, valid: int, device: torch.device) -> torch.Tensor:
+    """(batch,) int32 of `valid`: made once per step in eager mode, not once per layer."""
+    if torch.compiler.is_compiling():
+        return torch.full((batch,), valid, dtype=torch.int32, device=device)
+    key = (batch, valid, device)
+    made = _lengths_made.get(key)
+    if made is None:
+        if len(_lengths_made) >= 64:
+            _lengths_made.clear()
+        made = _lengths_made[key] = torch.full((batch,), valid, dtype=torch.int32,
+                                               device=device)
+    return made
 
 
 def _decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

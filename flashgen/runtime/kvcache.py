@@ -255,9 +255,11 @@ def prepare_decode(entry: Entry, shape: DecodeShape, kernel: KernelOf) -> Decode
             part, part_lse = out, lse
             part_strides = (*out.stride()[:3], 0, out.stride(3))
             lse_strides = (*lse.stride(), 0)
-        else:
-            part = torch.empty((b, hq, nq, splits, d), device=q.device, dtype=torch.float32)
-            part_lse = torch.empty((b, hq, nq, splits), device=q.device, dtype=torch.float32)
+        else:  # partial outputs and their log-sum-exps in one allocation (host time)
+            rows = b * hq * nq * splits
+            work = torch.empty(rows * (d + 1), device=q.device, dtype=torch.float32)
+            part = work[:rows * d].view(b, hq, nq, splits, d)
+            part_lse = work[rows * d:].view(b, hq, nq, splits)
             part_strides, lse_strides = part.stride(), part_lse.stride()
         extra = [] if mods is None else mods.kernel_args(shape.causal, nq, n_max)
         if shape.leftpad:
