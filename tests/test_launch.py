@@ -190,3 +190,30 @@ def test_a_hit_calls_the_c_launcher_where_nothing_needs_the_runner(
                                  None, None, x, 16, 0.5, True, 32, 7)
     else:
         assert kinds == ["jit", "direct"]
+
+
+class TensorDescriptor:
+    """Named as Triton's and Gluon's host descriptors are (the key goes by the name)."""
+
+    def __init__(self, base: torch.Tensor, block: list[int], layout: object = None) -> None:
+        self.base, self.block_shape, self.layout, self.padding = base, block, layout, "zero"
+
+
+@pytest.mark.parametrize("change", ["none", "shape", "block", "layout", "dtype"])
+def test_descriptors_are_keyed_by_what_triton_specialises(change: str) -> None:
+    """A TMA descriptor's dtype, tile and layout pick the compiled kernel; its tensor's shape
+    and address are launch values (a longer sequence reuses the kernel)."""
+    jit = FakeJit()
+    bound = launch.bind(jit)
+    base = cuda_looking(torch.zeros(4, 64, dtype=torch.bfloat16))
+    bound[(1,)](TensorDescriptor(base, [16, 64], "swizzle128"), 16, 1.0, True, BLOCK=16)
+    other = {
+        "none": TensorDescriptor(base, [16, 64], "swizzle128"),
+        "shape": TensorDescriptor(cuda_looking(torch.zeros(9, 64, dtype=torch.bfloat16)),
+                                  [16, 64], "swizzle128"),
+        "block": TensorDescriptor(base, [32, 64], "swizzle128"),
+        "layout": TensorDescriptor(base, [16, 64], "swizzle64"),
+        "dtype": TensorDescriptor(cuda_looking(torch.zeros(4, 64)), [16, 64], "swizzle128"),
+    }[change]
+    bound[(1,)](other, 16, 1.0, True, BLOCK=16)
+    assert [e[0] for e in jit.log] == ["jit", "direct" if change in ("none", "shape") else "jit"]

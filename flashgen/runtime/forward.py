@@ -247,7 +247,7 @@ def _prepare_pointers(variant: Any, shape: Shape, kernel: Any) -> Launcher:
 
 def _prepare_tma(entry: Entry, shape: Shape, kernel_of: KernelOf, strict: bool) -> Launcher:
     variant = knobs(entry["variant"])
-    kernel = kernel_of("fwd")
+    kernel = bind(kernel_of("fwd"))  # descriptors are keyed too (`runtime.launch`)
     launch = {"num_warps": variant.num_warps, "num_stages": variant.num_stages}
     bm, bn = variant.block_m, variant.block_n
     d = padded_head_dim(shape.head_dim, shape.dtype)

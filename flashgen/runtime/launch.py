@@ -9,11 +9,11 @@ afterwards hands the arguments straight to the compiled kernel's launcher.
 The key is at least as fine as Triton's specialisation: ints by their bits above 31, their
 residue mod 16 and whether they are 1 (Triton: 32- or 64-bit, divisible by 16, 1 a
 constant), bools apart from ints, tensors by dtype and 16-byte alignment, floats by type
-(Triton never specialises a runtime float), keyword arguments (constexprs and launch
+(Triton never specialises a runtime float), TMA descriptors (Triton's and Gluon's host
+ones) by dtype, tile, shared layout and padding, keyword arguments (constexprs and launch
 options) by value, and the current device. So a cache that grows a key a step (a dynamic KV
-cache) keeps hitting. An argument of any other type (a TMA
-descriptor) makes the call go through the JIT every time, as does the Triton interpreter,
-whose launches return no compiled kernel.
+cache) keeps hitting. An argument of any other type makes the call go through the JIT every
+time, as does the Triton interpreter, whose launches return no compiled kernel.
 
 A hit calls the compiled kernel's C launcher itself where nothing needs the compiled
 kernel's per-call runner (no launch hooks registered, no scratch memory): the runner looks
@@ -116,6 +116,14 @@ def _key(args: tuple, kwargs: dict[str, Any]) -> tuple | None:
             if not a.is_cuda:
                 return None  # a CPU tensor is the interpreter's: nothing to cache
             parts.append((a.dtype, a.data_ptr() % 16 == 0))
+            tensors = True
+        elif kind.__name__ == "TensorDescriptor":  # Triton's or Gluon's host descriptor
+            if not a.base.is_cuda:
+                return None
+            # What Triton specialises a descriptor on: dtype, tile and shared layout (its
+            # base's alignment, shape and strides go to the launcher as values).
+            parts.append((kind, a.base.dtype, tuple(a.block_shape),
+                          getattr(a, "layout", None), a.padding))
             tensors = True
         else:
             spec = _spec(a)
