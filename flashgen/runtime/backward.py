@@ -59,16 +59,11 @@ class _Kernels:
     def __init__(self, variant: Any, kernel_of: KernelOf, suffix: str) -> None:
         self.variant = variant
         self.gluon = {role: is_gluon(variant, role) for role in ("dkdv", "dq")}
-        # Gluon kernels take TMA descriptors, which `bind` never caches: no key to work out.
-        self.dkdv = _maybe_bind(kernel_of("dkdv" + suffix), self.gluon["dkdv"])
+        # Gluon kernels' TMA descriptors are keyed like any argument (`runtime.launch`).
+        self.dkdv = bind(kernel_of("dkdv" + suffix))
         # The atomic dQ mode has no dQ kernel (the Gluon ones run only in the separate mode).
-        self.dq = (_maybe_bind(kernel_of("dq" + suffix), self.gluon["dq"])
-                   if variant.dq_mode == "separate" else None)
+        self.dq = bind(kernel_of("dq" + suffix)) if variant.dq_mode == "separate" else None
         self.launch = {"num_warps": variant.num_warps, "num_stages": variant.num_stages}
-
-
-def _maybe_bind(kernel: Any, gluon: bool) -> Any:
-    return kernel if gluon else bind(kernel)
 
 
 def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
