@@ -108,8 +108,8 @@ def test_what_triton_specialises_on_goes_through_the_jit(change: str) -> None:
 
 
 def test_cpu_tensors_and_unknown_arguments_are_never_cached() -> None:
-    """The interpreter's CPU tensors, and an argument of a type the key does not know (a TMA
-    descriptor), take the JIT every time."""
+    """The interpreter's CPU tensors, and an argument of a type the key does not know, take
+    the JIT every time."""
     jit = FakeJit()
     bound = launch.bind(jit)
     for _ in range(2):
@@ -217,3 +217,36 @@ def test_descriptors_are_keyed_by_what_triton_specialises(change: str) -> None:
     }[change]
     bound[(1,)](other, 16, 1.0, True, BLOCK=16)
     assert [e[0] for e in jit.log] == ["jit", "direct" if change in ("none", "shape") else "jit"]
+
+
+def test_a_constexpr_passed_by_position_is_not_cached() -> None:
+    """A constexpr's value picks the kernel, but by position it would be keyed like any int
+    (its pattern): such launches take the JIT; by keyword they are keyed by value."""
+    jit = FakeJit()
+    jit.params = [type("P", (), {"is_constexpr": name in ("BLOCK", "EXTRA")})()
+                  for name in ("x", "n", "scale", "flag", "BLOCK", "EXTRA")]
+    bound = launch.bind(jit)
+    x = cuda_looking(torch.zeros(64))
+    for block in (32, 48, 32):
+        bound[(1,)](x, 16, 1.0, True, block)
+    assert [e[0] for e in jit.log] == ["jit"] * 3
+    for block in (32, 32):
+        bound[(1,)](x, 16, 1.0, True, BLOCK=block)
+    assert [e[0] for e in jit.log][3:] == ["jit", "direct"]
+
+
+def test_tritons_debug_and_instrumentation_modes_are_in_the_key(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton keys its kernels on its debug and instrumentation modes (a profiler sets the
+    latter): a kernel cached under one is not launched under the other."""
+    from triton import knobs
+
+    jit = FakeJit()
+    bound = launch.bind(jit)
+    x = cuda_looking(torch.zeros(64))
+    bound[(1,)](x, 16, 1.0, True, BLOCK=32)
+    monkeypatch.setattr(knobs.compilation, "instrumentation_mode", "fpsan")
+    bound[(1,)](x, 16, 1.0, True, BLOCK=32)
+    monkeypatch.setattr(knobs.runtime, "debug", True)
+    bound[(1,)](x, 16, 1.0, True, BLOCK=32)
+    assert [e[0] for e in jit.log] == ["jit", "jit", "jit"]

@@ -133,22 +133,23 @@ def flashgen_attention_forward(
     return out.contiguous(), None
 
 
-#: Lengths tensors of eager decode steps by (batch, length, device): every layer of a step
-#: asks for the same one, and each is only ever read.
-_lengths_made: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+#: The last lengths tensor of an eager decode step per (device, stream): every layer of a
+#: step asks for the same one, which is only ever read, in stream order.
+_lengths_made: dict[tuple[torch.device, int], tuple[int, int, torch.Tensor]] = {}
 
 
 def _lengths(batch: int, valid: int, device: torch.device) -> torch.Tensor:
-    """(batch,) int32 of `valid`: made once per step in eager mode, not once per layer."""
-    if torch.compiler.is_compiling():
+    """(batch,) int32 of `valid`: made once per step in eager mode, not once per layer; made
+    afresh under torch.compile and CUDA graph capture (a graph would keep its address)."""
+    if (torch.compiler.is_compiling() or device.type != "cuda"
+            or torch.cuda.is_current_stream_capturing()):
         return torch.full((batch,), valid, dtype=torch.int32, device=device)
-    key = (batch, valid, device)
-    made = _lengths_made.get(key)
-    if made is None:
-        if len(_lengths_made) >= 64:
-            _lengths_made.clear()
-        made = _lengths_made[key] = torch.full((batch,), valid, dtype=torch.int32,
-                                               device=device)
+    where = (device, torch.cuda.current_stream(device).cuda_stream)
+    last = _lengths_made.get(where)
+    if last is not None and last[0] == batch and last[1] == valid:
+        return last[2]
+    made = torch.full((batch,), valid, dtype=torch.int32, device=device)
+    _lengths_made[where] = (batch, valid, made)
     return made
 
 

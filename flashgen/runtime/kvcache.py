@@ -257,9 +257,10 @@ def prepare_decode(entry: Entry, shape: DecodeShape, kernel: KernelOf) -> Decode
             lse_strides = (*lse.stride(), 0)
         else:  # partial outputs and their log-sum-exps in one allocation (host time)
             rows = b * hq * nq * splits
-            work = torch.empty(rows * (d + 1), device=q.device, dtype=torch.float32)
+            start = -(-rows * d // 4) * 4  # the log-sum-exps 16-byte aligned, as alone
+            work = torch.empty(start + rows, device=q.device, dtype=torch.float32)
             part = work[:rows * d].view(b, hq, nq, splits, d)
-            part_lse = work[rows * d:].view(b, hq, nq, splits)
+            part_lse = work[start:].view(b, hq, nq, splits)
             part_strides, lse_strides = part.stride(), part_lse.stride()
         extra = [] if mods is None else mods.kernel_args(shape.causal, nq, n_max)
         if shape.leftpad:

@@ -66,13 +66,18 @@ class Bound:
     """A Triton JIT kernel whose launches skip the JIT's binding once a call signature has
     been seen (see the module's docstring)."""
 
-    __slots__ = ("compiled", "defaults", "fn", "names")
+    __slots__ = ("compiled", "defaults", "fn", "names", "positional")
 
     def __init__(self, fn: Any) -> None:
         self.fn = fn
         params = list(inspect.signature(fn.fn).parameters.values())
         self.names = [p.name for p in params]
         self.defaults = {p.name: p.default for p in params if p.default is not p.empty}
+        # Arguments before the first constexpr: a constexpr passed by position would be keyed
+        # by its pattern, not its value, so such launches are not cached.
+        constexpr = [i for i, p in enumerate(getattr(fn, "params", []))
+                     if getattr(p, "is_constexpr", False)]
+        self.positional = constexpr[0] if constexpr else len(params)
         #: key -> (compiled kernel, its direct launch or None)
         self.compiled: dict[tuple, tuple[Any, tuple | None]] = {}
 
@@ -80,7 +85,7 @@ class Bound:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -> None:
-        key = _key(args, kwargs)
+        key = _key(args, kwargs) if len(args) <= self.positional else None
         hit = self.compiled.get(key) if key is not None else None
         if hit is not None:
             rest = [kwargs[n] if n in kwargs else self.defaults[n]
@@ -138,7 +143,10 @@ def _key(args: tuple, kwargs: dict[str, Any]) -> tuple | None:
         hash(named)
     except TypeError:
         return None
-    return (torch.cuda.current_device(), tuple(parts), named)
+    # Triton's own key adds its debug and instrumentation modes (a profiler such as proton
+    # sets the latter, and its kernels then need profile scratch).
+    return (torch.cuda.current_device(), tuple(parts), named, knobs.runtime.debug,
+            knobs.compilation.instrumentation_mode)
 
 
 def _direct(compiled: Any) -> tuple | None:
