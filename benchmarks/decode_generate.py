@@ -3,7 +3,8 @@
 A randomly initialised Llama-shaped model (no download: the weights do not change the work
 per token), greedy decoding from the same prompt, dynamic and static caches. Each new token
 of a "flashgen" model runs the decode family (`flashgen.attention_with_kvcache`). Prints
-tokens per second for each (implementation, cache) and whether the tokens agree with sdpa's.
+tokens per second for each (implementation, cache), medians of interleaved rounds, the
+median ratio and its range over the rounds, and whether the tokens agree with sdpa's.
 
 Run on the GPU machine, e.g. the Llama 3 8B attention shape at 2 layers:
     python3 benchmarks/decode_generate.py --layers 2 --prompt 4096 --new 256 --batch 8
@@ -36,28 +37,28 @@ def build(attn: str, args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.M
     return transformers.LlamaForCausalLM(config).to(device=args.device, dtype=dtype).eval()
 
 
-def tokens_per_second(model: torch.nn.Module, ids: torch.Tensor, new: int, cache: str,
-                      device: str, repeats: int = 3) -> tuple[float, torch.Tensor]:
-    """New tokens per second of greedy `generate` (the prompt's prefill is timed apart and
-    subtracted: the decode steps are what this measures); each the median of `repeats`."""
+def generate_seconds(model: torch.nn.Module, ids: torch.Tensor, tokens: int, cache: str,
+                     device: str) -> tuple[float, torch.Tensor]:
+    """Seconds of one greedy `generate` of `tokens` new tokens, and its output."""
     extra = {"cache_implementation": "static"} if cache == "static" else {}
-    kwargs = {"attention_mask": torch.ones_like(ids), "do_sample": False, **extra}
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=tokens, min_new_tokens=tokens, **extra)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, out
 
-    def run(tokens: int) -> tuple[float, torch.Tensor]:
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **kwargs)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - start, out
 
-    run(min(new, 4))  # compile the kernels of both phases
-    prefill = statistics.median(run(1)[0] for _ in range(repeats))
-    runs = [run(new) for _ in range(repeats)]
-    total = statistics.median(t for t, _ in runs)
-    return ids.shape[0] * (new - 1) / max(total - prefill, 1e-9), runs[0][1]
+def decode_rate(model: torch.nn.Module, ids: torch.Tensor, new: int, cache: str,
+                device: str) -> tuple[float, torch.Tensor]:
+    """New tokens per second of the decode steps: a `generate` of `new` tokens less one of a
+    single token (the prompt's prefill), each timed once."""
+    prefill, _ = generate_seconds(model, ids, 1, cache, device)
+    total, out = generate_seconds(model, ids, new, cache, device)
+    return ids.shape[0] * (new - 1) / max(total - prefill, 1e-9), out
 
 
 def forced_logits(model: torch.nn.Module, seq: torch.Tensor, prompt: int) -> torch.Tensor:
@@ -84,6 +85,8 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--caches", default="dynamic,static")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="interleaved rounds; the ratio is the median of theirs")
     parser.add_argument("--tiny", action="store_true",
                         help="hidden 64, 2 layers, a short prompt: for the CPU interpreter")
     args = parser.parse_args()
@@ -99,18 +102,27 @@ def main() -> None:
     print(f"B{args.batch} prompt {args.prompt} new {args.new} layers {args.layers} "
           f"{args.dtype} on {args.device}")
     for cache in args.caches.split(","):
-        found = {}
-        for attn in ("sdpa", "flashgen"):
-            model = build(attn, args, dtype)
-            found[attn] = tokens_per_second(model, ids, args.new, cache, args.device)
-            del model
-        a, b = found["sdpa"][1], found["flashgen"][1]
+        models = {attn: build(attn, args, dtype) for attn in ("sdpa", "flashgen")}
+        for model in models.values():
+            generate_seconds(model, ids, min(args.new, 4), cache, args.device)  # compile
+        # Rounds interleaved, each starting with the other implementation: this host's speed
+        # drifts between runs (sdpa alone moved 2155-2919 tok/s across runs on one H100).
+        rates: dict[str, list[float]] = {attn: [] for attn in models}
+        ratios, outs = [], {}
+        for r in range(args.rounds):
+            for attn in (("sdpa", "flashgen") if r % 2 == 0 else ("flashgen", "sdpa")):
+                rate, outs[attn] = decode_rate(models[attn], ids, args.new, cache, args.device)
+                rates[attn].append(rate)
+            ratios.append(rates["flashgen"][-1] / rates["sdpa"][-1])
+        del models
+        a, b = outs["sdpa"], outs["flashgen"]
         n = min(a.shape[1], b.shape[1])  # an end-of-sequence token may stop one early
         same = (a[:, :n] == b[:, :n]).all(0)
         first = int(same.logical_not().nonzero()[0]) if not bool(same.all()) else a.shape[1]
-        sdpa, ours = found["sdpa"][0], found["flashgen"][0]
+        sdpa, ours = (statistics.median(rates[attn]) for attn in ("sdpa", "flashgen"))
         print(f"{cache:8s} sdpa {sdpa:9.1f} tok/s   flashgen {ours:9.1f} tok/s   "
-              f"{ours / sdpa:5.2f}x   tokens agree: {bool(same.all()) and a.shape == b.shape}"
+              f"{statistics.median(ratios):5.2f}x (rounds {min(ratios):.2f}-{max(ratios):.2f})"
+              f"   tokens agree: {bool(same.all()) and a.shape == b.shape}"
               f" (all rows up to position {first - args.prompt} of {args.new})")
         if cache == "dynamic":
             agreement(a, args, dtype)

@@ -212,6 +212,43 @@ def test_gpu_head_dims(head_dim: int) -> None:
 
 
 @gpu
+@pytest.mark.parametrize("mods", [
+    {"window": (1000, -1)}, {"softcap": 30.0}, {"sinks": True},
+    {"window": (300, 0), "softcap": 20.0, "sinks": True}], ids=str)
+@pytest.mark.parametrize("page", [0, 16])
+def test_gpu_modifiers_on_the_kv_cache(mods: dict, page: int) -> None:
+    """Window, softcap and sinks at Llama 3 8B heads on ragged caches up to 8k keys, bf16,
+    default and fixed splits (sinks in the combine, the window's splits from its left edge)."""
+    p = DecodeProblem(4, 32, 8, 1, 8192, 128, "bf16", True, page_size=page)
+    cache = make_kvcache(p, "cuda", 3, seqlens=[8192, 4097, 777, 6])
+    kwargs = dict(mods)
+    if kwargs.get("sinks") is True:
+        kwargs["sinks"] = torch.randn(32, generator=torch.Generator().manual_seed(1)).cuda()
+    for variant in (None, GPU_FIXED_SPLITS):
+        out, lse = flashgen.attention_with_kvcache(
+            cache.q, cache.k, cache.v, cache.seqlens, block_table=cache.block_table,
+            return_lse=True, variant=variant, **kwargs)
+        got = compare_kvcache(out, cache, True, lse=lse, modifiers=kwargs)
+        assert got.ok, f"{p} {mods} {variant}: {got.reason}"
+
+
+@gpu
+def test_gpu_left_padded_rows() -> None:
+    """cache_leftpad at real sizes (a left-padded batch in a static cache): the unpadded
+    cache's answer, the large junk in the pad slots never read."""
+    p = DecodeProblem(3, 32, 8, 1, 4096, 128, "bf16", True)
+    c = make_kvcache(p, "cuda", 7, seqlens=[4096, 900, 2300])
+    pads = [100, 0, 1700]
+    k, v, lens = _left_padded(c, pads)
+    for variant in (None, GPU_FIXED_SPLITS):
+        out = flashgen.attention_with_kvcache(
+            c.q, k, v, lens, cache_leftpad=torch.tensor(pads, dtype=torch.int32).cuda(),
+            variant=variant)
+        got = compare_kvcache(out, c, True)
+        assert got.ok, f"{variant}: {got.reason}"
+
+
+@gpu
 def test_gpu_debug_checks_pages(monkeypatch: pytest.MonkeyPatch) -> None:
     """FLASHGEN_DEBUG=1 reads GPU block tables back and names a page out of range."""
     p = DecodeProblem(2, 8, 2, 1, 64, 64, "bf16", True, page_size=16)
@@ -404,12 +441,12 @@ def _left_padded(c: Any, pads: list[int]) -> tuple[torch.Tensor, torch.Tensor, t
     b, hkv, n, d = c.k.shape
     extra = max(pads)
     gen = torch.Generator().manual_seed(11)
-    k = 100 * torch.randn(b, hkv, n + extra, d, generator=gen).to(c.k.dtype)
-    v = 100 * torch.randn(b, hkv, n + extra, d, generator=gen).to(c.v.dtype)
+    k = 100 * torch.randn(b, hkv, n + extra, d, generator=gen).to(c.k.device, c.k.dtype)
+    v = 100 * torch.randn(b, hkv, n + extra, d, generator=gen).to(c.v.device, c.v.dtype)
     for i, pad in enumerate(pads):
         k[i, :, pad:pad + n] = c.k[i]
         v[i, :, pad:pad + n] = c.v[i]
-    return k, v, c.seqlens + torch.tensor(pads, dtype=torch.int32)
+    return k, v, c.seqlens + torch.tensor(pads, dtype=torch.int32, device=c.seqlens.device)
 
 
 @interpreter
