@@ -34,10 +34,10 @@ DECODE_MAX_NEW_TOKENS = 16
 #: One host read of a mask per forward pass, not one per layer (each is a GPU sync): per kind
 #: of read, the last mask read (a weak reference), its version (an in-place change reads it
 #: again) and what the read found.
-_reads: dict[str, tuple[Any, int, Any]] = {}
+_reads: dict[Any, tuple[Any, int, Any]] = {}
 
 
-def _read_once(kind: str, mask: torch.Tensor, read: Callable[[torch.Tensor], Any]) -> Any:
+def _read_once(kind: Any, mask: torch.Tensor, read: Callable[[torch.Tensor], Any]) -> Any:
     """`read(mask)`, reused while the same mask object, unchanged, comes back (the layers of
     one pass get the same mask). An inference-mode tensor keeps no version: read each time."""
     try:
@@ -106,8 +106,7 @@ def flashgen_attention_forward(
     grads = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     if (attention_mask is not None and attention_mask.dim() == 2 and not grads
             and nq <= DECODE_MAX_NEW_TOKENS and nq < attention_mask.shape[1] <= key.shape[2]
-            and (torch.compiler.is_compiling()
-                 or _read_once("runs", attention_mask, _one_run_per_row))):
+            and _runs(attention_mask) is not None):
         return _decode_step(query, key, value, attention_mask,
                             options_for(attention_mask.shape[1])), None
     valid, padded = _mask_state(attention_mask, key.shape[2])
@@ -160,27 +159,43 @@ def _decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     padding and a static cache's unfilled slots need no host read. Under torch.compile a
     host read was a graph break inside the layer loop (dynamo then ran the model eagerly and
     recompiled it every step), so a compiled step takes every mask this way; a row with a
-    hole then differs from eager mode, which checks for holes first (`_one_run_per_row`)."""
-    pads, lengths = _mask_runs(attention_mask)
+    hole then differs from eager mode, which checks for holes first (`_runs`)."""
+    runs = _runs(attention_mask)
+    assert runs is not None
+    pads, lengths = runs
     out = flashgen.attention_with_kvcache(query, key, value, lengths, cache_leftpad=pads,
                                           **options)
     assert isinstance(out, torch.Tensor)
     return out.transpose(1, 2).contiguous()
 
 
+def _runs(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(first 1, one past the last 1) of each row of a 2-D mask, int32 on its device. Eager:
+    None where a row's 1s are not one run (a hole, or none), worked out with a host read
+    once per pass and stream (the layers of a step share the answer and its tensors);
+    compiled: always the runs, no host read."""
+    if torch.compiler.is_compiling():
+        return _mask_runs(mask)
+    stream = torch.cuda.current_stream(mask.device).cuda_stream if mask.is_cuda else 0
+    runs = _read_once(("runs", stream), mask, _one_run_per_row)
+    if runs is not None and mask.is_cuda and torch.cuda.is_current_stream_capturing():
+        return _mask_runs(mask)  # a CUDA graph keeps the addresses it reads: its own tensors
+    return runs
+
+
 def _mask_runs(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(first 1, one past the last 1) of each row of a 2-D mask, int32, on its device."""
     ones = mask.to(torch.int32)
     pads = ones.argmax(-1).to(torch.int32)
     lengths = (ones.shape[1] - ones.flip(-1).argmax(-1)).to(torch.int32)
     return pads, lengths
 
 
-def _one_run_per_row(mask: torch.Tensor) -> bool:
-    """Whether every row's 1s are one run (no hole, not empty): what `_decode_step` can
-    express. A host read."""
+def _one_run_per_row(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`mask`'s runs where every row's 1s are one run (no hole, not empty): what
+    `_decode_step` can express; else None. A host read."""
     pads, lengths = _mask_runs(mask)
-    return bool((mask.sum(-1) == lengths - pads).all() and (lengths > pads).all())
+    one = bool((mask.sum(-1) == lengths - pads).all() and (lengths > pads).all())
+    return (pads, lengths) if one else None
 
 
 def _packed_lengths(query: torch.Tensor, attention_mask: torch.Tensor | None,

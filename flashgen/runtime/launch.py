@@ -46,9 +46,8 @@ def _int_spec(value: int) -> int:
 
 
 def _spec(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        # A CPU tensor is the interpreter's: nothing to cache (and no CUDA to ask).
-        return (value.dtype, value.data_ptr() % 16 == 0) if value.is_cuda else _UNKNOWN
+    """The key's part for an argument `_key` does not handle itself (tensors, descriptors
+    and plain ints it does)."""
     if type(value) is bool:  # apart from the ints 0 and 1, which Triton types otherwise
         return "true" if value else "false"
     if isinstance(value, int):
