@@ -129,3 +129,40 @@ def test_plain_persistent_fa3_winners_do_not_serve_modified_calls_untuned() -> N
     tuned = runtime_table.Table({"preprocess_block_m": 64, "fwd": [
         entry(persistent, 4096, "k")]}, "test", 132)
     assert tuned.lookup("fwd", capped, lambda e: None)[0]["variant"] == persistent
+
+
+def test_persistent_winners_serve_packed_and_window_calls_as_one_tile_kernels() -> None:
+    """Where every plain winner near a packed or window call is the persistent fa3 kernel
+    (whose tile walk takes neither), the nearest one runs as the one-tile fa3 kernel of its
+    tiles, warps and stages, not the untuned default; a row whose kernel changed since its
+    tuning does not lend its tiles."""
+    import flashgen
+
+    hopper = flashgen.DeviceInfo("H-test", (9, 0), 132, 232448)
+    persistent = {"loop_order": "fa3", "block_m": 128, "block_n": 128, "num_warps": 4,
+                  "num_stages": 2, "programs_per_sm": 1, "pingpong": True}
+    stale: set[int] = set()
+
+    class Fixed(Dispatcher):
+        def kernel_is_current(self, mode: str, entry: dict) -> str | None:
+            return "changed" if entry["seq_q_bucket"] in stale else None
+
+    rows = [{"dtype": "bf16", "causal": True, "head_dim": 128, "gqa": 1, "seq_q_bucket": n,
+             "seq_k_bucket": n, "variant": {**persistent, "block_n": 128 if n > 2048 else 64}}
+            for n in (1024, 4096)]
+    table = runtime_table.Table({"preprocess_block_m": 64, "fwd": rows}, "test", 132, hopper)
+    for flags in ({"varlen": True, "mix": 2}, {"window": True}):
+        shape = runtime_table.Shape(16, 16, 16, 4096, 4096, 128, "bf16", True, **flags)
+        choice, e = Fixed().lookup(table, "fwd", shape)
+        assert choice.how == "nearest" and "run as the one-tile fa3 kernel" in choice.reason
+        assert flashgen.Variant.from_dict(e["variant"]) == flashgen.Variant(**{
+            **persistent, "programs_per_sm": 0, "pingpong": False})
+        assert choice.variant.programs_per_sm == 0 and choice.variant.block_n == 128
+        stale.add(4096)  # the nearest row changed: the next one lends its tiles
+        choice, e = Fixed().lookup(table, "fwd", shape)
+        assert choice.variant.block_n == 64 and "bucket (1024, 1024)" in choice.reason
+        stale.clear()
+    # Without any persistent row: the default, as before.
+    empty = runtime_table.Table({"preprocess_block_m": 64, "fwd": []}, "test", 132, hopper)
+    packed = runtime_table.Shape(16, 16, 16, 4096, 4096, 128, "bf16", True, varlen=True, mix=2)
+    assert Fixed().lookup(empty, "fwd", packed)[0].how == "fallback"

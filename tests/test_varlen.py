@@ -245,6 +245,67 @@ def test_bad_packed_shapes_are_named_errors() -> None:
         flashgen.attention(q[None], q[None], q[None], softcap=float("inf"))
 
 
+def test_offsets_are_read_once_per_tensor_and_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each host read of the offsets is a GPU sync, which stalls a train step's every layer:
+    a tensor already checked is not read again until torch sees it written in place. A bad
+    value written later is still a named error, and a freed tensor leaves no entry behind."""
+    import gc
+
+    from flashgen.runtime import modifiers
+
+    reads: list[int] = []
+    tolist = torch.Tensor.tolist
+
+    def counted(t: torch.Tensor) -> list:
+        reads.append(t.numel())
+        return tolist(t)
+
+    q = torch.randn(23, 2, 16)
+    cu, other = _cu(LENGTHS), _cu(LENGTHS)
+    monkeypatch.setattr(torch.Tensor, "tolist", counted)
+    first = modifiers.check_varlen(q, q, cu, cu, 17, 17)
+    assert len(reads) == 1  # q's and k's offsets are one tensor: read once
+    again = modifiers.check_varlen(q, q, cu, cu, 17, 17)
+    assert len(reads) == 1 and again.offsets_q is first.offsets_q
+    modifiers.check_varlen(q, q, cu, other, 17, 17)
+    assert len(reads) == 2  # equal values, but another tensor: read
+    cu[1] = 30  # in place: read again, and refused
+    with pytest.raises(ValueError, match="must not decrease"):
+        modifiers.check_varlen(q, q, cu, cu, 17, 17)
+    assert len(reads) == 3
+    key = id(other)
+    del other
+    gc.collect()
+    assert key not in modifiers._READ
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_tile_schedule_lists_every_tile_costliest_first(causal: bool) -> None:
+    """The tile list of the persistent packed kernels: every (sequence, Q tile) once, by the
+    keys its rows see (counted here from the mask itself), most first."""
+    from flashgen.runtime.modifiers import tile_schedule
+
+    lens_q, lens_k = [5, 17, 0, 1, 9], [9, 17, 3, 20, 4]
+    offsets = lambda lens: tuple(int(x) for x in torch.tensor([0, *lens]).cumsum(0))
+    table, count = tile_schedule(offsets(lens_q), offsets(lens_k), 4, causal,
+                                 torch.device("cpu"))
+    tiles = [tuple(r) for r in table.tolist()]
+    assert count == len(tiles) == sum(-(-n // 4) for n in lens_q)
+    assert sorted(tiles) == [(b, r) for b, n in enumerate(lens_q) for r in range(0, n, 4)]
+
+    def seen(b: int, row: int) -> int:  # keys any row of the (full-height) tile sees
+        lq, lk = lens_q[b], lens_k[b]
+        return max((sum(1 for j in range(lk) if not causal or j <= i + lk - lq)
+                    for i in range(row, row + 4)), default=0)
+
+    costs = [seen(b, r) for b, r in tiles]
+    assert costs == sorted(costs, reverse=True) and costs[0] == 20
+    assert tile_schedule(offsets(lens_q), offsets(lens_k), 4, causal,
+                         torch.device("cpu"))[0] is table  # cached
+    empty, none = tile_schedule((0, 0), (0, 3), 4, causal, torch.device("cpu"))
+    assert none == 0 and empty.shape == (1, 2)
+
+
 def test_a_package_without_modified_kernels_names_them() -> None:
     """An exported package's runtime ships plain kernels: asked for a modifier, it says so
     instead of launching a kernel of the wrong signature."""

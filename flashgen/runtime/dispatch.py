@@ -51,7 +51,7 @@ from .kvcache import (
     serves_as_decode,
 )
 from .modifiers import Mods
-from .table import Choice, Entry, Shape, Table, bucket, mix_bucket
+from .table import Choice, Entry, Shape, Table, bucket, mix_bucket, modifier_key
 
 #: The package this runtime serves ("flashgen", or an exported package's name), which names
 #: its logger and its torch.library namespace.
@@ -201,12 +201,42 @@ class Dispatcher:
             return self.reject(mode, e, shape, table) or self._stale(mode, e)
 
         entry, how, reason = table.lookup(mode, shape, check)
+        if entry is None and mode == "fwd" and modifier_key(shape):
+            entry, how, reason = self._one_tile_form(table, shape) or (entry, how, reason)
         if entry is None:
             entry = table.default(mode, shape) or self.entry(mode, None, shape, table)
             if deterministic:
                 self._refuse_nondeterministic(entry, f"{table.name}'s default for {shape}")
         return Choice(self.present(mode, entry["variant"]), how, reason,
                       entry.get("source")), entry
+
+    def _one_tile_form(self, table: Table, shape: Shape) -> tuple[Entry, str, str] | None:
+        """A modified or packed forward that no row serves, because the plain winners near
+        it are persistent fa3 kernels (their tile walk takes no window or packing): the
+        nearest of them runs as the one-tile fa3 kernel of the same tiles, warps and stages,
+        which takes every modifier. It comes closer to the tuned kernel than the untuned
+        default does (docs/varlen-and-modifiers.md)."""
+        if self.variant_types.get("fwd") is None:
+            return None
+        made: dict[int, Entry] = {}
+
+        def check(e: Entry) -> str | None:
+            data = e["variant"]
+            if not (data.get("loop_order") == "fa3" and data.get("programs_per_sm")):
+                return "not a persistent fa3 kernel"
+            one = made[id(e)] = self.entry("fwd", self.present("fwd", {
+                **data, "programs_per_sm": 0, "pingpong": False, "head_units": False}),
+                shape, table)
+            return self._stale("fwd", e) or self.reject("fwd", one, shape, table)
+
+        found = table.nearest_plain("fwd", shape, check)
+        if found is None:
+            return None
+        e, got = found
+        return made[id(e)], "nearest", (
+            f"nothing tuned with modifiers {modifier_key(shape)!r}; the persistent fa3 "
+            f"winner of plain attention, bucket {got}, run as the one-tile fa3 kernel of its "
+            f"tiles, warps and stages")
 
     def _refuse_nondeterministic(self, entry: Entry, what: str) -> None:
         """Under deterministic algorithms, a RuntimeError (a warning with warn_only) where

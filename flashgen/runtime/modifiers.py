@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,16 +26,28 @@ from .inputs import DTYPE_NAMES, MAX_HEAD_DIM
 @dataclass(frozen=True)
 class Varlen:
     """Packed sequences: sequence b is rows cu_q[b]:cu_q[b + 1] of q and cu_k[b]:cu_k[b + 1]
-    of k and v; `max_q` / `max_k` bound their lengths (they size the grid)."""
+    of k and v; `max_q` / `max_k` bound their lengths (they size the grid). `offsets_q` and
+    `offsets_k` are the same offsets on the host where the call read them (empty if not)."""
 
     cu_q: torch.Tensor
     cu_k: torch.Tensor
     max_q: int
     max_k: int
+    offsets_q: tuple[int, ...] = ()
+    offsets_k: tuple[int, ...] = ()
 
     @property
     def batch(self) -> int:
         return self.cu_q.shape[0] - 1
+
+    def schedule(self, block_m: int, causal: bool) -> tuple[torch.Tensor, int]:
+        """The Q tiles of every sequence, costliest first, for kernels that walk a tile
+        list: a (tiles, 2) int32 tensor of (sequence, first row) on the offsets' device,
+        and its length. See `tile_schedule`."""
+        if not self.offsets_q or not self.offsets_k:
+            raise ValueError("a tile schedule needs the offsets on the host (check_varlen)")
+        return tile_schedule(self.offsets_q, self.offsets_k, block_m, causal,
+                             self.cu_q.device)
 
 
 @dataclass(frozen=True)
@@ -183,7 +197,72 @@ def check_packed(q: object, k: object, v: object) -> None:
         raise ValueError(f"empty input: q {tuple(q.shape)}")
 
 
-def _check_cu(name: str, cu: object, total: int, device: torch.device) -> list[int]:
+#: Offsets read from the device, by tensor: a tensor read once is not read again (each read
+#: is a GPU sync) until it is written in place (its version changes) or freed. Offsets
+#: changed where torch does not count a write (through `.data`, or a raw pointer) are not seen.
+_READ: dict[int, tuple[weakref.ref, int, tuple[int, ...]]] = {}
+
+
+def _read_offsets(cu: torch.Tensor) -> tuple[int, ...]:
+    """`cu`'s values on the host: read (one sync) once per tensor and in-place version.
+    Inference tensors keep no version, so they are read every time."""
+    try:
+        version = cu._version
+    except RuntimeError:  # an inference tensor
+        return tuple(cu.tolist())
+    key = id(cu)
+    held = _READ.get(key)
+    if held is not None and held[0]() is cu and held[1] == version:
+        return held[2]
+    offsets = tuple(cu.tolist())  # one host read: the checks below cannot run on the device
+
+    def forget(ref: weakref.ref, key: int = key) -> None:
+        if _READ.get(key, (None,))[0] is ref:
+            del _READ[key]
+
+    _READ[key] = (weakref.ref(cu, forget), version, offsets)
+    return offsets
+
+
+#: Tile schedules by offsets, tile height, mask and device (`tile_schedule`), least recently
+#: used dropped first: a training step reuses one packing across its layers.
+_SCHEDULES: OrderedDict[tuple, tuple[torch.Tensor, int]] = OrderedDict()
+_SCHEDULES_KEPT = 32
+
+
+def tile_schedule(offsets_q: tuple[int, ...], offsets_k: tuple[int, ...], block_m: int,
+                  causal: bool, device: torch.device) -> tuple[torch.Tensor, int]:
+    """Every Q tile of every packed sequence as (sequence, first row), sorted by the keys
+    its rows see, most first (ties: sequence order), so programs that take tiles in list
+    order start the long ones first and the short ones fill the tail (longest processing
+    time first). Under the causal mask (bottom-right) a tile of rows [r, r + block_m) of a
+    sequence of Lq queries and Lk keys sees min(Lk, r + block_m + Lk - Lq) keys. Returns a
+    (tiles, 2) int32 tensor on `device` and the number of tiles (0: every sequence empty;
+    the tensor then holds one unused row, so it is never empty). Cached."""
+    key = (offsets_q, offsets_k, block_m, causal, device)
+    found = _SCHEDULES.get(key)
+    if found is not None:
+        _SCHEDULES.move_to_end(key)
+        return found
+    tiles: list[tuple[int, int, int]] = []  # (-keys, sequence, first row)
+    spans = zip(itertools.pairwise(offsets_q), itertools.pairwise(offsets_k), strict=True)
+    for b, ((q0, q1), (k0, k1)) in enumerate(spans):
+        lq, lk = q1 - q0, k1 - k0
+        for row in range(0, lq, block_m):
+            keys = min(lk, max(0, row + block_m + lk - lq)) if causal else lk
+            tiles.append((-keys, b, row))
+    tiles.sort()
+    rows = [(b, row) for _, b, row in tiles] or [(0, 0)]
+    table = torch.tensor(rows, dtype=torch.int32)
+    if device.type == "cuda":  # pinned, so the copy queues behind earlier work, no wait
+        table = table.pin_memory().to(device, non_blocking=True)
+    found = _SCHEDULES[key] = (table, len(tiles))
+    if len(_SCHEDULES) > _SCHEDULES_KEPT:
+        _SCHEDULES.popitem(last=False)
+    return found
+
+
+def _check_cu(name: str, cu: object, total: int, device: torch.device) -> tuple[int, ...]:
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of int32 offsets, got "
                         f"{type(cu).__name__}")
@@ -194,11 +273,11 @@ def _check_cu(name: str, cu: object, total: int, device: torch.device) -> list[i
                          f"{tuple(cu.shape)}")
     if cu.device != device:
         raise ValueError(f"{name} is on {cu.device}, q on {device}")
-    offsets = cu.tolist()  # one host read: the checks below cannot be made on the device
+    offsets = _read_offsets(cu)
     if offsets[0] != 0:
         raise ValueError(f"{name} must start at 0, got {offsets[0]}")
     if any(b < a for a, b in itertools.pairwise(offsets)):
-        raise ValueError(f"{name} must not decrease, got {offsets}")
+        raise ValueError(f"{name} must not decrease, got {list(offsets)}")
     if offsets[-1] != total:
         raise ValueError(f"{name} must end at the packed length {total}, got {offsets[-1]}")
     return offsets
@@ -208,7 +287,8 @@ def check_varlen(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: object, cu_seql
                  max_seqlen_q: object, max_seqlen_k: object) -> Varlen:
     """The offsets and bounds of a packed call (see `Varlen`), each bad one a named error."""
     cq = _check_cu("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
-    ck = _check_cu("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
+    ck = cq if cu_seqlens_k is cu_seqlens_q and k.shape[0] == q.shape[0] else _check_cu(
+        "cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
     if len(cq) != len(ck):
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), "
                          f"got {len(cq)} and {len(ck)}")
@@ -222,4 +302,5 @@ def check_varlen(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: object, cu_seql
                              f"({longest})")
     assert isinstance(cu_seqlens_q, torch.Tensor) and isinstance(cu_seqlens_k, torch.Tensor)
     assert isinstance(max_seqlen_q, int) and isinstance(max_seqlen_k, int)
-    return Varlen(cu_seqlens_q, cu_seqlens_k, max(1, max_seqlen_q), max(1, max_seqlen_k))
+    return Varlen(cu_seqlens_q, cu_seqlens_k, max(1, max_seqlen_q), max(1, max_seqlen_k), cq,
+                  ck)

@@ -246,6 +246,13 @@ class Table:
                                   f"{shape.causal} D={shape.head_dim} GQA={shape.group} on "
                                   f"{self.name}")
 
+    def nearest_plain(self, mode: str, shape: Shape,
+                      check: Check) -> tuple[Entry, tuple] | None:
+        """The nearest entry tuned on plain attention of `shape`'s kind that `check` lets
+        serve it, and its bucket (None: none does)."""
+        found = self._search(mode, shape, check, "", [])
+        return None if found is None else found[:2]
+
     def _search(self, mode: str, shape: Shape, check: Check, mods: str,
                 skipped: list[str]) -> tuple[Entry, tuple, tuple] | None:
         """The nearest entry of `shape`'s kind tuned with modifiers `mods` that may serve

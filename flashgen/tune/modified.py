@@ -128,5 +128,6 @@ def make_modified_inputs(problem: Problem, device: torch.device,
                           p.torch_dtype, device, seed)
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))
     as_tensor = lambda cu: torch.tensor(cu, dtype=torch.int32, device=device)
-    varlen = Varlen(as_tensor(cu_q), as_tensor(cu_k), max(lens_q), max(lens_k))
+    varlen = Varlen(as_tensor(cu_q), as_tensor(cu_k), max(lens_q), max(lens_k), tuple(cu_q),
+                    tuple(cu_k))
     return ModifiedInputs(q, k, v, Mods(window, softcap, sinks, varlen), ref, (cu_q, cu_k))
