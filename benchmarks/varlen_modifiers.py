@@ -29,6 +29,7 @@ import flashgen
 from flashgen.tune.timing import time_cuda
 
 DEVICE = torch.device("cuda")
+TIMER = {"name": "wall"}  # --timer: "wall" (what an eager caller sees) or "gpu"
 
 
 def causal_pairs(nq: int, nk: int, left: int = -1) -> int:
@@ -49,14 +50,14 @@ def timed(fn: Callable[[], torch.Tensor], grad: bool) -> float:
     """Median ms of `fn` (forward) or of forward + backward with a fixed upstream gradient."""
     if not grad:
         with torch.no_grad():
-            return time_cuda(fn, DEVICE).median_ms
+            return time_cuda(fn, DEVICE, timer=TIMER["name"]).median_ms
     out = fn()
     do = torch.randn_like(out)
 
     def step() -> None:
         fn().backward(do)
 
-    return time_cuda(step, DEVICE).median_ms
+    return time_cuda(step, DEVICE, timer=TIMER["name"]).median_ms
 
 
 def tflops(flops: float, ms: float, grad: bool) -> float:
@@ -170,10 +171,15 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=4096)
     parser.add_argument("--softcap-n", type=int, default=8192)
     parser.add_argument("--only", default="varlen,window,softcap")
+    parser.add_argument("--timer", default="wall", choices=("wall", "gpu"),
+                        help="wall: back-to-back calls, host cost included (default); gpu: "
+                        "calls queued behind a spin, GPU time only")
     parser.add_argument("--out", help="also write the lines to this file")
     args = parser.parse_args()
+    TIMER["name"] = args.timer
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
-    lines = [f"{torch.cuda.get_device_name()} {args.dtype} D{args.dim} H{args.heads}"]
+    lines = [f"{torch.cuda.get_device_name()} {args.dtype} D{args.dim} H{args.heads}, "
+             f"{args.timer} timer"]
     only = args.only.split(",")
     if "varlen" in only:
         bench_varlen(args.heads, args.dim, dtype, lines)
