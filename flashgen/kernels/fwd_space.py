@@ -456,6 +456,12 @@ HOPPER_PORTFOLIO: tuple[Pick[Variant], ...] = (
          max_d=64),
     Pick(_fa2(128, 64, 8, 4, tma=False), "fa2 sweep: fastest at D64 N16k causal", max_d=64),
     Pick(_fa2(64, 64, 4, 3, tma=False), "the last fa2 winner (D64 N512 causal)", max_d=64),
+    # Head dim 256 (192 pads to it): the one-tile kernel on 64-key tiles, 2 stages (the
+    # persistent kernel has no room for a ring there; 3 stages do not fit either).
+    Pick(_fa3(128, 64, 4, 2), "one-tile fa3, two 64-row consumers: 0.93-1.01x cuDNN at "
+         "gemma2-9b shapes, where fa2's best reached 0.74-0.77x", min_d=256),
+    Pick(_fa3(128, 64, 8, 2), "one 128-row consumer at D256 (0.83-0.90x cuDNN)", min_d=256),
+    Pick(_fa3(64, 64, 4, 2), "one 64-row consumer at D256 (0.74-0.83x cuDNN)", min_d=256),
     # Padded head dim 128 and above (80 and 96 pad to 128; fa3 rules drop them there).
     Pick(_fa3(128, 128, 4, 2, programs_per_sm=1, pingpong=True), "two consumers taking turns: "
          "the fastest D128 point from N1k (the D128 default)", min_d=128),
@@ -497,6 +503,8 @@ DEFAULTS: tuple[Pick[Variant], ...] = (
     Pick(Variant("fa3", 128, 128, 4, 2, programs_per_sm=1), "D64: fa3 pays from 4k keys; shorter "
          "programs leave its TMA prologue exposed", max_d=64, min_keys=FA3_DEFAULT_MIN_KEYS_D64,
          dtypes=FA3_DEFAULT_DTYPES, plain=True),
+    Pick(Variant("fa3", 128, 64, 4, 2), "D256: the one-tile kernel, two consumers on 64-key "
+         "tiles", min_d=256, dtypes=FA3_DEFAULT_DTYPES, plain=True),
     Pick(Variant("fa2", 128, 64, 8, 3), "fa2's tuned D128 tile", min_d=128, hopper=True),
     Pick(Variant("fa2", 128, 64, 8, 2), "fa2's D128 tile, 2 stages off Hopper", min_d=128,
          hopper=False),
