@@ -537,18 +537,20 @@ def test_modified_fa3_compiles_for_hopper(variant: Variant, causal: bool) -> Non
     assert any("0 bytes spill stores" in line for line in found["ptxas"]), found["ptxas"]
 
 
-#: Spill stores (bytes a thread, ptxas on sm_90a, bf16) of the plain Gluon backward kernels
-#: that spill at all; the rest spill nothing plain and must spill nothing modified, except
-#: the dQ kernel on 128-key tiles at D128, packed (a 64 x 128 score tile per consumer beside
-#: dQ; 12-20 bytes).
-_PLAIN_SPILLS = {("dkdv", 64, 128): 236, ("dkdv", 128, 64): 96}
+#: Bounds on spill stores (bytes a thread, ptxas on sm_90a, bf16) of the modified Gluon
+#: backward kernels that spill plain too, or nearly: (kernel, streamed tile, head dim).
+#: Measured: dK/dV on 64-row steps at D128 236 plain, 292 packed (the row-masked stores'
+#: bases and N_K beside dK and dV), 192 capped, 284 with everything; dK/dV on 128-row steps
+#: at D64 84-96 plain, 24-48 modified; dQ on 128-key tiles at D128 0 plain and packed, 12
+#: with everything. Every other kernel here spills nothing, plain or modified.
+_SPILL_BOUNDS = {("dkdv", 64, 128): 300, ("dkdv", 128, 64): 96, ("dq", 128, 128): 16}
 _FA3_BWD_COMPILED = [
     ("dkdv", BwdVariant(64, 128, 4, 2, fa3="both"), 128),
     ("dkdv", BwdVariant(64, 128, 4, 3, fa3="both"), 64),
     ("dkdv", BwdVariant(128, 128, 4, 2, fa3="both"), 64),
     ("dq", BwdVariant(64, 128, 4, 2, fa3="both"), 128),
     ("dq", BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_streamed=64), 64),
-    ("dq", BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_streamed=128), 128),
+    ("dq", BwdVariant(64, 128, 4, 2, fa3="both", dq_block_streamed=128), 128),
 ]
 _FA3_BWD_MODS = {"varlen": {"varlen": True}, "softcap": {"softcap": True},
                  "all": {"varlen": True, "window": True, "softcap": True, "sinks": True}}
@@ -561,10 +563,9 @@ _FA3_BWD_MODS = {"varlen": {"varlen": True}, "softcap": {"softcap": True},
 def test_modified_fa3_backward_compiles_for_hopper(kernel: str, variant: BwdVariant, d: int,
                                                    name: str, causal: bool) -> None:
     """The Gluon dK/dV and dQ kernels with the packed layout, softcap and window, compiled
-    for sm90a (`gluon_compile`): warpgroup products with one left in flight, TMA, and no
-    more spills than the plain kernel (bytes a thread, measured: dK/dV m64 at D128 236
-    plain, 292 packed, 192 capped, 284 with all; dK/dV m128 at D64 84-96 plain, 24-48
-    modified; everything else 0 except the dQ kernel's 128-key tiles at D128, packed)."""
+    for sm90a (`gluon_compile`): warpgroup products with one left in flight, TMA, and
+    spills within `_SPILL_BOUNDS` (none where the plain kernel has none, but for 12 bytes in
+    the dQ kernel's 128-key tiles at D128 with every modifier)."""
     pytest.importorskip("triton.experimental.gluon")
     from flashgen.tune.gluon_compile import report_in_subprocess
 
@@ -576,12 +577,8 @@ def test_modified_fa3_backward_compiles_for_hopper(kernel: str, variant: BwdVari
     assert found["shared"] <= hopper.shared_memory
     spilled = [int(n) for line in found["ptxas"]
                for n in re.findall(r"(\d+) bytes spill stores", line)]
-    plain = _PLAIN_SPILLS.get((kernel, variant.streamed(kernel), d), 0)
-    if kernel == "dkdv" and variant.block_streamed == 64 and d == 128:
-        plain = 300  # packed, 292: the row-masked stores' bases and N_K beside dK and dV
-    if kernel == "dq" and variant.streamed("dq") == 128 and problem.varlen:
-        plain = 32
-    assert max(spilled, default=0) <= plain, found["ptxas"]
+    bound = _SPILL_BOUNDS.get((kernel, variant.streamed(kernel), d), 0)
+    assert max(spilled, default=0) <= bound, found["ptxas"]
 
 
 #: Packed lengths for the Gluon backward: empty and one-token sequences, lengths that are no
