@@ -7,6 +7,7 @@ times the same-dtype eager reference's error, plus one rounding step of the larg
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -195,10 +196,30 @@ def test_modifiers_keep_to_triton_kernels_and_the_one_tile_fa3() -> None:
     assert "not fa1" in why_invalid(Variant("fa1", 64, 64, 4, 2), packed, hopper)
     assert why_invalid(default_variant(p, hopper), p, hopper) is None
     assert default_variant(p, hopper).loop_order == "fa2"  # fa3 here is tuned, not a default
-    assert "Triton backward" in why_invalid_bwd(BwdVariant(64, 128, 4, 2, fa3="both"), p,
-                                                hopper)
-    assert default_bwd_variant(p, hopper).fa3 == "none"
+    # The Gluon backward kernels take every modifier too (sinks need nothing in them).
+    for modified in (p, packed, p.with_(window=False, softcap=True), p.with_(sinks=True),
+                     p.with_(varlen=True, softcap=True, sinks=True)):
+        assert why_invalid_bwd(BwdVariant(64, 128, 4, 2, fa3="both"), modified, hopper) is None
+        assert why_invalid_bwd(BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_streamed=64),
+                               modified.with_(head_dim=64), hopper) is None
+        assert default_bwd_variant(modified, hopper).fa3 == "both"  # D128
+    assert default_bwd_variant(p.with_(head_dim=64), hopper).fa3 == "dq"
     assert str(p).endswith("causal window")
+
+
+def test_a_modifier_the_gluon_backward_lacks_keeps_to_triton(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rule names what the Gluon backward kernels do not take, and only that."""
+    from flashgen.kernels import bwd_space
+
+    hopper = flashgen.DeviceInfo("H-test", (9, 0), 132, 232448)
+    monkeypatch.setattr(bwd_space, "FA3_BWD_MODIFIERS", frozenset({"varlen", "sinks"}))
+    p = Problem(2, 8, 8, 1024, 1024, 128, "bf16", True, window=True, varlen=True)
+    why = why_invalid_bwd(BwdVariant(64, 128, 4, 2, fa3="both"), p, hopper)
+    assert why == "window run in the Triton backward kernels only (fa3 'none')"
+    assert why_invalid_bwd(BwdVariant(64, 128, 4, 2, fa3="both"), p.with_(window=False),
+                           hopper) is None
+    assert default_bwd_variant(p, hopper).fa3 == "none"
 
 
 def _bad_varlen(**change: object) -> None:
@@ -514,6 +535,132 @@ def test_modified_fa3_compiles_for_hopper(variant: Variant, causal: bool) -> Non
     assert found["exp_under_pv"] and all(found["exp_under_pv"]), found["exp_under_pv"]
     assert found["byte_permutes"] == 0, found["byte_permutes"]
     assert any("0 bytes spill stores" in line for line in found["ptxas"]), found["ptxas"]
+
+
+#: Bounds on spill stores (bytes a thread, ptxas on sm_90a, bf16) of the modified Gluon
+#: backward kernels that spill plain too, or nearly: (kernel, streamed tile, head dim).
+#: Measured: dK/dV on 64-row steps at D128 236 plain, 292 packed (the row-masked stores'
+#: bases and N_K beside dK and dV), 192 capped, 284 with everything; dK/dV on 128-row steps
+#: at D64 84-96 plain, 24-48 modified; dQ on 128-key tiles at D128 0 plain and packed, 12
+#: with everything. Every other kernel here spills nothing, plain or modified.
+_SPILL_BOUNDS = {("dkdv", 64, 128): 300, ("dkdv", 128, 64): 96, ("dq", 128, 128): 16}
+_FA3_BWD_COMPILED = [
+    ("dkdv", BwdVariant(64, 128, 4, 2, fa3="both"), 128),
+    ("dkdv", BwdVariant(64, 128, 4, 3, fa3="both"), 64),
+    ("dkdv", BwdVariant(128, 128, 4, 2, fa3="both"), 64),
+    ("dq", BwdVariant(64, 128, 4, 2, fa3="both"), 128),
+    ("dq", BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_streamed=64), 64),
+    ("dq", BwdVariant(64, 128, 4, 2, fa3="both", dq_block_streamed=128), 128),
+]
+_FA3_BWD_MODS = {"varlen": {"varlen": True}, "softcap": {"softcap": True},
+                 "all": {"varlen": True, "window": True, "softcap": True, "sinks": True}}
+
+
+@pytest.mark.parametrize(("kernel", "variant", "d"), _FA3_BWD_COMPILED,
+                         ids=lambda x: str(x).replace(" ", "-"))
+@pytest.mark.parametrize(("name", "causal"), [("varlen", True), ("softcap", False),
+                                              ("all", False), ("all", True)])
+def test_modified_fa3_backward_compiles_for_hopper(kernel: str, variant: BwdVariant, d: int,
+                                                   name: str, causal: bool) -> None:
+    """The Gluon dK/dV and dQ kernels with the packed layout, softcap and window, compiled
+    for sm90a (`gluon_compile`): warpgroup products with one left in flight, TMA, and
+    spills within `_SPILL_BOUNDS` (none where the plain kernel has none, but for 12 bytes in
+    the dQ kernel's 128-key tiles at D128 with every modifier)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from flashgen.tune.gluon_compile import report_in_subprocess
+
+    hopper = flashgen.DeviceInfo("H-test", (9, 0), 132, 232448)
+    problem = Problem(2, 16, 4, 4096, 4096, d, "bf16", causal, **_FA3_BWD_MODS[name])
+    assert why_invalid_bwd(variant, problem, hopper) is None
+    found = report_in_subprocess(variant, problem, kernel)
+    assert found["wgmma"] and found["tma"] and found["setmaxnreg"] and found["wait_one"]
+    assert found["shared"] <= hopper.shared_memory
+    spilled = [int(n) for line in found["ptxas"]
+               for n in re.findall(r"(\d+) bytes spill stores", line)]
+    bound = _SPILL_BOUNDS.get((kernel, variant.streamed(kernel), d), 0)
+    assert max(spilled, default=0) <= bound, found["ptxas"]
+
+
+#: Packed lengths for the Gluon backward: empty and one-token sequences, lengths that are no
+#: multiple of any tile, several tiles, queries longer and shorter than keys.
+_LQ = [1, 700, 63, 129, 0, 512, 256, 17, 640, 2, 300, 64]
+_LK = [3, 650, 63, 200, 5, 512, 1, 17, 700, 2, 300, 70]
+_FA3_BWD_POINTS = [BwdVariant(64, 128, 4, 2, fa3="both"), BwdVariant(128, 128, 4, 2, fa3="both"),
+                   BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_streamed=64),
+                   BwdVariant(64, 128, 4, 2, fa3="both", dq_block_streamed=128)]
+
+
+def _gluon_bwd_or_skip(bwd: BwdVariant, problem: Problem) -> None:
+    from flashgen.kernels.hardware import device_info
+
+    if not device_info("cuda").is_hopper:
+        pytest.skip("the fa3 backward kernels are Gluon kernels for Hopper")
+    if why_invalid_bwd(bwd, problem, "cuda") is not None:
+        pytest.skip(f"{bwd} does not serve {problem}: {why_invalid_bwd(bwd, problem, 'cuda')}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bwd", _FA3_BWD_POINTS, ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_packed_fa3_backward_on_the_gpu(bwd: BwdVariant, causal: bool, d: int) -> None:
+    """The Gluon dK/dV and dQ kernels on packed sequences (cross-attention, GQA 8:2): tiles
+    that run into the next sequence must neither read its rows as theirs nor write them."""
+    dtype = torch.bfloat16
+    _gluon_bwd_or_skip(bwd, Problem(12, 8, 2, max(_LQ), max(_LK), d, "bf16", causal,
+                                    varlen=True))
+    cu_q, cu_k = _cu(_LQ).cuda(), _cu(_LK).cuda()
+    leaves = [t.detach().cuda().requires_grad_() for t in _packed(_LQ, _LK, 8, 2, d, dtype)]
+    _check(lambda q, k, v: flashgen.attention_varlen(
+               q, k, v, cu_q, cu_k, max(_LQ), max(_LK), causal=causal, return_lse=True,
+               bwd_variant=bwd),
+           lambda q, k, v, dtype: reference.attention_varlen(
+               q, k, v, cu_q.cpu(), cu_k.cpu(), causal, None, dtype),
+           leaves)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["softcap", "window", "all"])
+@pytest.mark.parametrize("bwd", _FA3_BWD_POINTS, ids=str)
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_modified_fa3_backward_on_the_gpu(name: str, bwd: BwdVariant, packed: bool,
+                                          causal: bool) -> None:
+    """The Gluon backward with softcap, a window, and all modifiers (sinks' gradient from
+    the launcher), dense (1300 queries, 1500 keys, GQA 8:2) and packed, D128 and, for the
+    128-row step, D64."""
+    dtype, d = torch.bfloat16, 64 if bwd.block_streamed == 128 else 128
+    mods, extra = _sinks({**MODIFIERS[name], **({"window": (300, 40)} if name != "softcap"
+                                                 else {})}, 8, dtype)
+    if "softcap" in mods:
+        mods["softcap"] = 20.0
+    flags = {"softcap": "softcap" in mods, "window": "window" in mods, "sinks": bool(extra)}
+    _gluon_bwd_or_skip(bwd, Problem(2, 8, 2, 1300, 1500, d, "bf16", causal, varlen=packed,
+                                    **flags))
+    if not packed:
+        gen = torch.Generator().manual_seed(19)
+        leaves = [t.to("cuda", dtype).requires_grad_() for t in (
+            torch.randn(2, 8, 1300, d, generator=gen), torch.randn(2, 2, 1500, d, generator=gen),
+            torch.randn(2, 2, 1500, d, generator=gen))] + [t.cuda().detach().requires_grad_()
+                                                            for t in extra]
+        _check(lambda q, k, v, *s: flashgen.attention(
+                   q, k, v, causal=causal, sinks=s[0] if s else None, return_lse=True,
+                   bwd_variant=bwd, **mods),
+               lambda q, k, v, *s, dtype: reference.attention(
+                   q, k, v, causal, None, dtype, sinks=s[0] if s else None, **mods),
+               leaves)  # fmt: skip
+        return
+    lq, lk = [1, 900, 63, 300, 0, 17], [5, 900, 80, 290, 3, 17]
+    cu_q, cu_k = _cu(lq).cuda(), _cu(lk).cuda()
+    leaves = [t.detach().cuda().requires_grad_()
+              for t in [*_packed(lq, lk, 8, 2, d, dtype), *extra]]
+    _check(lambda q, k, v, *s: flashgen.attention_varlen(
+               q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal,
+               sinks=s[0] if s else None, return_lse=True, bwd_variant=bwd, **mods),
+           lambda q, k, v, *s, dtype: reference.attention_varlen(
+               q, k, v, cu_q.cpu(), cu_k.cpu(), causal, None, dtype,
+               sinks=s[0] if s else None, **mods),
+           leaves)  # fmt: skip
 
 
 @pytest.mark.gpu

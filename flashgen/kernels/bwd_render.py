@@ -46,6 +46,9 @@ def bwd_render_context(kernel: BwdKernel, variant: BwdVariant, problem: Problem)
         context["block_m"] = PREPROCESS_BLOCK_M
         return context
     context["causal"] = problem.causal
+    # Sinks take no part in these kernels (their gradient is a row sum, left to the
+    # launcher), so only the packed layout, window and softcap add arguments.
+    context.update(modifier_context(problem.with_(sinks=False)))
     if variant.gluon(kernel):
         # Gluon kernels (Hopper, fp16/bf16 only): no precision or atomic switch; both keep
         # the owned tile as block_n's and the streamed one as block_m's in their own terms.
@@ -58,9 +61,6 @@ def bwd_render_context(kernel: BwdKernel, variant: BwdVariant, problem: Problem)
         return context
     # fp32 inputs get true fp32 products: tf32 would lose ~3 decimal digits.
     context["dot_precision"] = "ieee" if problem.dtype == "fp32" else "tf32"
-    # Sinks take no part in these kernels (their gradient is a row sum, left to the
-    # launcher), so only window and softcap add arguments.
-    context.update(modifier_context(problem.with_(sinks=False)))
     if kernel == "dkdv":
         context["block_m"] = variant.block_streamed
         context["block_n"] = variant.block_owned

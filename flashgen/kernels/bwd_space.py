@@ -136,11 +136,20 @@ def too_many_warps(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:
     return None
 
 
+#: The modifiers the Gluon (fa3) dK/dV and dQ kernels take: the packed layout (descriptors
+#: over the packing, gradients stored through a row mask per sequence), window and softcap
+#: as structure, and sinks, which need nothing in any backward kernel (dsinks is a row sum
+#: the launcher takes from LSE and delta).
+FA3_BWD_MODIFIERS = frozenset({"varlen", "window", "softcap", "sinks"})
+
+
 def modifiers_need_triton_kernels(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:
-    # Window, softcap and the packed layout are written into the Triton dK/dV and dQ
-    # templates only; the Gluon ones address whole (B, H, N, D) tensors by TMA.
-    if p.modifiers and v.fa3 != "none":
-        return f"{', '.join(p.modifiers)} run in the Triton backward kernels only (fa3 'none')"
+    # Every modifier is written into the Triton dK/dV and dQ templates; the Gluon ones take
+    # FA3_BWD_MODIFIERS. A modifier added later runs in the Triton kernels until the Gluon
+    # ones take it.
+    missing = [name for name in p.modifiers if name not in FA3_BWD_MODIFIERS]
+    if missing and v.fa3 != "none":
+        return f"{', '.join(missing)} run in the Triton backward kernels only (fa3 'none')"
     return None
 
 

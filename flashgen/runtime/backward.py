@@ -83,6 +83,15 @@ def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
     plain: list[_Kernels] = []  # the twin's, loaded on first need
     group = shape.group
 
+    def kernels_for(lse: torch.Tensor, *tensors: torch.Tensor) -> _Kernels:
+        """The entry's kernels, or its twin's where TMA cannot address `tensors` (the
+        (B, H, N, D) views the Gluon kernels would get) or the LSE rows are strided."""
+        if main.variant.fa3 == "none" or (lse.stride(-1) == 1 and tma_ready(*tensors)):
+            return main
+        if not plain:
+            plain.append(_Kernels(knobs(entry["twin"]), kernel_of, "_plain"))
+        return plain[0]
+
     def run(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             out: torch.Tensor, lse: torch.Tensor, scale: float,
             mods: Mods | None = None) -> tuple[torch.Tensor, ...]:
@@ -93,25 +102,21 @@ def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
         dq = torch.empty_like(q)
         dk = torch.empty_like(k)
         dv = torch.empty_like(v)
-        ks = main
-        if main.variant.fa3 != "none" and (lse.stride(-1) != 1
-                                           or not tma_ready(q, k, v, do, dq, dk, dv)):
-            if not plain:
-                plain.append(_Kernels(knobs(entry["twin"]), kernel_of, "_plain"))
-            ks = plain[0]
+        ks = kernels_for(lse, q, k, v, do, dq, dk, dv)
         var = ks.variant
         delta = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
         preprocess[(cdiv(nq, preprocess_block_m), b * hq)](
             out, do, delta, *out.stride(), *do.stride(), *delta.stride(), nq, hq
         )
+        rows = (*lse.stride()[:2], *delta.stride()[:2])
         if ks.gluon["dkdv"]:
             _launch_gluon("dkdv", ks.dkdv, var, (cdiv(nk, var.block_owned), b * hkv),
-                          (q, k, v, do, dk, dv), lse, delta, scale, hkv, group)
+                          (q, k, v, do, dk, dv), lse, delta, rows, scale, (nq, nk), hkv, group)
         else:
             _triton_dkdv(ks, q, k, v, do, lse, delta, dq, dk, dv, scale, group)
         if ks.gluon["dq"]:
             _launch_gluon("dq", ks.dq, var, (cdiv(nq, var.block_owned), b * hq),
-                          (q, k, v, do, dq), lse, delta, scale, hq, group)
+                          (q, k, v, do, dq), lse, delta, rows, scale, (nq, nk), hq, group)
         elif ks.dq is not None:
             # The dQ kernel owns block_n query rows per program (the pair swaps; see
             # flashgen's BwdVariant).
@@ -125,13 +130,13 @@ def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
     def run_modified(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      out: torch.Tensor, lse: torch.Tensor, scale: float,
                      mods: Mods) -> tuple[torch.Tensor, ...]:
-        """The Triton kernels with the modifiers' arguments after the common ones (the
-        validity rules keep Gluon kernels off these calls). A packed call is one batch to
-        the preprocessing kernel (its rows are independent) and one (batch, head) row of
-        programs per sequence to the others. With sinks, dsinks_h = -sum_i P_sink,i
-        delta_i follows from delta and the LSE: P_sink,i = exp(sink_h - LSE_i)."""
-        ks = main
-        var = ks.variant
+        """The kernels with the modifiers' arguments after the common ones. A packed call
+        is one batch to the preprocessing kernel (its rows are independent) and one
+        (batch, head) row of programs per sequence to the others; the Gluon kernels get
+        descriptors over the (1, H, total, D) views and, last, the gradients they store
+        through a row mask with their row and head strides. With sinks, dsinks_h =
+        -sum_i P_sink,i delta_i follows from delta and the LSE: P_sink,i =
+        exp(sink_h - LSE_i); the kernels take no sink argument."""
         packed = mods.varlen is not None
         if packed:
             assert mods.varlen is not None
@@ -155,16 +160,34 @@ def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         extra = mods.kernel_args(shape.causal, nq, nk)
         extra = [a for a in extra if a is not mods.sinks]  # the sinks stay in the launcher
+        # The Gluon kernels' (B, H, N, D) views: packed (total, H, D) tensors are one batch.
+        view = (lambda t: t.unsqueeze(0).transpose(1, 2)) if packed else (lambda t: t)
+        ks = kernels_for(lse, *(view(t) for t in (q, k, v, do, dq, dk, dv)))
+        var = ks.variant
         atomic = var.dq_mode == "atomic"
         dq_target = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if atomic else dq
         s4 = lambda t: strides4(t, packed)
-        ks.dkdv[(cdiv(nk, var.block_owned), b * hkv)](
-            q, k, v, do, lse, delta, dk, dv, dq_target,
-            *s4(q), *s4(k), *s4(v), *s4(do), *row_strides, *s4(dk), *s4(dv), *s4(dq_target),
-            scale, nq, nk, hkv, group, *extra, **ks.launch,
-        )  # fmt: skip
+        # Gluon: (B, H) strides of LSE and delta (packed: (0, H's)); stores by pointer, packed.
+        gluon_rows = (row_strides[0], row_strides[1], row_strides[3], row_strides[4]) if (
+            packed) else (*lse.stride()[:2], *delta.stride()[:2])
+        if ks.gluon["dkdv"]:
+            stores = (dk, dv, *dk.stride()[:2], *dv.stride()[:2]) if packed else ()
+            _launch_gluon("dkdv", ks.dkdv, var, (cdiv(nk, var.block_owned), b * hkv),
+                          tuple(view(t) for t in (q, k, v, do, dk, dv)), lse, delta,
+                          gluon_rows, scale, (nq, nk), hkv, group, (*extra, *stores))
+        else:
+            ks.dkdv[(cdiv(nk, var.block_owned), b * hkv)](
+                q, k, v, do, lse, delta, dk, dv, dq_target,
+                *s4(q), *s4(k), *s4(v), *s4(do), *row_strides, *s4(dk), *s4(dv),
+                *s4(dq_target), scale, nq, nk, hkv, group, *extra, **ks.launch,
+            )  # fmt: skip
         if atomic:
             dq.copy_(dq_target)
+        elif ks.gluon["dq"]:
+            stores = (dq, *dq.stride()[:2]) if packed else ()
+            _launch_gluon("dq", ks.dq, var, (cdiv(nq, var.block_owned), b * hq),
+                          tuple(view(t) for t in (q, k, v, do, dq)), lse, delta, gluon_rows,
+                          scale, (nq, nk), hq, group, (*extra, *stores))
         else:
             ks.dq[(cdiv(nq, var.block_owned), b * hq)](
                 q, k, v, do, lse, delta, dq,
@@ -184,14 +207,16 @@ def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
 
 def _launch_gluon(kernel: str, fn: Any, variant: Any, grid: tuple[int, int],
                   tensors: tuple[torch.Tensor, ...], lse: torch.Tensor, delta: torch.Tensor,
-                  scale: float, heads: int, group: int) -> None:
-    """One Gluon backward kernel on `tensors` (q, k, v, do, then its outputs); `heads`: the
-    heads its grid spans, H_KV or H_Q."""
+                  row_strides: tuple[int, ...], scale: float, lengths: tuple[int, int],
+                  heads: int, group: int, extra: tuple[Any, ...] = ()) -> None:
+    """One Gluon backward kernel on `tensors` ((B, H, N, D) views of q, k, v, do, then its
+    outputs); `row_strides`: LSE's and delta's batch and head strides; `lengths`: N_Q and
+    N_K (packed: the longest sequences'); `heads`: the heads its grid spans, H_KV or H_Q;
+    `extra`: the modifiers' arguments (and a packed call's gradient pointers and strides)."""
     rows = fa3_tile_rows(kernel, variant)
     fn[grid](
         *(gluon_descriptor(t, r) for t, r in zip(tensors, rows, strict=True)),
-        lse, delta, *lse.stride()[:2], *delta.stride()[:2], scale, tensors[0].shape[2],
-        tensors[1].shape[2], heads, group, num_warps=4,
+        lse, delta, *row_strides, scale, *lengths, heads, group, *extra, num_warps=4,
     )  # fmt: skip
 
 

@@ -130,10 +130,25 @@ def compile_fa3_bwd(kernel: str, variant: BwdVariant, problem: Problem,
 
     if not variant.gluon(kernel):
         raise ValueError(f"the {kernel} kernel of {variant} is not a Gluon one")
-    t = torch.empty(2, 4, 256, problem.head_dim, dtype=problem.torch_dtype)
-    descriptors = [gluon_descriptor(t, r) for r in fa3_tile_rows(kernel, variant)]
+    tiles = fa3_tile_rows(kernel, variant)
     rows = torch.empty(4, dtype=torch.float32)
-    args = [*descriptors, rows, rows, 1024, 256, 1024, 256, 0.125, 250, 250, 4, 1]
+    # Sinks add nothing to the backward kernels (the launcher computes their gradient).
+    mods = example_modifier_args(problem.with_(sinks=False))
+    if problem.varlen:
+        # Descriptors over (1, H, total, D) views of packed (total, H, D) tensors; LSE and
+        # delta (H_Q, total_q); CU_Q, CU_K, the modifiers, then the gradients' pointers
+        # and their row and head strides (dK and dV, or dQ).
+        t = torch.empty(512, 4, problem.head_dim, dtype=problem.torch_dtype)
+        view = t.unsqueeze(0).transpose(1, 2)
+        cu = torch.zeros(3, dtype=torch.int32)
+        outs = [t, t, *t.stride()[:2], *t.stride()[:2]] if kernel == "dkdv" else [
+            t, *t.stride()[:2]]
+        args = [*(gluon_descriptor(view, r) for r in tiles), rows, rows, 0, 512, 0, 512,
+                0.125, 256, 256, 4, 1, cu, cu, *mods, *outs]
+    else:
+        t = torch.empty(2, 4, 256, problem.head_dim, dtype=problem.torch_dtype)
+        args = [*(gluon_descriptor(t, r) for r in tiles), rows, rows, 1024, 256, 1024, 256,
+                0.125, 250, 250, 4, 1, *mods]
     return compile_gluon(load_bwd_kernel(kernel, variant, problem), args, {}, 4, capability)
 
 
@@ -246,7 +261,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="fp16", choices=["fp16", "bf16", "fp8"])
     ap.add_argument("--causal", action="store_true")
     for name in MODIFIERS:
-        ap.add_argument(f"--{name}", action="store_true", help=f"with {name} (forward)")
+        ap.add_argument(f"--{name}", action="store_true", help=f"with {name}")
     ap.add_argument("--bwd", choices=["dkdv", "dq"],
                     help="a backward kernel of a BwdVariant (given as JSON) instead")
     args = ap.parse_args()
