@@ -148,8 +148,8 @@ def fa3_packed_grid(variant: Any, lens: Varlen, causal: bool, heads: int,
     One-tile: one program per (Q tile of the longest sequence, sequence x head); programs
     past their sequence's end return at once. Persistent: one program per SM (at most one per
     unit) walking the tile schedule (`Varlen.schedule`, costliest first) head by head; its
-    kernel takes the tile count and the (tiles, 2) table. A grid of 0 programs: no work (every
-    sequence is empty), so no launch.
+    kernel takes the tile count and the (tiles, 2) table. For a packing with queries (with
+    none, `run_packed` launches nothing), so at least one tile.
     """
     if not variant.programs_per_sm:
         return fa3_grid(variant, lens.max_q, lens.batch * heads, device)
@@ -294,15 +294,17 @@ def _prepare_tma(entry: Entry, shape: Shape, kernel_of: KernelOf, strict: bool) 
         lens = mods.varlen
         assert lens is not None
         out = torch.empty_like(q)
+        hq = q.shape[1]
+        lse = torch.empty((hq, q.shape[0]), device=q.device, dtype=torch.float32)
+        if not q.shape[0]:
+            # Every sequence is empty (no tile to schedule): no launch, and no descriptor,
+            # which TMA does not take over an empty tensor.
+            return out, lse
         views = [t.unsqueeze(0).transpose(1, 2) for t in (q, k, v, out)]
         if not tma_ready(*views):
             return twin(q, k, v, scale, mods)
-        hq = q.shape[1]
-        lse = torch.empty((hq, q.shape[0]), device=q.device, dtype=torch.float32)
         rows = 16 * variant.num_warps
         grid, extra = fa3_packed_grid(variant, lens, shape.causal, hq, q.device)
-        if not grid[0]:
-            return out, lse
         kernel[grid](
             gluon_descriptor(views[0], rows, d), gluon_descriptor(views[1], bn, d),
             gluon_descriptor(views[2], bn, d), gluon_descriptor(views[3], rows, d), lse, 0,
