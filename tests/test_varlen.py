@@ -374,15 +374,16 @@ def test_packed_fa3_on_the_gpu(causal: bool, variant: Variant, d: int) -> None:
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(("variant", "d", "mods"), [
     *((v, d, "plain") for v in PERSISTENT_PACKED for d in (64, 128)),
+    (PERSISTENT_PACKED[0], 96, "plain"),  # padded: the O store leaves the next head's columns
     (PERSISTENT_PACKED[0], 128, "softcap+sinks"), (THREE_CONSUMERS, 64, "plain"),
     (THREE_CONSUMERS, 64, "softcap+sinks")], ids=str)
 def test_persistent_packed_fa3_on_the_gpu(causal: bool, variant: Variant, d: int,
                                           mods: str) -> None:
     """The persistent fa3 kernel on packed sequences, walking the tile schedule: empty and
     one-token sequences, a sequence with no keys, lengths off every tile size and over
-    several tiles, cross-attention, GQA (8 query heads on 2), more (tile, head) units than
-    programs (so the Q buffers and the K/V ring run on across units of different sequences);
-    softcap and sinks together in one case a point."""
+    several tiles, cross-attention, GQA (8 query heads on 2), D96 padded to 128, more
+    (tile, head) units than programs (so the Q buffers and the K/V ring run on across units
+    of different sequences); softcap and sinks together in one case a point."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("fa3 runs on Hopper")
     dtype = torch.bfloat16
