@@ -122,7 +122,8 @@ def test_plain_persistent_fa3_winners_do_not_serve_modified_calls_untuned() -> N
     capped = runtime_table.Shape(1, 8, 8, 4096, 4096, 128, "bf16", True, softcap=True)
     e, how, reason = table.lookup("fwd", capped, lambda e: None)
     assert e is not None and e["variant"] == one_tile and how == "nearest"
-    assert "persistent fa3 kernel runs softcap and sinks only where tuned" in reason
+    assert "persistent fa3 kernel runs softcap, sinks and packed sequences only where tuned" in (
+        reason)
     # Plain calls still take it, and a key tuned with the cap serves it to capped calls.
     plain = capped._replace(softcap=False)
     assert table.lookup("fwd", plain, lambda e: None)[0]["variant"] == persistent

@@ -73,6 +73,14 @@ def _packed(lq: Sequence[int], lk: Sequence[int], hq: int, hkv: int, d: int,
 
 LENGTHS = [5, 17, 1]
 
+#: Persistent fa3 points on packed sequences: two 64-row consumers taking turns (the D128
+#: default's tiles), the same without turns, 64-key tiles taking turns.
+PERSISTENT_PACKED = [Variant("fa3", 128, 128, 4, 2, programs_per_sm=1, pingpong=True),
+                     Variant("fa3", 128, 128, 4, 2, programs_per_sm=1),
+                     Variant("fa3", 128, 64, 4, 3, programs_per_sm=1, pingpong=True)]
+#: Three 64-row consumers taking turns (D64 only: the persistent grid's 192-row tile).
+THREE_CONSUMERS = Variant("fa3", 192, 128, 4, 3, programs_per_sm=1, pingpong=True)
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("causal", [False, True])
@@ -174,14 +182,15 @@ def test_modifiers_keep_to_triton_kernels_and_the_one_tile_fa3() -> None:
     hopper = flashgen.DeviceInfo("H-test", (9, 0), 132, 232448)
     p = Problem(2, 8, 8, 1024, 1024, 128, "bf16", True, window=True)
     # Every modifier, alone or together, runs in the one-tile fa3 kernel too (16-bit); the
-    # persistent kernel takes softcap and sinks, not windows or packing; fp8 keeps to fa1
+    # persistent kernel takes softcap, sinks and packing, not windows; fp8 keeps to fa1
     # and fa2.
     persistent = Variant("fa3", 128, 128, 4, 2, programs_per_sm=1, pingpong=True)
     for fa3_ok in (p, p.with_(window=False, varlen=True), p.with_(varlen=True),
-                   p.with_(window=False, softcap=True), p.with_(sinks=True, softcap=True)):
+                   p.with_(window=False, softcap=True), p.with_(sinks=True, softcap=True),
+                   p.with_(window=False, varlen=True, softcap=True, sinks=True)):
         assert why_invalid(Variant("fa3", 128, 128, 8, 2), fa3_ok, hopper) is None
-        if fa3_ok.window or fa3_ok.varlen:
-            assert "persistent one takes sinks and softcap only" in why_invalid(
+        if fa3_ok.window:
+            assert "persistent one takes sinks, softcap, varlen only" in why_invalid(
                 persistent, fa3_ok, hopper)
         else:
             assert why_invalid(persistent, fa3_ok, hopper) is None
@@ -383,6 +392,39 @@ def test_packed_fa3_on_the_gpu(causal: bool, variant: Variant, d: int) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("variant", "d", "mods"), [
+    *((v, d, "plain") for v in PERSISTENT_PACKED for d in (64, 128)),
+    (PERSISTENT_PACKED[0], 96, "plain"),  # padded: the O store leaves the next head's columns
+    (PERSISTENT_PACKED[0], 128, "softcap+sinks"), (THREE_CONSUMERS, 64, "plain"),
+    (THREE_CONSUMERS, 64, "softcap+sinks")], ids=str)
+def test_persistent_packed_fa3_on_the_gpu(causal: bool, variant: Variant, d: int,
+                                          mods: str) -> None:
+    """The persistent fa3 kernel on packed sequences, walking the tile schedule: empty and
+    one-token sequences, a sequence with no keys, lengths off every tile size and over
+    several tiles, cross-attention, GQA (8 query heads on 2), D96 padded to 128, more
+    (tile, head) units than programs (so the Q buffers and the K/V ring run on across units
+    of different sequences); softcap and sinks together in one case a point."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("fa3 runs on Hopper")
+    dtype = torch.bfloat16
+    lq = [1, 700, 63, 129, 0, 512, 256, 17, 640, 2, 300, 64, 1000]
+    lk = [3, 650, 63, 200, 5, 512, 0, 17, 700, 2, 300, 70, 1000]
+    wanted, extra = _sinks({"softcap": 20.0, "sinks": True} if mods != "plain" else {}, 8,
+                           dtype)
+    cu_q, cu_k = _cu(lq).cuda(), _cu(lk).cuda()
+    leaves = [t.detach().cuda().requires_grad_()
+              for t in [*_packed(lq, lk, 8, 2, d, dtype, seed=19), *extra]]
+    _check(lambda q, k, v, *s: flashgen.attention_varlen(
+               q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal,
+               sinks=s[0] if s else None, return_lse=True, variant=variant, **wanted),
+           lambda q, k, v, *s, dtype: reference.attention_varlen(
+               q, k, v, cu_q.cpu(), cu_k.cpu(), causal, None, dtype,
+               sinks=s[0] if s else None, **wanted),
+           leaves)  # fmt: skip
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("window", [(256, 0), (100, 37), (-1, 64), (0, 0)], ids=str)
 @pytest.mark.parametrize("variant", [Variant("fa3", 128, 128, 8, 2), Variant("fa3", 128, 64, 4, 3),
                                      Variant("fa3", 64, 64, 4, 2)], ids=str)
@@ -516,6 +558,166 @@ def test_packed_fa3_compiles_for_hopper(variant: Variant, d: int) -> None:
     assert found["byte_permutes"] <= consumers * d // 4, found["byte_permutes"]
     assert found["shared"] <= hopper.shared_memory
     assert any("0 bytes spill stores" in line for line in found["ptxas"]), found["ptxas"]
+
+
+def _packed_and_dense_reports(variant: Variant, problem: Problem) -> tuple[dict, dict]:
+    """`gluon_compile`'s reports of `variant` on packed `problem` and on its dense twin."""
+    from flashgen.tune.gluon_compile import report_in_subprocess
+
+    hopper = flashgen.DeviceInfo("H-test", (9, 0), 132, 232448)
+    assert why_invalid(variant, problem, hopper) is None
+    return (report_in_subprocess(variant, problem),
+            report_in_subprocess(variant, problem.with_(varlen=False)))
+
+
+@pytest.mark.parametrize(("variant", "d", "causal"), [
+    (PERSISTENT_PACKED[0], 64, False), (PERSISTENT_PACKED[0], 64, True),
+    (PERSISTENT_PACKED[0], 128, False), (PERSISTENT_PACKED[0], 128, True),
+    (PERSISTENT_PACKED[1], 128, False), (PERSISTENT_PACKED[1], 128, True),
+    (PERSISTENT_PACKED[2], 128, True)], ids=str)
+def test_persistent_packed_fa3_compiles_for_hopper(variant: Variant, d: int,
+                                                   causal: bool) -> None:
+    """The persistent kernel's varlen structure, compiled for sm90a: warpgroup products, TMA
+    loads, no spills with two consumers, and the same scheduling of the softmax against the
+    P V product as the dense kernel (that kernel runs faster without the pin that holds the
+    softmax under P V in the one-tile kernel, docs/fa3-hopper.md, so ptxas puts the wait
+    first in both)."""
+    packed, dense = _packed_and_dense_reports(
+        variant, Problem(2, 16, 16, 4096, 4096, d, "bf16", causal, varlen=True))
+    assert packed["wgmma"] == dense["wgmma"] and packed["tma"] and packed["wait_one"]
+    assert packed["setmaxnreg"]
+    assert packed["exp_under_pv"] == dense["exp_under_pv"], packed["exp_under_pv"]
+    # The packed O store writes from registers; with no alignment hints (this compile has
+    # none, a launch has) it stores 16-bit elements and unpacks bf16 pairs with byte
+    # permutes, at most one an element. P repacked before every P V product would add about
+    # one per P element pair, product site and consumer (64 and more a consumer).
+    o_elements = variant.fa3_consumers * variant.fa3_rows * d // (32 * variant.num_warps)
+    assert packed["byte_permutes"] - dense["byte_permutes"] <= o_elements, (
+        packed["byte_permutes"], dense["byte_permutes"])
+    # No O staging buffer: less shared memory than the dense kernel.
+    assert packed["shared"] < dense["shared"]
+    assert any("0 bytes spill stores" in line for line in packed["ptxas"]), packed["ptxas"]
+
+
+@pytest.mark.parametrize(("variant", "d"), [(PERSISTENT_PACKED[0], 128), (THREE_CONSUMERS, 64)],
+                         ids=str)
+def test_persistent_packed_fa3_with_softcap_and_sinks_compiles_for_hopper(variant: Variant,
+                                                                          d: int) -> None:
+    """Packing, softcap and sinks together under the causal mask: two consumers at D128
+    spill nothing; three at D64 spill (the dense kernel does too, 160 registers a thread),
+    and packing adds no spills to the dense kernel's."""
+    packed, dense = _packed_and_dense_reports(variant, Problem(
+        2, 16, 16, 4096, 4096, d, "bf16", True, varlen=True, softcap=True, sinks=True))
+    assert packed["wgmma"] and packed["tma"] and packed["wait_one"]
+
+    def spilled(report: dict) -> int:
+        line = next(line for line in report["ptxas"] if "spill stores" in line)
+        return int(line.split(" bytes spill stores")[0].rsplit(" ", 1)[-1])
+
+    if variant.fa3_consumers == 2:
+        assert spilled(packed) == 0, packed["ptxas"]
+    assert spilled(packed) <= spilled(dense), (packed["ptxas"], dense["ptxas"])
+
+
+def test_persistent_fa3_takes_packed_sequences() -> None:
+    """The rules: the persistent fa3 kernel takes packed sequences (with softcap and sinks,
+    two or three consumers), not with whole heads (the tile schedule balances the work),
+    windows or fp8; the tuner's space and portfolio hold it, the untuned default stays fa2."""
+    from flashgen.kernels.fwd_space import portfolio, search_space
+
+    hopper = flashgen.DeviceInfo("H-test", (9, 0), 132, 232448)
+    packed = Problem(4, 16, 4, 2048, 2048, 128, "bf16", True, varlen=True)
+    for v in PERSISTENT_PACKED:
+        assert why_invalid(v, packed, hopper) is None
+        assert why_invalid(v, packed.with_(causal=False, softcap=True, sinks=True),
+                           hopper) is None
+    d64 = packed.with_(head_dim=64)
+    assert why_invalid(THREE_CONSUMERS, d64.with_(causal=False), hopper) is None
+    heads = Variant("fa3", 128, 128, 4, 3, programs_per_sm=1, head_units=True)
+    assert why_invalid(heads, d64.with_(varlen=False), hopper) is None
+    assert "tile schedule" in why_invalid(heads, d64, hopper)
+    assert "persistent one takes sinks, softcap, varlen only" in why_invalid(
+        PERSISTENT_PACKED[0], packed.with_(window=True), hopper)
+    assert "fp8 packed sequences are not built" in why_invalid(
+        PERSISTENT_PACKED[0], packed.with_(dtype="fp8"), hopper)
+    space = search_space(d64, hopper)
+    assert any(v.loop_order == "fa3" and v.programs_per_sm for v in space)
+    assert not any(v.head_units for v in space)
+    assert PERSISTENT_PACKED[0] in portfolio(packed, hopper)
+    assert default_variant(packed, hopper).loop_order == "fa2"  # tuned, not a default
+
+
+@pytest.mark.parametrize("variant", [PERSISTENT_PACKED[0], Variant("fa3", 128, 128, 4, 2)],
+                         ids=str)
+def test_packed_fa3_launch_matches_the_kernel_signature(variant: Variant,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher's packed fa3 call, argument by argument against the rendered kernel's
+    signature (fa3 cannot run on the CPU): the persistent kernel gets one program per SM,
+    at most one per (tile, head) unit, and the tile schedule's length and table after
+    GROUP; the one-tile kernel its (Q tiles, sequences x heads) grid. Every sequence empty:
+    no launch (nor a descriptor over the empty packing, which TMA refuses)."""
+    import ast
+
+    from flashgen.runtime import forward
+    from flashgen.runtime.modifiers import Mods, Varlen, tile_schedule
+    from flashgen.runtime.table import Shape
+
+    calls: list[tuple] = []
+
+    class Kernel:
+        def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
+            return lambda *args, **kw: calls.append((grid, args, kw))
+
+    monkeypatch.setattr(forward, "bind", lambda kernel: kernel)
+    monkeypatch.setattr(forward, "sm_count", lambda device: 132)
+    hq, hkv, d = 8, 2, 128
+
+    def call(lq: list[int], lk: list[int]) -> tuple[torch.Tensor, torch.Tensor, Mods]:
+        oq = tuple(int(x) for x in _cu(lq))
+        ok = tuple(int(x) for x in _cu(lk))
+        lens = Varlen(_cu(lq), _cu(lk), max(1, *lq), max(1, *lk), oq, ok)
+        mods = Mods(softcap=20.0, sinks=torch.zeros(hq), varlen=lens)
+        shape = Shape(len(lq), hq, hkv, lens.max_q, lens.max_k, d, "bf16", True, softcap=True,
+                      sinks=True, varlen=True, mix=2)
+        run = forward._prepare_tma({"variant": variant.to_dict()}, shape,
+                                   lambda role: Kernel(), True)
+        q = torch.zeros(sum(lq), hq, d, dtype=torch.bfloat16)
+        k = torch.zeros(sum(lk), hkv, d, dtype=torch.bfloat16)
+        out, lse = run(q, k, k, 0.125, mods)
+        return out, lse, mods
+
+    lq, lk = [300, 0, 129, 1], [250, 4, 129, 0]
+    out, lse, mods = call(lq, lk)
+    [(grid, args, kw)] = calls
+    source = render(variant, Problem(4, hq, hkv, 300, 250, d, "bf16", True, softcap=True,
+                                     sinks=True, varlen=True))
+    kernel = next(node for node in ast.parse(source).body
+                  if isinstance(node, ast.FunctionDef) and node.name == "attn_fwd")
+    names = [a.arg for a in kernel.args.args]
+    assert len(names) == len(args)
+    named = dict(zip(names, args, strict=True))
+    tiles = sum(-(-n // variant.block_m) for n in lq)
+    if variant.programs_per_sm:
+        assert grid == (min(tiles * hq, 132),)
+        table, count = tile_schedule(_offsets(lq), _offsets(lk), variant.block_m, True,
+                                     torch.device("cpu"))
+        assert named["TILES"] == count == tiles and torch.equal(named["SCHED"], table)
+    else:
+        assert grid == (-(-max(lq) // variant.block_m), len(lq) * hq)
+    assert named["CU_Q"] is mods.varlen.cu_q and named["CU_K"] is mods.varlen.cu_k
+    assert (named["H_Q"], named["GROUP"], named["SOFTCAP"]) == (hq, hq // hkv, 20.0)
+    assert named["SINKS"] is mods.sinks and named["O"] is out and named["LSE"] is lse
+    assert (named["stride_lb"], named["stride_lh"]) == (0, sum(lq))
+    assert (named["stride_on"], named["stride_oh"]) == out.stride()[:2]
+    assert kw == {"num_warps": variant.num_warps}
+    calls.clear()
+    out, lse, _ = call([0, 0], [3, 0])
+    assert out.shape == (0, hq, d) and lse.shape == (hq, 0)
+    assert calls == []
+
+
+def _offsets(lengths: Sequence[int]) -> tuple[int, ...]:
+    return tuple(int(x) for x in _cu(lengths))
 
 
 @pytest.mark.parametrize("causal", [False, True])

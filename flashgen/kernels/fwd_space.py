@@ -233,6 +233,11 @@ def head_units_need_causal_persistent_fa3(v: Variant, p: Problem,
         return "head_units is a knob of fa3 on the persistent grid"
     if not p.causal:
         return "head_units is a schedule for the causal mask (without it tiles are equal)"
+    if p.varlen:
+        # Packed sequences walk the launcher's tile schedule (costliest first), one
+        # (Q tile, head) a unit: the schedule, not whole heads, balances the work.
+        return ("head_units is a schedule of dense heads; packed sequences walk the "
+                "launcher's tile schedule, one (Q tile, head) a unit")
     return None
 
 
@@ -243,18 +248,20 @@ def programs_per_sm_out_of_range(v: Variant, p: Problem, dev: DeviceInfo) -> str
 
 
 #: What the one-tile fa3 template takes of the modifiers (16-bit inputs): all of them, alone
-#: or together (the persistent one and fp8 take none).
+#: or together (fp8 takes none).
 FA3_MODIFIERS = frozenset({"varlen", "window", "softcap", "sinks"})
-#: The modifiers the persistent fa3 kernel takes: per-score and per-row ones. A window's K/V
-#: range and a packed sequence's offsets differ per Q tile, which its tile walk does not model.
-FA3_PERSISTENT_MODIFIERS = frozenset({"softcap", "sinks"})
+#: The modifiers the persistent fa3 kernel takes: per-score and per-row ones, and packed
+#: sequences (it walks the launcher's tile schedule, reading each unit's offsets). A window's
+#: K/V range starts at a different tile per Q tile, which its K/V walk does not model.
+FA3_PERSISTENT_MODIFIERS = frozenset({"softcap", "sinks", "varlen"})
 
 
 def modifiers_need_pointer_kernels(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
     # Window, softcap and sinks are written into the fa1 and fa2 templates, the packed layout
     # into fa2 (fa1's scratch is laid out per (batch, head)); the one-tile fa3 kernel takes
     # FA3_MODIFIERS (its descriptors span the packing, its O store is masked per sequence,
-    # its K/V range starts at the window), the persistent one FA3_PERSISTENT_MODIFIERS.
+    # its K/V range starts at the window), the persistent one FA3_PERSISTENT_MODIFIERS (the
+    # packing as the one-tile one does, over a tile schedule).
     # fa2's TMA descriptors address whole (B, H, N, D) tensors, so its modified kernels load
     # through pointers.
     if not p.modifiers:
@@ -263,13 +270,13 @@ def modifiers_need_pointer_kernels(v: Variant, p: Problem, dev: DeviceInfo) -> s
             and p.dtype != "fp8"):
         if v.programs_per_sm and not set(p.modifiers) <= FA3_PERSISTENT_MODIFIERS:
             return (f"{', '.join(p.modifiers)} run in the one-tile fa3 kernel; the persistent "
-                    f"one takes {' and '.join(sorted(FA3_PERSISTENT_MODIFIERS))} only")
+                    f"one takes {', '.join(sorted(FA3_PERSISTENT_MODIFIERS))} only")
         return None
     if v.loop_order == "fa3" or v.use_tma:
         return (f"{', '.join(p.modifiers)} run in fa1 and fa2 without use_tma only "
                 f"(not {v.loop_order}{' use_tma' if v.use_tma else ''})")
     if p.varlen and v.loop_order != "fa2":
-        return "varlen (packed sequences) runs in fa2 and one-tile fa3, not fa1"
+        return "varlen (packed sequences) runs in fa2 and fa3, not fa1"
     return None
 
 

@@ -212,7 +212,8 @@ class Dispatcher:
 
     def _one_tile_form(self, table: Table, shape: Shape) -> tuple[Entry, str, str] | None:
         """A modified or packed forward that no row serves, because the plain winners near
-        it are persistent fa3 kernels (their tile walk takes no window or packing): the
+        it are persistent fa3 kernels (whose tile walk takes no window, and whose modifiers
+        and packing serve only where tuned with them, `table.modified_untuned`): the
         nearest of them runs as the one-tile fa3 kernel of the same tiles, warps and stages,
         which takes every modifier. It comes closer to the tuned kernel than the untuned
         default does (docs/varlen-and-modifiers.md)."""

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .launch import bind
-from .modifiers import Mods
+from .modifiers import Mods, Varlen
 from .table import Entry, Shape, knobs
 
 #: (q, k, v, scale[, mods]) -> (output like q, log-sum-exp (B, Hq, Nq) fp32; packed
@@ -139,6 +139,22 @@ def fa3_grid(variant: Any, nq: int, heads: int,
     if not variant.programs_per_sm:
         return (tiles, heads), ()
     return (min(tiles * heads, sm_count(device)),), (heads,)
+
+
+def fa3_packed_grid(variant: Any, lens: Varlen, causal: bool, heads: int,
+                    device: torch.device) -> tuple[tuple[int, ...], tuple[Any, ...]]:
+    """fa3's launch grid on packed sequences and the arguments it adds after fa3's common ones.
+
+    One-tile: one program per (Q tile of the longest sequence, sequence x head); programs
+    past their sequence's end return at once. Persistent: one program per SM (at most one per
+    unit) walking the tile schedule (`Varlen.schedule`, costliest first) head by head; its
+    kernel takes the tile count and the (tiles, 2) table. For a packing with queries (with
+    none, `run_packed` launches nothing), so at least one tile.
+    """
+    if not variant.programs_per_sm:
+        return fa3_grid(variant, lens.max_q, lens.batch * heads, device)
+    table, tiles = lens.schedule(variant.block_m, causal)
+    return (min(tiles * heads, sm_count(device)),), (tiles, table)
 
 
 def strides4(t: torch.Tensor, packed: bool) -> tuple[int, ...]:
@@ -273,17 +289,22 @@ def _prepare_tma(entry: Entry, shape: Shape, kernel_of: KernelOf, strict: bool) 
                    mods: Mods) -> tuple[torch.Tensor, torch.Tensor]:
         """fa3 on packed sequences: descriptors over the (1, H, total, D) views of the
         (total, H, D) tensors; LSE (Hq, total_q); O's rows also go as a pointer (the kernel
-        stores them through a per-sequence mask)."""
+        stores them through a per-sequence mask). The persistent kernel walks the tile
+        schedule (`fa3_packed_grid`)."""
         lens = mods.varlen
         assert lens is not None
         out = torch.empty_like(q)
+        hq = q.shape[1]
+        lse = torch.empty((hq, q.shape[0]), device=q.device, dtype=torch.float32)
+        if not q.shape[0]:
+            # Every sequence is empty (no tile to schedule): no launch, and no descriptor,
+            # which TMA does not take over an empty tensor.
+            return out, lse
         views = [t.unsqueeze(0).transpose(1, 2) for t in (q, k, v, out)]
         if not tma_ready(*views):
             return twin(q, k, v, scale, mods)
-        hq = q.shape[1]
-        lse = torch.empty((hq, q.shape[0]), device=q.device, dtype=torch.float32)
         rows = 16 * variant.num_warps
-        grid, extra = fa3_grid(variant, lens.max_q, lens.batch * hq, q.device)
+        grid, extra = fa3_packed_grid(variant, lens, shape.causal, hq, q.device)
         kernel[grid](
             gluon_descriptor(views[0], rows, d), gluon_descriptor(views[1], bn, d),
             gluon_descriptor(views[2], bn, d), gluon_descriptor(views[3], rows, d), lse, 0,

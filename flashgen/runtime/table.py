@@ -133,7 +133,8 @@ def modified_untuned(v: Any) -> str | None:
     modifiers rendered in (None: it may). A dispatch rule: the persistent fa3 kernel's
     modifiers serve only where a key tuned with them put them through its gate."""
     if getattr(v, "loop_order", "") == "fa3" and getattr(v, "programs_per_sm", 0):
-        return "the persistent fa3 kernel runs softcap and sinks only where tuned with them"
+        return ("the persistent fa3 kernel runs softcap, sinks and packed sequences only where "
+                "tuned with them")
     return None
 
 

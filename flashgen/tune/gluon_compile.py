@@ -115,9 +115,9 @@ def compile_fa3(variant: Variant, problem: Problem, capability: int = 90) -> Any
         args = example_args(d, problem.torch_dtype, variant.fa3_rows,
                             variant.block_n) + example_modifier_args(problem)
     if variant.programs_per_sm:
-        # B * H_Q, after the common arguments (GROUP is the 12th): the persistent kernel
-        # enumerates the tiles itself.
-        args.insert(12, 8)
+        # After the common arguments (GROUP is the 12th) the persistent kernel takes what it
+        # enumerates its units from: B * H_Q, or packed, the tile schedule's length and table.
+        args[12:12] = [8, torch.zeros(8, 2, dtype=torch.int32)] if problem.varlen else [8]
     return compile_gluon(load_kernel(variant, problem), args, {}, variant.num_warps, capability)
 
 
