@@ -312,28 +312,31 @@ def test_offsets_are_read_once_per_tensor_and_version(monkeypatch: pytest.Monkey
 @pytest.mark.parametrize("causal", [False, True])
 def test_tile_schedule_lists_every_tile_costliest_first(causal: bool) -> None:
     """The tile list of the persistent packed kernels: every (sequence, Q tile) once, by the
-    keys its rows see (counted here from the mask itself), most first."""
+    keys its rows see (counted here from the mask itself), most first; each sequence's last
+    tile marked, and an empty sequence listed once (row 0, marked, last in the list)."""
     from flashgen.runtime.modifiers import tile_schedule
 
     lens_q, lens_k = [5, 17, 0, 1, 9], [9, 17, 3, 20, 4]
     offsets = lambda lens: tuple(int(x) for x in torch.tensor([0, *lens]).cumsum(0))
     table, count = tile_schedule(offsets(lens_q), offsets(lens_k), 4, causal,
                                  torch.device("cpu"))
-    tiles = [tuple(r) for r in table.tolist()]
-    assert count == len(tiles) == sum(-(-n // 4) for n in lens_q)
-    assert sorted(tiles) == [(b, r) for b, n in enumerate(lens_q) for r in range(0, n, 4)]
+    entries = [tuple(r) for r in table.tolist()]
+    assert count == len(entries) == sum(max(1, -(-n // 4)) for n in lens_q)
+    assert sorted(entries) == [(b, r, int(r + 4 >= n)) for b, n in enumerate(lens_q)
+                               for r in range(0, max(n, 1), 4)]
+    assert (2, 0, 1) in entries  # the empty sequence: cost 0, with the last entries
 
     def seen(b: int, row: int) -> int:  # keys any row of the (full-height) tile sees
         lq, lk = lens_q[b], lens_k[b]
         return max((sum(1 for j in range(lk) if not causal or j <= i + lk - lq)
-                    for i in range(row, row + 4)), default=0)
+                    for i in range(row, min(row + 4, lq))), default=0)
 
-    costs = [seen(b, r) for b, r in tiles]
+    costs = [seen(b, r) for b, r, _ in entries]
     assert costs == sorted(costs, reverse=True) and costs[0] == 20
     assert tile_schedule(offsets(lens_q), offsets(lens_k), 4, causal,
                          torch.device("cpu"))[0] is table  # cached
-    empty, none = tile_schedule((0, 0), (0, 3), 4, causal, torch.device("cpu"))
-    assert none == 0 and empty.shape == (1, 2)
+    empty, one = tile_schedule((0, 0), (0, 3), 4, causal, torch.device("cpu"))
+    assert one == 1 and empty.tolist() == [[0, 0, 1]]
 
 
 def test_a_package_without_modified_kernels_names_them() -> None:
@@ -422,6 +425,57 @@ def test_persistent_packed_fa3_on_the_gpu(causal: bool, variant: Variant, d: int
                q, k, v, cu_q.cpu(), cu_k.cpu(), causal, None, dtype,
                sinks=s[0] if s else None, **wanted),
            leaves)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [PERSISTENT_PACKED[0], Variant("fa3", 128, 128, 4, 2)],
+                         ids=str)
+def test_packed_fa3_without_any_key(variant: Variant) -> None:
+    """A packing with queries and no key at all: TMA takes no descriptor over the empty K,
+    so the forward and the backward run the pointer twins; every row's output is 0, its LSE
+    -inf, and dq is 0."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("fa3 runs on Hopper")
+    q = torch.randn(300, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.zeros(0, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.zeros(0, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    cu_q, cu_k = _cu([100, 200]).cuda(), _cu([0, 0]).cuda()
+    out, lse = flashgen.attention_varlen(q, k, v, cu_q, cu_k, 200, 1, return_lse=True,
+                                         variant=variant)
+    out.sum().backward()
+    assert not out.any() and bool((lse == float("-inf")).all())
+    assert q.grad is not None and not q.grad.any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("variant", [PERSISTENT_PACKED[0], Variant("fa3", 128, 128, 4, 2)],
+                         ids=str)
+def test_packed_fa3_reads_offsets_changed_unseen(causal: bool, variant: Variant) -> None:
+    """Offsets written where torch counts no write (`.data`; a collective into the buffer
+    alike) are not read again on the host, but the kernels read them on the device: the
+    persistent kernel's tile schedule (built from the old ones) only orders its work, so a
+    sequence that grew by several tiles and one that shrank to nothing are still right."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("fa3 runs on Hopper")
+    dtype = torch.bfloat16
+    before, after = [300, 500, 40, 160], [900, 0, 40, 60]  # same total: the host check holds
+    cu = _cu(before).cuda()
+    q, k, v = (t.detach().cuda() for t in _packed(before, before, 8, 2, 128, dtype, seed=5))
+    call = lambda: flashgen.attention_varlen(q, k, v, cu, cu, 900, 900, causal=causal,
+                                             return_lse=True, variant=variant)
+    with torch.no_grad():
+        call()  # reads `before` on the host, builds the schedule from it
+        cu.data.copy_(_cu(after).cuda())
+        assert cu.tolist() == [0, 900, 900, 940, 1000]
+        out, lse = call()
+        offsets = _cu(after)
+        truth, truth_lse = reference.attention_varlen(
+            q.double(), k.double(), v.double(), offsets, offsets, causal, None, torch.float64)
+        eager, eager_lse = reference.attention_varlen(q, k, v, offsets, offsets, causal, None,
+                                                      None)
+    _bound_ok(out, truth, eager, dtype, "output")
+    _bound_ok(lse, truth_lse, eager_lse, torch.float32, "lse")
 
 
 @pytest.mark.gpu
@@ -696,7 +750,7 @@ def test_packed_fa3_launch_matches_the_kernel_signature(variant: Variant,
     names = [a.arg for a in kernel.args.args]
     assert len(names) == len(args)
     named = dict(zip(names, args, strict=True))
-    tiles = sum(-(-n // variant.block_m) for n in lq)
+    tiles = sum(max(1, -(-n // variant.block_m)) for n in lq)  # an entry per empty one
     if variant.programs_per_sm:
         assert grid == (min(tiles * hq, 132),)
         table, count = tile_schedule(_offsets(lq), _offsets(lk), variant.block_m, True,

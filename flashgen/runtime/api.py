@@ -154,7 +154,8 @@ def attention_varlen(
     length; `max_seqlen_*` at least the longest sequence). Causal masks and windows align
     bottom-right per sequence. GQA, modifiers, gradients and dispatch as in `attention`.
     Returns the output (total_q, Hq, D), and with `return_lse` also the log-sum-exp
-    (Hq, total_q) fp32. The offsets are checked on the host (one device read per call).
+    (Hq, total_q) fp32. The offsets are checked on the host, read once per tensor and
+    in-place version (each read is a GPU sync); the kernels read them on the device.
     """
     check_options(causal, scale)
     check_packed(q, k, v)

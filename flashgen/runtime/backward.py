@@ -85,8 +85,10 @@ def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
 
     def kernels_for(lse: torch.Tensor, *tensors: torch.Tensor) -> _Kernels:
         """The entry's kernels, or its twin's where TMA cannot address `tensors` (the
-        (B, H, N, D) views the Gluon kernels would get) or the LSE rows are strided."""
-        if main.variant.fa3 == "none" or (lse.stride(-1) == 1 and tma_ready(*tensors)):
+        (B, H, N, D) views the Gluon kernels would get; an empty one takes no descriptor)
+        or the LSE rows are strided."""
+        if main.variant.fa3 == "none" or (lse.stride(-1) == 1 and tma_ready(*tensors)
+                                          and all(t.numel() for t in tensors)):
             return main
         if not plain:
             plain.append(_Kernels(knobs(entry["twin"]), kernel_of, "_plain"))

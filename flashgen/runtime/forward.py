@@ -148,7 +148,7 @@ def fa3_packed_grid(variant: Any, lens: Varlen, causal: bool, heads: int,
     One-tile: one program per (Q tile of the longest sequence, sequence x head); programs
     past their sequence's end return at once. Persistent: one program per SM (at most one per
     unit) walking the tile schedule (`Varlen.schedule`, costliest first) head by head; its
-    kernel takes the tile count and the (tiles, 2) table. For a packing with queries (with
+    kernel takes the entry count and the (entries, 3) table. For a packing with queries (with
     none, `run_packed` launches nothing), so at least one tile.
     """
     if not variant.programs_per_sm:
@@ -274,9 +274,11 @@ def _prepare_tma(entry: Entry, shape: Shape, kernel_of: KernelOf, strict: bool) 
     plain: list[Launcher] = []  # the pointer twin, prepared on first need
 
     def twin(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-             mods: Mods | None, why: str = "") -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs TMA cannot address: the pointer twin runs them (a strict launcher raises)."""
-        if strict:
+             mods: Mods | None, why: str = "", empty: bool = False,
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs TMA cannot address: the pointer twin runs them (a strict launcher raises,
+        except for an empty packing of keys, which no kernel of TMA takes)."""
+        if strict and not empty:
             raise ValueError(
                 f"variant {entry['variant']} uses TMA, which needs a unit last stride and "
                 f"16-byte aligned rows and base addresses{why}; these inputs are not")
@@ -301,6 +303,10 @@ def _prepare_tma(entry: Entry, shape: Shape, kernel_of: KernelOf, strict: bool) 
             # which TMA does not take over an empty tensor.
             return out, lse
         views = [t.unsqueeze(0).transpose(1, 2) for t in (q, k, v, out)]
+        if not k.shape[0]:
+            # No key in the whole packing: TMA takes no descriptor over it; the pointer twin
+            # gives every row its output (zeros, or the sinks' share) and LSE.
+            return twin(q, k, v, scale, mods, empty=True)
         if not tma_ready(*views):
             return twin(q, k, v, scale, mods)
         rows = 16 * variant.num_warps

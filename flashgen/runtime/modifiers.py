@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -42,8 +43,8 @@ class Varlen:
 
     def schedule(self, block_m: int, causal: bool) -> tuple[torch.Tensor, int]:
         """The Q tiles of every sequence, costliest first, for kernels that walk a tile
-        list: a (tiles, 2) int32 tensor of (sequence, first row) on the offsets' device,
-        and its length. See `tile_schedule`."""
+        list: a (entries, 3) int32 tensor of (sequence, first row, last) on the offsets'
+        device, and its length. See `tile_schedule`."""
         if not self.offsets_q or not self.offsets_k:
             raise ValueError("a tile schedule needs the offsets on the host (check_varlen)")
         return tile_schedule(self.offsets_q, self.offsets_k, block_m, causal,
@@ -198,8 +199,10 @@ def check_packed(q: object, k: object, v: object) -> None:
 
 
 #: Offsets read from the device, by tensor: a tensor read once is not read again (each read
-#: is a GPU sync) until it is written in place (its version changes) or freed. Offsets
-#: changed where torch does not count a write (through `.data`, or a raw pointer) are not seen.
+#: is a GPU sync) until it is written in place (its version changes) or freed. A write torch
+#: does not count (a collective such as `dist.broadcast` into the buffer, `.data`, a numpy
+#: view, a custom kernel) is not seen by the checks; the kernels read the offsets on the
+#: device every call, so they compute with the new ones all the same.
 _READ: dict[int, tuple[weakref.ref, int, tuple[int, ...]]] = {}
 
 
@@ -224,41 +227,50 @@ def _read_offsets(cu: torch.Tensor) -> tuple[int, ...]:
     return offsets
 
 
-#: Tile schedules by offsets, tile height, mask and device (`tile_schedule`), least recently
-#: used dropped first: a training step reuses one packing across its layers.
+#: Tile schedules by offsets, tile height, mask, device and stream (`tile_schedule`), least
+#: recently used dropped first: a training step reuses one packing across its layers. By
+#: stream, so a table is only read on the stream that copied it (and freed there).
 _SCHEDULES: OrderedDict[tuple, tuple[torch.Tensor, int]] = OrderedDict()
 _SCHEDULES_KEPT = 32
+_SCHEDULES_LOCK = threading.Lock()
 
 
 def tile_schedule(offsets_q: tuple[int, ...], offsets_k: tuple[int, ...], block_m: int,
                   causal: bool, device: torch.device) -> tuple[torch.Tensor, int]:
-    """Every Q tile of every packed sequence as (sequence, first row), sorted by the keys
-    its rows see, most first (ties: sequence order), so programs that take tiles in list
-    order start the long ones first and the short ones fill the tail (longest processing
-    time first). Under the causal mask (bottom-right) a tile of rows [r, r + block_m) of a
-    sequence of Lq queries and Lk keys sees min(Lk, r + block_m + Lk - Lq) keys. Returns a
-    (tiles, 2) int32 tensor on `device` and the number of tiles (0: every sequence empty;
-    the tensor then holds one unused row, so it is never empty). Cached."""
-    key = (offsets_q, offsets_k, block_m, causal, device)
-    found = _SCHEDULES.get(key)
-    if found is not None:
-        _SCHEDULES.move_to_end(key)
-        return found
-    tiles: list[tuple[int, int, int]] = []  # (-keys, sequence, first row)
+    """Every Q tile of every packed sequence as (sequence, first row, last), sorted by the
+    keys its rows see, most first (ties: sequence order), so programs that take tiles in
+    list order start the long ones first and the short ones fill the tail (longest
+    processing time first). Under the causal mask (bottom-right) a tile of rows
+    [r, r + block_m) of a sequence of Lq queries and Lk keys sees min(Lk, r + block_m +
+    Lk - Lq) keys. `last` marks each sequence's last tile; an empty sequence gets one entry
+    (row 0, last, sorted at the end), so every sequence has a last entry: kernels read the
+    offsets again on the device, and a last entry takes the rows past it where the offsets
+    have grown since these were read. Returns a (entries, 3) int32 tensor on `device` (on
+    a GPU, for the current stream) and the number of entries (the batch size at least).
+    Cached."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (offsets_q, offsets_k, block_m, causal, device, stream)
+    with _SCHEDULES_LOCK:
+        found = _SCHEDULES.get(key)
+        if found is not None:
+            _SCHEDULES.move_to_end(key)
+            return found
+    tiles: list[tuple[int, int, int, int]] = []  # (-keys, sequence, first row, last)
     spans = zip(itertools.pairwise(offsets_q), itertools.pairwise(offsets_k), strict=True)
     for b, ((q0, q1), (k0, k1)) in enumerate(spans):
         lq, lk = q1 - q0, k1 - k0
-        for row in range(0, lq, block_m):
+        for row in range(0, max(lq, 1), block_m):
             keys = min(lk, max(0, row + block_m + lk - lq)) if causal else lk
-            tiles.append((-keys, b, row))
+            tiles.append((-keys if lq else 0, b, row, int(row + block_m >= lq)))
     tiles.sort()
-    rows = [(b, row) for _, b, row in tiles] or [(0, 0)]
-    table = torch.tensor(rows, dtype=torch.int32)
+    table = torch.tensor([t[1:] for t in tiles], dtype=torch.int32).view(-1, 3)
     if device.type == "cuda":  # pinned, so the copy queues behind earlier work, no wait
         table = table.pin_memory().to(device, non_blocking=True)
-    found = _SCHEDULES[key] = (table, len(tiles))
-    if len(_SCHEDULES) > _SCHEDULES_KEPT:
-        _SCHEDULES.popitem(last=False)
+    found = (table, len(tiles))
+    with _SCHEDULES_LOCK:
+        _SCHEDULES[key] = found
+        if len(_SCHEDULES) > _SCHEDULES_KEPT:
+            _SCHEDULES.popitem(last=False)
     return found
 
 
@@ -273,6 +285,8 @@ def _check_cu(name: str, cu: object, total: int, device: torch.device) -> tuple[
                          f"{tuple(cu.shape)}")
     if cu.device != device:
         raise ValueError(f"{name} is on {cu.device}, q on {device}")
+    if not cu.is_contiguous():  # the kernels read offset b at cu + b
+        raise ValueError(f"{name} must be contiguous, got stride {cu.stride(0)}")
     offsets = _read_offsets(cu)
     if offsets[0] != 0:
         raise ValueError(f"{name} must start at 0, got {offsets[0]}")

@@ -117,7 +117,7 @@ def compile_fa3(variant: Variant, problem: Problem, capability: int = 90) -> Any
     if variant.programs_per_sm:
         # After the common arguments (GROUP is the 12th) the persistent kernel takes what it
         # enumerates its units from: B * H_Q, or packed, the tile schedule's length and table.
-        args[12:12] = [8, torch.zeros(8, 2, dtype=torch.int32)] if problem.varlen else [8]
+        args[12:12] = [8, torch.zeros(8, 3, dtype=torch.int32)] if problem.varlen else [8]
     return compile_gluon(load_kernel(variant, problem), args, {}, variant.num_warps, capability)
 
 
