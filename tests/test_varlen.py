@@ -1089,9 +1089,10 @@ def test_fa3_softcap_structure_is_16_bit_and_capped_only() -> None:
     for problem in (capped, capped.with_(dtype="fp16")):
         context = render_context(v, problem)
         assert context["mufu_split"] and context["cap_fold"]
-        assert "_exp2_halves(" in render(v, problem) and "_tanh_approx(" in render(v, problem)
+        source = render(v, problem)
+        assert "def _exp2_halves(" in source and "def _tanh_approx(" in source
     for problem in (capped.with_(softcap=False), capped.with_(dtype="fp32")):
         context = render_context(v, problem)
         assert not context["mufu_split"] and not context["cap_fold"]
     before = render_with(_templates(), v, capped, {"mufu_split": False, "cap_fold": False})
-    assert "_exp2_halves" not in before and "SOFTCAP * _cap_tanh(" in before
+    assert "def _exp2_halves(" not in before and "SOFTCAP * _cap_tanh(" in before
