@@ -14,12 +14,25 @@ device machine has no git history, so take them out here and carry the folder):
     mkdir -p .ab/v2 && git show 71fdbb1:templates/attn_fwd_fa3_persistent.py.jinja \\
         > .ab/v2/attn_fwd_fa3_persistent.py.jinja
     python3 scripts/ab_templates.py --alt v2=.ab/v2 --match p1 --lens 512,1024 --csv ab.csv
+
+An alternate may instead be the working tree's templates rendered with render-context
+entries overridden (`NAME=@JSON`), which times a structure choice both ways from one tree.
+`--softcap C` times capped kernels: the cap is a runtime argument and the check uses it;
+cuDNN, which has no cap, stays the yardstick, and the variant's plain kernel runs beside
+them as "plain". The capped fa3 kernels before the exp2 split and the folded cap, beside
+the split alone and beside both (the working tree's):
+
+    python3 scripts/ab_templates.py --softcap 30 --batch 4 --lens 8192 --dims 128 \\
+        --dtypes bf16 --causal yes --match "m128 n128 w4 s2 p1 pp" \\
+        --alt 'before=@{"mufu_split": false, "cap_fold": false}' \\
+        --alt 'split=@{"cap_fold": false}' --csv ab-softcap.csv
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -35,19 +48,23 @@ from flashgen.kernels.problem import Problem
 from flashgen.kernels.render import _load_module, _templates, render, render_with, source_hash
 from flashgen.kernels.variant import Variant
 from flashgen.runtime.forward import Launcher, default_scale
+from flashgen.runtime.modifiers import Mods
 from flashgen.serve import prepare_forward
 from flashgen.tune.check import compare, make_inputs
 from flashgen.tune.timing import time_cuda
 
+Alternate = tuple[dict[str, str], dict[str, object]]  # templates, render-context overrides
+PLAIN = "plain"  # with --softcap: the working tree's kernel of the variant without the cap
+
 
 def launchers(variant: Variant, problem: Problem,
-              alternates: dict[str, dict[str, str]]) -> dict[str, Launcher]:
-    """The variant's kernel from the working tree ("current") and from each alternate set
-    of templates whose kernel for it differs."""
+              alternates: dict[str, Alternate]) -> dict[str, Launcher]:
+    """The variant's kernel from the working tree ("current") and from each alternate (a set
+    of templates, render-context overrides) whose kernel for it differs."""
     runs = {"current": prepare_forward(variant, problem)}
     seen = {source_hash(render(variant, problem))}
-    for name, templates in alternates.items():
-        source = render_with(templates, variant, problem)
+    for name, (templates, overrides) in alternates.items():
+        source = render_with(templates, variant, problem, overrides)
         digest = source_hash(source)
         if digest not in seen:
             seen.add(digest)
@@ -58,9 +75,14 @@ def launchers(variant: Variant, problem: Problem,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--alt", action="append", required=True, metavar="NAME=DIR",
-                    help="a folder of template files that replace the working tree's by name "
+    ap.add_argument("--alt", action="append", required=True, metavar="NAME=DIR|NAME=@JSON",
+                    help="a folder of template files that replace the working tree's by name, "
+                         "or @ and a JSON object of render-context entries to override "
                          "(repeatable)")
+    ap.add_argument("--softcap", type=float, default=None,
+                    help="time capped kernels with this cap (the check uses it too)")
+    ap.add_argument("--batch", type=int, default=0,
+                    help="batch of every cell (default: fa-bench's 16k tokens per length)")
     ap.add_argument("--lens", default="512,1024,2048")
     ap.add_argument("--dims", default="128,64")
     ap.add_argument("--dtypes", default="fp16")
@@ -70,14 +92,21 @@ def main() -> None:
                     help="comma-separated substrings of the sweep_fa3 points to compare")
     ap.add_argument("--csv", default="")
     a = ap.parse_args()
-    alternates = {}
+    alternates: dict[str, Alternate] = {}
     for alt in a.alt:
-        name, _, folder = alt.partition("=")
-        alternates[name] = {**_templates(),
-                            **{f.name: f.read_text() for f in Path(folder).glob("*.jinja")}}
+        name, _, where = alt.partition("=")
+        if where.startswith("@"):
+            alternates[name] = (_templates(), json.loads(where[1:]))
+        else:
+            alternates[name] = ({**_templates(), **{
+                f.name: f.read_text() for f in Path(where).glob("*.jinja")}}, {})
+    mods = Mods(softcap=a.softcap) if a.softcap is not None else None
+    modifiers = {"softcap": a.softcap} if a.softcap is not None else None
+    extra = [mods] if mods is not None else []
     wanted = [m for m in a.match.split(",") if m]
     points = [p for p in POINTS if any(m in str(p) for m in wanted)]
-    cells = [Problem(TOKENS_PER_BATCH // n, 2048 // d, 2048 // d, n, n, d, dtype, causal)
+    cells = [Problem(a.batch or TOKENS_PER_BATCH // n, 2048 // d, 2048 // d, n, n, d, dtype,
+                     causal, softcap=a.softcap is not None)
              for d in (int(x) for x in a.dims.split(","))
              for n in (int(x) for x in a.lens.split(","))
              for dtype in a.dtypes.split(",")
@@ -92,8 +121,13 @@ def main() -> None:
         torch.cuda.set_device(0)
         problem, variant = job
         runs = launchers(variant, problem, alternates)
+        if mods is not None:
+            # The same variant without the cap: the capped kernels' cost is their time over
+            # this one's, measured in the same rounds.
+            plain = prepare_forward(variant, problem.with_(softcap=False))
+            runs[PLAIN] = lambda q, k, v, scale, *_: plain(q, k, v, scale)
         for run in runs.values():
-            run(*inputs[problem], default_scale(problem.head_dim))
+            run(*inputs[problem], default_scale(problem.head_dim), *extra)
         return runs
 
     t0 = time.time()
@@ -107,19 +141,23 @@ def main() -> None:
         q, k, v = inputs[problem]
         scale = default_scale(problem.head_dim)
 
-        cudnn = functools.partial(COMPETITORS["sdpa-cudnn"].prepare(problem, q.device).fn,
+        # cuDNN has no cap: capped cells keep the plain attention as the yardstick.
+        plain = problem.with_(softcap=False)
+        cudnn = functools.partial(COMPETITORS["sdpa-cudnn"].prepare(plain, q.device).fn,
                                   q, k, v)
 
         checks = {}
         for name, run in runs.items():
-            out, lse = run(q, k, v, scale)
-            checks[name] = compare(out, q, k, v, problem.causal, None, lse)
+            out, lse = run(q, k, v, scale, *extra)
+            checks[name] = compare(out, q, k, v, problem.causal, None, lse,
+                                   modifiers=None if name == PLAIN else modifiers)
         ratios: dict[str, list[float]] = {name: [] for name in runs}
         for _ in range(a.rounds):
             base = time_cuda(cudnn, q.device).median_ms
             for name, run in runs.items():
                 if checks[name].ok:
-                    ms = time_cuda(lambda r=run, x=(q, k, v, scale): r(*x), q.device).median_ms
+                    ms = time_cuda(lambda r=run, x=(q, k, v, scale, *extra): r(*x),
+                                   q.device).median_ms
                     ratios[name].append(base / ms)
         cells_text = []
         for name in runs:

@@ -1056,3 +1056,101 @@ def test_fp32_softcap_passes_the_gate_near_zero_scores(seed: int) -> None:
     out, lse = flashgen.attention(q, k, v, causal=True, softcap=30.0, return_lse=True)
     result = compare(out, q, k, v, True, None, lse, modifiers={"softcap": 30.0})
     assert result.ok and result.error < result.bound / 2, result
+
+
+def _exp2_poly_coefficients() -> list[float]:
+    """C1, C2, C3 of `_exp2_fma`, read from the template the kernels render."""
+    from flashgen.kernels.resources import data_dir
+
+    text = (data_dir("templates") / "_fa3_softmax.py.jinja").read_text()
+    found = dict(re.findall(r"^_EXP2_C(\d): gl\.constexpr = gl\.constexpr\(([-0-9.e]+)\)",
+                            text, re.M))
+    return [float(found[str(i)]) for i in range(1, len(found) + 1)]
+
+
+def _exp2_fma_emulated(x: torch.Tensor, coeffs: list[float]) -> torch.Tensor:
+    """`_exp2_fma`'s fp32 steps on the CPU: clamp, floor as the round-down add of 1.5 x 2^23
+    leaves it, Horner by FMAs (each an fp64 product and sum rounded once to fp32: a product
+    of fp32 values is exact in fp64), then n << 23 added to the polynomial's bits."""
+    x = x.float().clamp(min=-127.0)
+    magic = 12582912.0
+    r = torch.floor(x.double() + magic).float()
+    f = x - (r - magic)
+    p = torch.full_like(f, coeffs[-1])
+    for c in [*coeffs[-2::-1], 1.0]:
+        p = (p.double() * f.double() + c).float()
+    return (p.view(torch.int32) + (r.view(torch.int32) << 23)).view(torch.float32)
+
+
+def test_fa3_softcap_exp2_polynomial_is_within_1e4_of_exp2() -> None:
+    """The capped fa3 kernels' FMA-pipe exp2 (half of each score tile's columns): relative
+    error at most 1e-4 from -126 to 0 (P is rounded to bf16 after it, 2^-9), exactly 1 at 0
+    (a row's max), exactly 0 for a masked score (-inf) and under 2^-126 below -126."""
+    coeffs = _exp2_poly_coefficients()
+    assert len(coeffs) == 3
+    x = torch.cat([torch.linspace(-126.0, 0.0, 2_000_001),
+                   -torch.logspace(-30, 0, 20001), torch.arange(-126.0, 0.5, 0.5)])
+    got = _exp2_fma_emulated(x, coeffs).double()
+    rel = (got / torch.exp2(x.double()) - 1.0).abs().max().item()
+    assert rel <= 1e-4, rel
+    assert rel >= 5e-5  # a degree-3 fit cannot do much better: the comparison is live
+    special = _exp2_fma_emulated(torch.tensor([float("-inf"), -1000.0, 0.0, -127.0]), coeffs)
+    assert special.tolist() == [0.0, 0.0, 1.0, 0.0]
+    tail = _exp2_fma_emulated(torch.linspace(-127.0, -126.0, 1001), coeffs)
+    assert (tail >= 0).all() and (tail <= 2.0**-126).all()
+
+
+def _mufu_reports(variant: Variant, problem: Problem) -> tuple[dict, dict]:
+    """`gluon_compile`'s reports of the capped kernel as it renders and as it rendered before
+    the exp2 split and the folded cap (both context flags off)."""
+    from flashgen.tune.gluon_compile import report_in_subprocess
+
+    return (report_in_subprocess(variant, problem),
+            report_in_subprocess(variant, problem, overrides={"mufu_split": False,
+                                                              "cap_fold": False}))
+
+
+@pytest.mark.parametrize(("variant", "d", "causal", "sinks"), [
+    (Variant("fa3", 128, 128, 4, 2), 128, True, False),
+    (Variant("fa3", 128, 128, 8, 2), 64, False, False),
+    (Variant("fa3", 128, 128, 4, 2, programs_per_sm=1, pingpong=True), 128, True, True),
+    (Variant("fa3", 128, 128, 4, 2, programs_per_sm=1, pingpong=True), 64, False, False)],
+    ids=str)
+def test_fa3_softcap_moves_half_the_exp2_off_mufu(variant: Variant, d: int, causal: bool,
+                                                  sinks: bool) -> None:
+    """Capped fa3 kernels (16-bit) take half of each score tile's exp2 on the FMA pipes: the
+    machine code's MUFU.EX2 drop by half of the score tiles' (the rows' rescale factors keep
+    theirs), MUFU.TANH stay, the folded cap leaves one FMUL a score instead of three, and
+    the split and join of the column pairs stay in registers (no shuffle, shared-memory
+    access or byte permute added) without spills."""
+    problem = Problem(2, 16, 16, 4096, 4096, d, "bf16", causal, softcap=True, sinks=sinks)
+    new, old = _mufu_reports(variant, problem)
+    ops_new, ops_old = new["opcodes"], old["opcodes"]
+    tanh = ops_old["MUFU.TANH"]  # one a score of every softmax in the code
+    assert ops_new["MUFU.TANH"] == tanh
+    assert ops_old["MUFU.EX2"] - ops_new["MUFU.EX2"] == tanh // 2, (ops_old, ops_new)
+    assert ops_old["FMUL"] - ops_new["FMUL"] >= 2 * tanh - tanh // 8, (ops_old, ops_new)
+    for kind in ("SHFL.BFLY", "LDS", "STS", "BAR.SYNC.DEFER_BLOCKING"):
+        assert ops_new.get(kind, 0) == ops_old.get(kind, 0), kind
+    assert new["byte_permutes"] == old["byte_permutes"] == 0
+    assert new["exp_under_pv"] == old["exp_under_pv"]
+    assert any("0 bytes spill stores" in line for line in new["ptxas"]), new["ptxas"]
+
+
+def test_fa3_softcap_structure_is_16_bit_and_capped_only() -> None:
+    """The split and the folded cap are rendered into 16-bit capped kernels only; with both
+    flags off the capped kernel is the one before them, and plain kernels never differ."""
+    from flashgen.kernels.render import _templates, render_context, render_with
+
+    v = Variant("fa3", 128, 128, 4, 2)
+    capped = Problem(1, 2, 2, 256, 256, 128, "bf16", True, softcap=True)
+    for problem in (capped, capped.with_(dtype="fp16")):
+        context = render_context(v, problem)
+        assert context["mufu_split"] and context["cap_fold"]
+        source = render(v, problem)
+        assert "def _exp2_halves(" in source and "def _tanh_approx(" in source
+    for problem in (capped.with_(softcap=False), capped.with_(dtype="fp32")):
+        context = render_context(v, problem)
+        assert not context["mufu_split"] and not context["cap_fold"]
+    before = render_with(_templates(), v, capped, {"mufu_split": False, "cap_fold": False})
+    assert "def _exp2_halves(" not in before and "SOFTCAP * _cap_tanh(" in before

@@ -115,11 +115,15 @@ def _environment() -> jinja2.Environment:
     return _make_environment(lambda name: _templates().get(name))
 
 
-def render_with(templates: Mapping[str, str], variant: Variant, problem: Problem) -> str:
+def render_with(templates: Mapping[str, str], variant: Variant, problem: Problem,
+                overrides: Mapping[str, Any] | None = None) -> str:
     """What `render` gives with other template texts (say an earlier revision's): lets a
-    tool or test see which kernel (so which rows' kernel hashes) a template change alters."""
+    tool or test see which kernel (so which rows' kernel hashes) a template change alters.
+    `overrides` replace entries of the render context, so an A/B can render a structure
+    choice both ways (`mufu_split=False`: the capped kernels' exp2 all on MUFU)."""
     env = _make_environment(templates.get)
-    return env.get_template(template_name(variant)).render(**render_context(variant, problem))
+    context = {**render_context(variant, problem), **(overrides or {})}
+    return env.get_template(template_name(variant)).render(**context)
 
 
 def template_name(variant: Variant) -> str:
@@ -139,6 +143,11 @@ def render_context(variant: Variant, problem: Problem) -> dict[str, Any]:
         "causal": problem.causal,
         # fp32 inputs get true fp32 products: tf32 would lose ~3 decimal digits.
         "dot_precision": "ieee" if problem.dtype == "fp32" else "tf32",
+        # fa3 with softcap, 16-bit inputs: half of each score tile's exp2 on the FMA pipes,
+        # as the cap's tanh doubles the special-function work (_fa3_softmax.py.jinja).
+        "mufu_split": problem.softcap and problem.dtype in ("fp16", "bf16"),
+        # ... and the cap's scales folded into tanh's argument and the softmax's FMA (fa3).
+        "cap_fold": problem.softcap and problem.dtype in ("fp16", "bf16"),
         **modifier_context(problem),
     }
 

@@ -15,9 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -97,9 +99,11 @@ def example_varlen_args(head_dim: int, dtype: torch.dtype, rows: int, block_n: i
             *(modifiers or []), t, t.stride(0), t.stride(1)]
 
 
-def compile_fa3(variant: Variant, problem: Problem, capability: int = 90) -> Any:
-    """Triton's compiled kernel for fa3 `variant` on `problem` (see `compile_gluon`)."""
-    from flashgen.kernels.render import load_kernel
+def compile_fa3(variant: Variant, problem: Problem, capability: int = 90,
+                overrides: dict[str, Any] | None = None) -> Any:
+    """Triton's compiled kernel for fa3 `variant` on `problem` (see `compile_gluon`);
+    `overrides` replace entries of the render context (`render_with`)."""
+    from flashgen.kernels.render import _load_module, _templates, render_with, source_hash
 
     if variant.loop_order != "fa3":
         raise ValueError(f"{variant} is not an fa3 variant")
@@ -118,7 +122,9 @@ def compile_fa3(variant: Variant, problem: Problem, capability: int = 90) -> Any
         # After the common arguments (GROUP is the 12th) the persistent kernel takes what it
         # enumerates its units from: B * H_Q, or packed, the tile schedule's length and table.
         args[12:12] = [8, torch.zeros(8, 3, dtype=torch.int32)] if problem.varlen else [8]
-    return compile_gluon(load_kernel(variant, problem), args, {}, variant.num_warps, capability)
+    source = render_with(_templates(), variant, problem, overrides)
+    kernel = _load_module(source_hash(source), source).attn_fwd
+    return compile_gluon(kernel, args, {}, variant.num_warps, capability)
 
 
 def compile_fa3_bwd(kernel: str, variant: BwdVariant, problem: Problem,
@@ -202,18 +208,31 @@ def exp_under_pv(machine_code: str) -> list[bool]:
     return found
 
 
+_SASS_OPCODE = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
+
+
+def opcodes(machine_code: str) -> dict[str, int]:
+    """How many instructions of each opcode (with its modifiers, e.g. MUFU.EX2, FFMA.FTZ)
+    the machine code holds: static counts over every partition's code."""
+    found = Counter(m.group(1) for m in map(_SASS_OPCODE.match, machine_code.splitlines())
+                    if m)
+    return dict(sorted(found.items()))
+
+
 def report(variant: Variant | BwdVariant, problem: Problem,
-           bwd: str | None = None) -> dict[str, Any]:
+           bwd: str | None = None,
+           overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """What the compiled kernel holds: Hopper instructions in its PTX, shared memory,
     ptxas's registers and spills (ptxas run again on the PTX with -v), and in the machine
     code whether its softmax runs under the P V product and how many byte permutes it has.
-    With `bwd` ("dkdv" or "dq"), that backward kernel of BwdVariant `variant`."""
+    With `bwd` ("dkdv" or "dq"), that backward kernel of BwdVariant `variant`; forward
+    `overrides` replace entries of the render context (`render_with`)."""
     if bwd is not None:
         assert isinstance(variant, BwdVariant)
         kernel = compile_fa3_bwd(bwd, variant, problem)
     else:
         assert isinstance(variant, Variant)
-        kernel = compile_fa3(variant, problem)
+        kernel = compile_fa3(variant, problem, overrides=overrides)
     ptx: str = kernel.asm["ptx"]
     machine_code = sass(kernel.asm["cubin"])
     return {
@@ -229,14 +248,19 @@ def report(variant: Variant | BwdVariant, problem: Problem,
         # product's operand, and ptxas then repacked P before every P V product of the loop
         # (2-7% slower on the H100, docs/fa3-hopper.md "Half-width diagonal step").
         "byte_permutes": sum(" PRMT " in line for line in machine_code.splitlines()),
+        # Special-function ops (MUFU.EX2, MUFU.TANH) against FMA-pipe work: what the capped
+        # kernels' exp2 split trades (_fa3_softmax.py.jinja).
+        "opcodes": opcodes(machine_code),
     }
 
 
 def report_in_subprocess(variant: Variant | BwdVariant, problem: Problem,
-                         bwd: str | None = None) -> dict[str, Any]:
+                         bwd: str | None = None,
+                         overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """`report` in a fresh process without TRITON_INTERPRET (see the module docstring)."""
     extra = ((["--causal"] if problem.causal else [])
-             + [f"--{name}" for name in problem.modifiers] + (["--bwd", bwd] if bwd else []))
+             + [f"--{name}" for name in problem.modifiers] + (["--bwd", bwd] if bwd else [])
+             + (["--context", json.dumps(overrides)] if overrides else []))
     return run_report("flashgen.tune.gluon_compile", variant.to_json(), problem, extra)
 
 
@@ -264,11 +288,14 @@ def main() -> None:
         ap.add_argument(f"--{name}", action="store_true", help=f"with {name}")
     ap.add_argument("--bwd", choices=["dkdv", "dq"],
                     help="a backward kernel of a BwdVariant (given as JSON) instead")
+    ap.add_argument("--context", default="{}",
+                    help='forward render-context entries to override, as JSON, e.g. '
+                         '\'{"mufu_split": false}\' (the capped kernel with exp2 all on MUFU)')
     args = ap.parse_args()
     problem = Problem.parse(args.shape, args.dtype, args.causal)
     problem = problem.with_(**{name: getattr(args, name) for name in MODIFIERS})
     variant = (BwdVariant if args.bwd else Variant).from_json(args.variant)
-    print(json.dumps(report(variant, problem, args.bwd)))
+    print(json.dumps(report(variant, problem, args.bwd, json.loads(args.context) or None)))
 
 
 if __name__ == "__main__":
