@@ -144,31 +144,13 @@ def templates_as(monkeypatch: pytest.MonkeyPatch) -> Iterator:
     clear()
 
 
-#: Render-context flags of the capped fa3 forward's exp2 split and folded cap. The shipped
-#: capped rows were measured on the kernel from before them (both off), so they are retired
-#: until re-tuned on a GPU; rendered with the flags off they must still hash as stored,
-#: which shows that nothing else in their kernel changed.
-_BEFORE_EXP2_SPLIT = {"mufu_split": False, "cap_fold": False}
-
-
-def _current_or_before_exp2_split(row: current.StoredRow) -> bool:
-    if current.row_is_current(row):
-        return True
-    if row.key.mode != "fwd" or not row.problem.softcap:
-        return False
-    variant = row.variant
-    assert isinstance(variant, Variant), variant
-    source = render.render_with(render._templates(), variant, row.problem, _BEFORE_EXP2_SPLIT)
-    return render.sources_hash([("fwd", source)]) == row.kernel_hash
-
-
 def test_prose_added_to_every_template_keeps_every_shipped_row_current(
         tmp_path: Path, templates_as) -> None:
     with TuningDB.open_readonly(shipped_db_path()) as db:
         winners = db.all_winners()
-    assert winners and all(_current_or_before_exp2_split(w) for w in winners)
+    assert winners and all(current.row_is_current(w) for w in winners)
     templates_as(_prose_copy(tmp_path))
-    assert all(_current_or_before_exp2_split(w) for w in winners)
+    assert all(current.row_is_current(w) for w in winners)
 
 
 def _store(path: Path, problem: Problem, variant: AnyVariant, tflops: float = 1.0,

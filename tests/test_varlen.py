@@ -1100,14 +1100,29 @@ def test_fa3_softcap_exp2_polynomial_is_within_1e4_of_exp2() -> None:
     assert (tail >= 0).all() and (tail <= 2.0**-126).all()
 
 
-def _mufu_reports(variant: Variant, problem: Problem) -> tuple[dict, dict]:
-    """`gluon_compile`'s reports of the capped kernel as it renders and as it rendered before
-    the exp2 split and the folded cap (both context flags off)."""
+def _mufu_reports(variant: Variant, problem: Problem,
+                  split: bool = True) -> tuple[dict, dict]:
+    """`gluon_compile`'s reports of the capped kernel with the folded cap (and the exp2
+    split, off by default but kept for A/Bs, where `split`) and as it rendered before both
+    (both context flags off)."""
     from flashgen.tune.gluon_compile import report_in_subprocess
 
-    return (report_in_subprocess(variant, problem),
+    return (report_in_subprocess(variant, problem, overrides={"mufu_split": split}),
             report_in_subprocess(variant, problem, overrides={"mufu_split": False,
                                                               "cap_fold": False}))
+
+
+def test_fa3_softcap_folds_the_cap_into_one_multiply() -> None:
+    """The capped fa3 kernel as it renders (the folded cap, exp2 all on MUFU): one FMUL a
+    score instead of three, MUFU work as before, no spills."""
+    problem = Problem(2, 16, 16, 4096, 4096, 128, "bf16", True, softcap=True)
+    new, old = _mufu_reports(Variant("fa3", 128, 128, 4, 2, programs_per_sm=1, pingpong=True),
+                             problem, split=False)
+    ops_new, ops_old = new["opcodes"], old["opcodes"]
+    tanh = ops_old["MUFU.TANH"]
+    assert ops_new["MUFU.TANH"] == tanh and ops_new["MUFU.EX2"] == ops_old["MUFU.EX2"]
+    assert ops_old["FMUL"] - ops_new["FMUL"] >= 2 * tanh - tanh // 8, (ops_old, ops_new)
+    assert any("0 bytes spill stores" in line for line in new["ptxas"]), new["ptxas"]
 
 
 @pytest.mark.parametrize(("variant", "d", "causal", "sinks"), [
@@ -1118,7 +1133,8 @@ def _mufu_reports(variant: Variant, problem: Problem) -> tuple[dict, dict]:
     ids=str)
 def test_fa3_softcap_moves_half_the_exp2_off_mufu(variant: Variant, d: int, causal: bool,
                                                   sinks: bool) -> None:
-    """Capped fa3 kernels (16-bit) take half of each score tile's exp2 on the FMA pipes: the
+    """Capped fa3 kernels (16-bit) with the exp2 split (an A/B option, off by default: it
+    lost on an H100) take half of each score tile's exp2 on the FMA pipes: the
     machine code's MUFU.EX2 drop by half of the score tiles' (the rows' rescale factors keep
     theirs), MUFU.TANH stay, the folded cap leaves one FMUL a score instead of three, and
     the split and join of the column pairs stay in registers (no shuffle, shared-memory
@@ -1138,17 +1154,20 @@ def test_fa3_softcap_moves_half_the_exp2_off_mufu(variant: Variant, d: int, caus
 
 
 def test_fa3_softcap_structure_is_16_bit_and_capped_only() -> None:
-    """The split and the folded cap are rendered into 16-bit capped kernels only; with both
-    flags off the capped kernel is the one before them, and plain kernels never differ."""
+    """The folded cap is rendered into 16-bit capped kernels only, and the exp2 split only
+    when asked for (an A/B override); with both flags off the capped kernel is the one
+    before them, and plain kernels never differ."""
     from flashgen.kernels.render import _templates, render_context, render_with
 
     v = Variant("fa3", 128, 128, 4, 2)
     capped = Problem(1, 2, 2, 256, 256, 128, "bf16", True, softcap=True)
     for problem in (capped, capped.with_(dtype="fp16")):
         context = render_context(v, problem)
-        assert context["mufu_split"] and context["cap_fold"]
+        assert not context["mufu_split"] and context["cap_fold"]
         source = render(v, problem)
-        assert "def _exp2_halves(" in source and "def _tanh_approx(" in source
+        assert "def _exp2_halves(" not in source and "def _tanh_approx(" in source
+        split = render_with(_templates(), v, problem, {"mufu_split": True})
+        assert "def _exp2_halves(" in split
     for problem in (capped.with_(softcap=False), capped.with_(dtype="fp32")):
         context = render_context(v, problem)
         assert not context["mufu_split"] and not context["cap_fold"]

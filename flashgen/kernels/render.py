@@ -143,10 +143,13 @@ def render_context(variant: Variant, problem: Problem) -> dict[str, Any]:
         "causal": problem.causal,
         # fp32 inputs get true fp32 products: tf32 would lose ~3 decimal digits.
         "dot_precision": "ieee" if problem.dtype == "fp32" else "tf32",
-        # fa3 with softcap, 16-bit inputs: half of each score tile's exp2 on the FMA pipes,
-        # as the cap's tanh doubles the special-function work (_fa3_softmax.py.jinja).
-        "mufu_split": problem.softcap and problem.dtype in ("fp16", "bf16"),
-        # ... and the cap's scales folded into tanh's argument and the softmax's FMA (fa3).
+        # fa3 with softcap, 16-bit inputs: half of each score tile's exp2 on the FMA pipes
+        # (_fa3_softmax.py.jinja). Off: on an H100 it cost 8% more than exp2 all on MUFU
+        # (the capped loop is not bound by the special-function unit there); kept for A/Bs
+        # through `render_with` overrides (docs/varlen-and-modifiers.md).
+        "mufu_split": False,
+        # fa3 with softcap, 16-bit inputs: the cap's scales folded into tanh's argument and
+        # the softmax's FMA, one multiply a score instead of three (+6-12% capped).
         "cap_fold": problem.softcap and problem.dtype in ("fp16", "bf16"),
         **modifier_context(problem),
     }
