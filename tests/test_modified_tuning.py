@@ -149,8 +149,8 @@ def test_persistent_winners_serve_packed_and_window_calls_as_one_tile_kernels() 
             return "changed" if entry["seq_q_bucket"] in stale else None
 
     rows = [{"dtype": "bf16", "causal": True, "head_dim": 128, "gqa": 1, "seq_q_bucket": n,
-             "seq_k_bucket": n, "variant": {**persistent, "block_n": 128 if n > 2048 else 64}}
-            for n in (1024, 4096)]
+             "seq_k_bucket": n, "variant": {**persistent, "block_n": 128 if n > 2048 else 64},
+             "source": f"row {n}"} for n in (1024, 4096)]
     table = runtime_table.Table({"preprocess_block_m": 64, "fwd": rows}, "test", 132, hopper)
     for flags in ({"varlen": True, "mix": 2}, {"window": True}):
         shape = runtime_table.Shape(16, 16, 16, 4096, 4096, 128, "bf16", True, **flags)
@@ -159,6 +159,7 @@ def test_persistent_winners_serve_packed_and_window_calls_as_one_tile_kernels() 
         assert flashgen.Variant.from_dict(e["variant"]) == flashgen.Variant(**{
             **persistent, "programs_per_sm": 0, "pingpong": False})
         assert choice.variant.programs_per_sm == 0 and choice.variant.block_n == 128
+        assert choice.source == "row 4096"  # the row whose tiles run
         stale.add(4096)  # the nearest row changed: the next one lends its tiles
         choice, e = Fixed().lookup(table, "fwd", shape)
         assert choice.variant.block_n == 64 and "bucket (1024, 1024)" in choice.reason

@@ -228,6 +228,8 @@ class Dispatcher:
             one = made[id(e)] = self.entry("fwd", self.present("fwd", {
                 **data, "programs_per_sm": 0, "pingpong": False, "head_units": False}),
                 shape, table)
+            if "source" in e:  # `explain` names the row whose tiles these are
+                one["source"] = e["source"]
             return self._stale("fwd", e) or self.reject("fwd", one, shape, table)
 
         found = table.nearest_plain("fwd", shape, check)
