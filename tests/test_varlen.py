@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -58,6 +59,25 @@ def _check(call: Callable[..., tuple[torch.Tensor, torch.Tensor]],
     names = ("q", "k", "v", "sinks")
     for name, g, t, e in zip(names, grads, truth_grads, eager_grads, strict=False):
         _bound_ok(g, t, e, dtype, f"d{name}")
+
+
+def _check_packed(lq: Sequence[int], lk: Sequence[int], d: int, causal: bool,
+                  mods: dict | None = None, extra: Sequence[torch.Tensor] = (),
+                  **options: Any) -> None:
+    """`attention_varlen` on the GPU, bf16, 8 query heads on 2 K/V heads, with `mods` (and
+    sinks in `extra`) and `options` (`variant=`, `bwd_variant=`), against the reference,
+    gradients included."""
+    dtype, mods = torch.bfloat16, mods or {}
+    cu_q, cu_k = _cu(lq).cuda(), _cu(lk).cuda()
+    leaves = [t.detach().cuda().requires_grad_()
+              for t in [*_packed(lq, lk, 8, 2, d, dtype), *extra]]
+    _check(lambda q, k, v, *s: flashgen.attention_varlen(
+               q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal,
+               sinks=s[0] if s else None, return_lse=True, **options, **mods),
+           lambda q, k, v, *s, dtype: reference.attention_varlen(
+               q, k, v, cu_q.cpu(), cu_k.cpu(), causal, None, dtype,
+               sinks=s[0] if s else None, **mods),
+           leaves)  # fmt: skip
 
 
 def _cu(lengths: Sequence[int]) -> torch.Tensor:
@@ -381,17 +401,8 @@ def test_packed_fa3_on_the_gpu(causal: bool, variant: Variant, d: int) -> None:
     padded to 128 (its masked O store must leave the next head's columns alone)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("fa3 runs on Hopper")
-    dtype = torch.bfloat16
-    lq = [1, 700, 63, 129, 0, 512, 256, 17, 640, 2, 300, 64]
-    lk = [3, 650, 63, 200, 5, 512, 1, 17, 700, 2, 300, 70]
-    cu_q, cu_k = _cu(lq).cuda(), _cu(lk).cuda()
-    leaves = [t.detach().cuda().requires_grad_() for t in _packed(lq, lk, 8, 2, d, dtype)]
-    _check(lambda q, k, v: flashgen.attention_varlen(
-               q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal, return_lse=True,
-               variant=variant),
-           lambda q, k, v, dtype: reference.attention_varlen(
-               q, k, v, cu_q.cpu(), cu_k.cpu(), causal, None, dtype),
-           leaves)  # fmt: skip
+    _check_packed([1, 700, 63, 129, 0, 512, 256, 17, 640, 2, 300, 64],
+                  [3, 650, 63, 200, 5, 512, 1, 17, 700, 2, 300, 70], d, causal, variant=variant)
 
 
 @pytest.mark.gpu
@@ -526,25 +537,18 @@ def test_modified_fa3_on_the_gpu(name: str, variant: Variant, packed: bool,
     if "softcap" in mods:
         mods["softcap"] = 20.0  # Gemma 2's 50 and 30 barely bend N(0, 1) scores
     if packed:
-        lq, lk = [1, 900, 63, 300, 17], [5, 900, 80, 290, 17]
-        cu_q, cu_k = _cu(lq).cuda(), _cu(lk).cuda()
-        leaves = [t.detach().cuda().requires_grad_()
-                  for t in [*_packed(lq, lk, 8, 2, 128, dtype), *extra]]
-        _check(lambda q, k, v, *s: flashgen.attention_varlen(
-                   q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal,
-                   sinks=s[0] if s else None, return_lse=True, variant=variant, **mods),
-               lambda q, k, v, *s, dtype: reference.attention_varlen(
-                   q, k, v, cu_q.cpu(), cu_k.cpu(), causal, None, dtype,
-                   sinks=s[0] if s else None, **mods),
-               leaves)  # fmt: skip
+        _check_packed([1, 900, 63, 300, 17], [5, 900, 80, 290, 17], 128, causal, mods, extra,
+                      variant=variant)
         return
     _check_dense_gqa(variant, causal, mods, extra, 128, dtype, seed=13)
 
 
-def _check_dense_gqa(variant: Variant, causal: bool, mods: dict, extra: list[torch.Tensor],
-                     d: int, dtype: torch.dtype, seed: int) -> None:
-    """`variant` with `mods` (and sinks in `extra`) on the GPU against the reference, with
-    gradients: 8 query heads on 2 K/V heads, 1300 queries against 1500 keys."""
+def _check_dense_gqa(variant: Variant | None, causal: bool, mods: dict,
+                     extra: list[torch.Tensor], d: int, dtype: torch.dtype, seed: int,
+                     **options: Any) -> None:
+    """`variant` (None: dispatched) with `mods` (and sinks in `extra`) and `options` (a
+    `bwd_variant=`) on the GPU against the reference, with gradients: 8 query heads on 2
+    K/V heads, 1300 queries against 1500 keys."""
     gen = torch.Generator().manual_seed(seed)
     leaves = [t.to("cuda", dtype).requires_grad_() for t in (
         torch.randn(2, 8, 1300, d, generator=gen), torch.randn(2, 2, 1500, d, generator=gen),
@@ -552,7 +556,7 @@ def _check_dense_gqa(variant: Variant, causal: bool, mods: dict, extra: list[tor
                                                         for t in extra]
     _check(lambda q, k, v, *s: flashgen.attention(
                q, k, v, causal=causal, sinks=s[0] if s else None, return_lse=True,
-               variant=variant, **mods),
+               variant=variant, **options, **mods),
            lambda q, k, v, *s, dtype: reference.attention(
                q, k, v, causal, None, dtype, sinks=s[0] if s else None, **mods),
            leaves)  # fmt: skip
@@ -866,17 +870,9 @@ def _gluon_bwd_or_skip(bwd: BwdVariant, problem: Problem) -> None:
 def test_packed_fa3_backward_on_the_gpu(bwd: BwdVariant, causal: bool, d: int) -> None:
     """The Gluon dK/dV and dQ kernels on packed sequences (cross-attention, GQA 8:2): tiles
     that run into the next sequence must neither read its rows as theirs nor write them."""
-    dtype = torch.bfloat16
     _gluon_bwd_or_skip(bwd, Problem(12, 8, 2, max(_LQ), max(_LK), d, "bf16", causal,
                                     varlen=True))
-    cu_q, cu_k = _cu(_LQ).cuda(), _cu(_LK).cuda()
-    leaves = [t.detach().cuda().requires_grad_() for t in _packed(_LQ, _LK, 8, 2, d, dtype)]
-    _check(lambda q, k, v: flashgen.attention_varlen(
-               q, k, v, cu_q, cu_k, max(_LQ), max(_LK), causal=causal, return_lse=True,
-               bwd_variant=bwd),
-           lambda q, k, v, dtype: reference.attention_varlen(
-               q, k, v, cu_q.cpu(), cu_k.cpu(), causal, None, dtype),
-           leaves)  # fmt: skip
+    _check_packed(_LQ, _LK, d, causal, bwd_variant=bwd)
 
 
 @pytest.mark.gpu
@@ -898,29 +894,10 @@ def test_modified_fa3_backward_on_the_gpu(name: str, bwd: BwdVariant, packed: bo
     _gluon_bwd_or_skip(bwd, Problem(2, 8, 2, 1300, 1500, d, "bf16", causal, varlen=packed,
                                     **flags))
     if not packed:
-        gen = torch.Generator().manual_seed(19)
-        leaves = [t.to("cuda", dtype).requires_grad_() for t in (
-            torch.randn(2, 8, 1300, d, generator=gen), torch.randn(2, 2, 1500, d, generator=gen),
-            torch.randn(2, 2, 1500, d, generator=gen))] + [t.cuda().detach().requires_grad_()
-                                                            for t in extra]
-        _check(lambda q, k, v, *s: flashgen.attention(
-                   q, k, v, causal=causal, sinks=s[0] if s else None, return_lse=True,
-                   bwd_variant=bwd, **mods),
-               lambda q, k, v, *s, dtype: reference.attention(
-                   q, k, v, causal, None, dtype, sinks=s[0] if s else None, **mods),
-               leaves)  # fmt: skip
+        _check_dense_gqa(None, causal, mods, extra, d, dtype, seed=19, bwd_variant=bwd)
         return
-    lq, lk = [1, 900, 63, 300, 0, 17], [5, 900, 80, 290, 3, 17]
-    cu_q, cu_k = _cu(lq).cuda(), _cu(lk).cuda()
-    leaves = [t.detach().cuda().requires_grad_()
-              for t in [*_packed(lq, lk, 8, 2, d, dtype), *extra]]
-    _check(lambda q, k, v, *s: flashgen.attention_varlen(
-               q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal,
-               sinks=s[0] if s else None, return_lse=True, bwd_variant=bwd, **mods),
-           lambda q, k, v, *s, dtype: reference.attention_varlen(
-               q, k, v, cu_q.cpu(), cu_k.cpu(), causal, None, dtype,
-               sinks=s[0] if s else None, **mods),
-           leaves)  # fmt: skip
+    _check_packed([1, 900, 63, 300, 0, 17], [5, 900, 80, 290, 3, 17], d, causal, mods, extra,
+                  bwd_variant=bwd)
 
 
 @pytest.mark.gpu
