@@ -709,6 +709,23 @@ def test_persistent_fa3_takes_packed_sequences() -> None:
     assert default_variant(packed, hopper).loop_order == "fa2"  # tuned, not a default
 
 
+def test_an_explicit_fa3_variant_names_a_packing_without_keys() -> None:
+    """TMA takes no descriptor over a packing with no key: dispatched, the pointer twin runs
+    it (GPU test above); an explicit fa3 variant is not silently replaced but refused."""
+    from flashgen.runtime import forward
+    from flashgen.runtime.modifiers import Mods, Varlen
+    from flashgen.runtime.table import Shape
+
+    lens = Varlen(_cu([3, 4]), _cu([0, 0]), 4, 1, (0, 3, 7), (0, 0, 0))
+    shape = Shape(2, 2, 2, 4, 1, 128, "bf16", False, varlen=True, mix=1)
+    variant = Variant("fa3", 128, 128, 4, 2)
+    run = forward._prepare_tma({"variant": variant.to_dict()}, shape, lambda role: None, True)
+    q, k = torch.zeros(7, 2, 128, dtype=torch.bfloat16), torch.zeros(0, 2, 128,
+                                                                    dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="packing with no key"):
+        run(q, k, k, 0.125, Mods(varlen=lens))
+
+
 @pytest.mark.parametrize("variant", [PERSISTENT_PACKED[0], Variant("fa3", 128, 128, 4, 2)],
                          ids=str)
 def test_packed_fa3_launch_matches_the_kernel_signature(variant: Variant,

@@ -274,11 +274,9 @@ def _prepare_tma(entry: Entry, shape: Shape, kernel_of: KernelOf, strict: bool) 
     plain: list[Launcher] = []  # the pointer twin, prepared on first need
 
     def twin(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-             mods: Mods | None, why: str = "", empty: bool = False,
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs TMA cannot address: the pointer twin runs them (a strict launcher raises,
-        except for an empty packing of keys, which no kernel of TMA takes)."""
-        if strict and not empty:
+             mods: Mods | None, why: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs TMA cannot address: the pointer twin runs them (a strict launcher raises)."""
+        if strict:
             raise ValueError(
                 f"variant {entry['variant']} uses TMA, which needs a unit last stride and "
                 f"16-byte aligned rows and base addresses{why}; these inputs are not")
@@ -305,8 +303,13 @@ def _prepare_tma(entry: Entry, shape: Shape, kernel_of: KernelOf, strict: bool) 
         views = [t.unsqueeze(0).transpose(1, 2) for t in (q, k, v, out)]
         if not k.shape[0]:
             # No key in the whole packing: TMA takes no descriptor over it; the pointer twin
-            # gives every row its output (zeros, or the sinks' share) and LSE.
-            return twin(q, k, v, scale, mods, empty=True)
+            # gives every row its output (zeros, or the sinks' share) and LSE. An explicit
+            # variant (strict) is not silently replaced: a named error.
+            if strict:
+                raise ValueError(f"variant {entry['variant']} uses TMA, which takes no "
+                                 "descriptor over a packing with no key; call without "
+                                 "variant= (a pointer kernel then runs it)")
+            return twin(q, k, v, scale, mods)
         if not tma_ready(*views):
             return twin(q, k, v, scale, mods)
         rows = 16 * variant.num_warps
