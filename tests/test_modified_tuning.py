@@ -164,6 +164,14 @@ def test_persistent_winners_serve_packed_and_window_calls_as_one_tile_kernels() 
         choice, e = Fixed().lookup(table, "fwd", shape)
         assert choice.variant.block_n == 64 and "bucket (1024, 1024)" in choice.reason
         stale.clear()
+    # A whole-heads row, where whole heads would leave programs idle (two heads): its
+    # one-tile form has no whole heads, so it still lends its tiles.
+    heads = runtime_table.Table({"preprocess_block_m": 64, "fwd": [
+        {**rows[1], "variant": {**persistent, "head_units": True}}]}, "test", 132, hopper)
+    few = runtime_table.Shape(1, 2, 2, 4096, 4096, 128, "bf16", True, window=True)
+    choice, e = Fixed().lookup(heads, "fwd", few)
+    assert "run as the one-tile fa3 kernel" in choice.reason
+    assert not choice.variant.head_units and not choice.variant.programs_per_sm
     # Without any persistent row: the default, as before.
     empty = runtime_table.Table({"preprocess_block_m": 64, "fwd": []}, "test", 132, hopper)
     packed = runtime_table.Shape(16, 16, 16, 4096, 4096, 128, "bf16", True, varlen=True, mix=2)

@@ -250,14 +250,16 @@ class Table:
     def nearest_plain(self, mode: str, shape: Shape,
                       check: Check) -> tuple[Entry, tuple] | None:
         """The nearest entry tuned on plain attention of `shape`'s kind that `check` lets
-        serve it, and its bucket (None: none does)."""
-        found = self._search(mode, shape, check, "", [])
+        serve it, and its bucket (None: none does). The whole-heads rule is left to
+        `check`: a caller that runs another form of the row (without whole heads) asks."""
+        found = self._search(mode, shape, check, "", [], whole_heads=False)
         return None if found is None else found[:2]
 
-    def _search(self, mode: str, shape: Shape, check: Check, mods: str,
-                skipped: list[str]) -> tuple[Entry, tuple, tuple] | None:
+    def _search(self, mode: str, shape: Shape, check: Check, mods: str, skipped: list[str],
+                whole_heads: bool = True) -> tuple[Entry, tuple, tuple] | None:
         """The nearest entry of `shape`'s kind tuned with modifiers `mods` that may serve
-        it, with its bucket and the call's; each passed over is added to `skipped`."""
+        it, with its bucket and the call's; each passed over is added to `skipped`.
+        `whole_heads`: apply the whole-heads dispatch rule to each entry's variant."""
         want_q, want_k = bucket(shape.seq_q), bucket(shape.seq_k)
         want_bh = bucket(shape.batch * shape.heads_kv)
 
@@ -276,10 +278,9 @@ class Table:
                 got, want = (*got, e["bh_bucket"]), (want_q, want_k, want_bh)
             else:
                 want = (want_q, want_k)
-            reason = (self._too_short(e, shape)
-                      or head_units_leave_programs_idle(knobs(e["variant"]), shape,
-                                                        self.sm_count)
-                      or check(e))
+            idle = head_units_leave_programs_idle(knobs(e["variant"]), shape,
+                                                  self.sm_count) if whole_heads else None
+            reason = self._too_short(e, shape) or idle or check(e)
             if reason:
                 skipped.append(f"bucket{label} Nq{got[0]}/Nk{got[1]}: {reason}")
             else:
