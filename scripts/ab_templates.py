@@ -15,17 +15,23 @@ device machine has no git history, so take them out here and carry the folder):
         > .ab/v2/attn_fwd_fa3_persistent.py.jinja
     python3 scripts/ab_templates.py --alt v2=.ab/v2 --match p1 --lens 512,1024 --csv ab.csv
 
+A folder's templates render with the working tree's context and its fragments (the
+`_*.jinja` files it lacks); copy the fragments of the same revision too where they have
+changed since (a template from before the folded cap calls the `_cap_tanh` that today's
+`_fa3_softmax.py.jinja` only defines with `cap_fold` off).
+
 An alternate may instead be the working tree's templates rendered with render-context
 entries overridden (`NAME=@JSON`), which times a structure choice both ways from one tree.
 `--softcap C` times capped kernels: the cap is a runtime argument and the check uses it;
 cuDNN, which has no cap, stays the yardstick, and the variant's plain kernel runs beside
-them as "plain". The capped fa3 kernels before the exp2 split and the folded cap, beside
-the split alone and beside both (the working tree's):
+them as "plain". The capped fa3 kernel before the folded cap, with the fold alone (the
+working tree's) and with the exp2 split too (B4 runs the reference out of memory on an
+80 GB GPU):
 
-    python3 scripts/ab_templates.py --softcap 30 --batch 4 --lens 8192 --dims 128 \\
-        --dtypes bf16 --causal yes --match "m128 n128 w4 s2 p1 pp" \\
+    python3 scripts/ab_templates.py --softcap 30 --batch 2 --lens 8192 --dims 128 \\
+        --dtypes bf16 --causal yes,no --match "m128 n128 w4 s2 p1 pp" \\
         --alt 'before=@{"mufu_split": false, "cap_fold": false}' \\
-        --alt 'split=@{"cap_fold": false}' --csv ab-softcap.csv
+        --alt 'split=@{"mufu_split": true}' --csv ab-softcap.csv
 """
 
 from __future__ import annotations
