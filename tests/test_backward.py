@@ -322,7 +322,9 @@ def test_fa3_backward_points_exist_only_where_the_gluon_kernels_run() -> None:
     for problem in (_fa3_problem(96), _fa3_problem(64, "fp32")):
         assert {v.fa3 for v in bwd_search_space(problem, HOPPER)} == {"none"}
     reasons = {
-        BwdVariant(64, 128, 4, 2, "atomic", "both"): "dq_mode",
+        BwdVariant(64, 128, 4, 2, "atomic", "dq"): "does not launch",
+        BwdVariant(32, 128, 4, 2, "atomic", "both"): "64 query rows or more",
+        BwdVariant(64, 128, 4, 2, "atomic", "both", 128): "needs fa3 'dq' or 'both'",
         BwdVariant(64, 128, 8, 2, fa3="dq"): "num_warps",
         BwdVariant(64, 32, 4, 2, fa3="both"): "block_owned",
         BwdVariant(16, 128, 4, 2, fa3="dq"): "32 rows",
@@ -334,6 +336,10 @@ def test_fa3_backward_points_exist_only_where_the_gluon_kernels_run() -> None:
     }
     for variant, why in reasons.items():
         assert why in (why_invalid_bwd(variant, _fa3_problem(128), HOPPER) or ""), variant
+    # The Gluon dK/dV kernel that adds dQ itself: valid, and no dQ kernel is a Gluon one.
+    fused = BwdVariant(64, 128, 4, 2, "atomic", "both")
+    assert why_invalid_bwd(fused, _fa3_problem(128), HOPPER) is None
+    assert fused.gluon("dkdv") and not fused.gluon("dq") and not fused.deterministic
     # The Triton dK/dV kernel of the "dq" mode keeps its own register rule.
     assert why_invalid_bwd(BwdVariant(64, 128, 4, 2, fa3="dq"), _fa3_problem(128), HOPPER)
 

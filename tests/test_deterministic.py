@@ -300,8 +300,8 @@ def test_gpu_deterministic_gradients_are_bitwise_equal(
 @pytest.mark.parametrize(("b", "hq", "hkv", "n", "dim"), GPU_SHAPES)
 def test_gpu_every_portfolio_variant_is_bitwise_deterministic(
         deterministic: None, b: int, hq: int, hkv: int, n: int, dim: int) -> None:
-    """The shipped dispatch and, on Hopper, every portfolio variant (Gluon kernels included):
-    all deterministic, each giving bitwise-equal gradients twice."""
+    """The shipped dispatch and, on Hopper, every deterministic portfolio variant (Gluon
+    kernels included) give bitwise-equal gradients twice; an atomic one is refused."""
     from flashgen.kernels.bwd_space import bwd_portfolio
     from flashgen.kernels.hardware import device_info
 
@@ -313,6 +313,10 @@ def test_gpu_every_portfolio_variant_is_bitwise_deterministic(
     served = flashgen.explain(q, k, v, causal=True, dispatcher=d).backward
     assert served is not None and served.variant.deterministic
     for variant in [None, *bwd_portfolio(p, dev)]:
+        if variant is not None and not variant.deterministic:
+            with pytest.raises(RuntimeError, match="deterministic"):
+                _grads_twice(d, q, k, v, do, variant)
+            continue
         first, second = _grads_twice(d, q, k, v, do, variant)
         for name, a, c in zip(("dq", "dk", "dv"), first, second, strict=True):
             assert torch.equal(a, c), f"{variant or served.variant}: {name} differs"

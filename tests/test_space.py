@@ -263,10 +263,11 @@ BWD_PORTFOLIO_PINNED = {
         "bwd-separate own128x32 w4 s3 fa3-dq dq-x64",
         "bwd-separate own128x32 w4 s3 fa3-dq dq-x128",
         "bwd-separate own128x128 w4 s2 fa3", "bwd-separate own128x128 w4 s2 fa3 dq-x64",
+        "bwd-atomic own128x64 w4 s2 fa3", "bwd-atomic own128x128 w4 s2 fa3",
         "bwd-separate own128x32 w4 s3",
     ],
     128: ["bwd-separate own128x64 w4 s2 fa3", "bwd-separate own128x64 w4 s3 fa3",
-          "bwd-separate own128x64 w8 s2"],
+          "bwd-atomic own128x64 w4 s2 fa3", "bwd-separate own128x64 w8 s2"],
     96: ["bwd-separate own128x64 w8 s2"],
     256: ["bwd-separate own64x32 w8 s2"],
 }

@@ -50,11 +50,12 @@ def bwd_render_context(kernel: BwdKernel, variant: BwdVariant, problem: Problem)
     # launcher), so only the packed layout, window and softcap add arguments.
     context.update(modifier_context(problem.with_(sinks=False)))
     if variant.gluon(kernel):
-        # Gluon kernels (Hopper, fp16/bf16 only): no precision or atomic switch; both keep
-        # the owned tile as block_n's and the streamed one as block_m's in their own terms.
+        # Gluon kernels (Hopper, fp16/bf16 only): no precision switch; both keep the owned
+        # tile as block_n's and the streamed one as block_m's in their own terms.
         owned, streamed = variant.block_owned, variant.streamed(kernel)
         if kernel == "dkdv":
-            context.update(block_n=owned, block_m=streamed)
+            context.update(block_n=owned, block_m=streamed,
+                           atomic_dq=variant.dq_mode == "atomic")
         else:
             context.update(block_m=owned, block_n=streamed)
         context["stages"] = variant.num_stages

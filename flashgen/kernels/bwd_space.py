@@ -79,7 +79,8 @@ def dq_tile_unused(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:
         return (f"dq_block_streamed must be among {DQ_BLOCK_SIZES} (0: block_streamed), "
                 f"not {v.dq_block_streamed}")
     if v.dq_block_streamed and not v.gluon("dq"):
-        return "dq_block_streamed sets the Gluon dQ kernel's tile: it needs fa3 'dq' or 'both'"
+        return ("dq_block_streamed sets the Gluon dQ kernel's tile: it needs fa3 'dq' or 'both' "
+                "and dq_mode 'separate'")
     if v.dq_block_streamed == v.block_streamed:
         return f"dq_block_streamed {v.dq_block_streamed} repeats block_streamed: leave it 0"
     return None
@@ -95,8 +96,13 @@ def fa3_unavailable(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:
         return f"fa3 backward kernels take fp16 or bf16, not {p.dtype}"
     if p.head_dim not in (64, 128):
         return f"fa3 backward kernels need head_dim 64 or 128 (TMA tiles), not {p.head_dim}"
-    if v.dq_mode != "separate":
-        return "fa3 backward kernels leave dQ to the dQ kernel: dq_mode must be 'separate'"
+    if v.dq_mode == "atomic" and v.fa3 != "both":
+        return ("fa3 'dq' is the Gluon dQ kernel, which the atomic mode does not launch: "
+                "use fa3 'both' (the Gluon dK/dV kernel adds dQ) or 'none'")
+    if v.dq_mode == "atomic" and v.block_streamed < 64:
+        # dQ = dS K has the streamed query rows as its M dimension: one wgmma is 64 rows.
+        return ("the Gluon dK/dV kernel's dQ product takes 64 query rows or more, not "
+                f"block_streamed {v.block_streamed}")
     if v.num_warps != 4:
         return f"fa3 backward kernels run 4-warp consumers, not num_warps {v.num_warps}"
     if v.block_owned not in (64, 128):
@@ -265,6 +271,9 @@ HOPPER_BWD_PORTFOLIO: tuple[Pick[BwdVariant], ...] = (
          "issued alone (it spilled with S^T and dP^T together)"),
     Pick(BwdVariant(128, 128, 4, 2, fa3="both", dq_block_streamed=64), "the same, dQ on 64-key "
          "tiles"),
+    Pick(BwdVariant(64, 128, 4, 2, "atomic", "both"), "FlashAttention 3's five products: the "
+         "Gluon dK/dV kernel adds dQ with fp32 atomics (no dQ kernel, not deterministic)"),
+    Pick(BwdVariant(128, 128, 4, 2, "atomic", "both"), "the same on the 128-row step (D64)"),
 )
 
 

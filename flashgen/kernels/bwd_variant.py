@@ -35,6 +35,8 @@ class BwdVariant(Knobs):
     dq_mode: "separate" runs the dQ kernel (deterministic, recomputes S and dP); "atomic" adds
         each K block's share of dQ with fp32 atomics inside the dK/dV kernel (no recompute,
         but atomic traffic, an fp32 scratch buffer and a run-to-run nondeterministic sum order).
+        With fa3 "both" that is the Gluon dK/dV kernel (FlashAttention 3's five-product
+        backward); "dq" names the Gluon dQ kernel, which the atomic mode does not launch.
     fa3: which kernels are the Gluon (FlashAttention-3 style, Hopper) ones: "none", "dq" (the
         dQ kernel; dK/dV stays Triton's) or "both". Their consumer warpgroups own 64 rows each
         (block_owned / 64 of them, 4 warps each, num_warps = 4), a producer warp feeds them by TMA.
@@ -79,9 +81,10 @@ class BwdVariant(Knobs):
         return self.dq_mode == "separate"
 
     def gluon(self, kernel: str) -> bool:
-        """Whether backward kernel `kernel` ("preprocess", "dkdv", "dq") is a Gluon one."""
-        return (kernel == "dq" and self.fa3 in ("dq", "both")) or (
-            kernel == "dkdv" and self.fa3 == "both")
+        """Whether backward kernel `kernel` ("preprocess", "dkdv", "dq") is a Gluon one (the
+        atomic mode launches no dQ kernel: its dQ comes from the dK/dV kernel)."""
+        return (kernel == "dq" and self.fa3 in ("dq", "both") and self.dq_mode == "separate"
+                ) or (kernel == "dkdv" and self.fa3 == "both")
 
     def streamed(self, kernel: str) -> int:
         """Rows of the tile that backward kernel `kernel` streams past its owned one per step:

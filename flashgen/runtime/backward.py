@@ -23,9 +23,10 @@ BwdLauncher = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 def is_gluon(variant: Any, kernel: str) -> bool:
     """Whether backward kernel `kernel` ("preprocess", "dkdv", "dq") of `variant` is a Gluon
-    one (its `fa3` knob: "none", "dq" or "both")."""
-    return (kernel == "dq" and variant.fa3 in ("dq", "both")) or (
-        kernel == "dkdv" and variant.fa3 == "both")
+    one (its `fa3` knob: "none", "dq" or "both"; the atomic mode has no dQ kernel). The
+    runtime's copy of `BwdVariant.gluon`: exported packages carry no flashgen.kernels."""
+    return (kernel == "dq" and variant.fa3 in ("dq", "both") and variant.dq_mode == "separate"
+            ) or (kernel == "dkdv" and variant.fa3 == "both")
 
 
 def fa3_tile_rows(kernel: str, variant: Any) -> tuple[int, ...]:
@@ -43,9 +44,9 @@ def why_nondeterministic(entry: Entry) -> str | None:
     """Why `entry`'s gradients may differ bitwise from run to run (None: they never do).
 
     Only the atomic dQ mode is: its dK/dV programs add their shares of dQ with fp32 atomics
-    in whatever order they reach them. The separate dQ kernel owns its rows, GQA's dK/dV is
-    summed on chip, and the Gluon kernels run only separate. The twin is asked too: it runs
-    where TMA cannot address the inputs."""
+    in whatever order they reach them (Triton's or Gluon's). The separate dQ kernel owns its
+    rows and GQA's dK/dV is summed on chip. The twin is asked too: it runs where TMA cannot
+    address the inputs."""
     for data in (entry["variant"], entry.get("twin") or {}):
         if data.get("dq_mode") == "atomic":
             return ("its dq_mode 'atomic' adds dQ with fp32 atomics, in an order that varies "
@@ -61,7 +62,7 @@ class _Kernels:
         self.gluon = {role: is_gluon(variant, role) for role in ("dkdv", "dq")}
         # Gluon kernels' TMA descriptors are keyed like any argument (`runtime.launch`).
         self.dkdv = bind(kernel_of("dkdv" + suffix))
-        # The atomic dQ mode has no dQ kernel (the Gluon ones run only in the separate mode).
+        # The atomic dQ mode has no dQ kernel: the dK/dV kernel (Triton or Gluon) adds dQ.
         self.dq = bind(kernel_of("dq" + suffix)) if variant.dq_mode == "separate" else None
         self.launch = {"num_warps": variant.num_warps, "num_stages": variant.num_stages}
 
@@ -112,8 +113,12 @@ def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
         )
         rows = (*lse.stride()[:2], *delta.stride()[:2])
         if ks.gluon["dkdv"]:
+            acc = _dq_buffer(var, q.shape, q.device)
             _launch_gluon("dkdv", ks.dkdv, var, (cdiv(nk, var.block_owned), b * hkv),
-                          (q, k, v, do, dk, dv), lse, delta, rows, scale, (nq, nk), hkv, group)
+                          (q, k, v, do, dk, dv), lse, delta, rows, scale, (nq, nk), hkv, group,
+                          () if acc is None else (acc, *acc.stride()[:3]))
+            if acc is not None:
+                dq.copy_(acc)
         else:
             _triton_dkdv(ks, q, k, v, do, lse, delta, dq, dk, dv, scale, group)
         if ks.gluon["dq"]:
@@ -166,25 +171,27 @@ def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
         view = (lambda t: t.unsqueeze(0).transpose(1, 2)) if packed else (lambda t: t)
         ks = kernels_for(lse, *(view(t) for t in (q, k, v, do, dq, dk, dv)))
         var = ks.variant
-        atomic = var.dq_mode == "atomic"
-        dq_target = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if atomic else dq
+        acc = _dq_buffer(var, q.shape, q.device)
+        dq_target = dq if acc is None else acc
         s4 = lambda t: strides4(t, packed)
         # Gluon: (B, H) strides of LSE and delta (packed: (0, H's)); stores by pointer, packed.
         gluon_rows = (row_strides[0], row_strides[1], row_strides[3], row_strides[4]) if (
             packed) else (*lse.stride()[:2], *delta.stride()[:2])
         if ks.gluon["dkdv"]:
             stores = (dk, dv, *dk.stride()[:2], *dv.stride()[:2]) if packed else ()
+            # The fp32 dQ buffer's (batch, head, row) strides; packed: (0, head, row).
+            dq_args = () if acc is None else (acc, *s4(acc)[:3])
             _launch_gluon("dkdv", ks.dkdv, var, (cdiv(nk, var.block_owned), b * hkv),
                           tuple(view(t) for t in (q, k, v, do, dk, dv)), lse, delta,
-                          gluon_rows, scale, (nq, nk), hkv, group, (*extra, *stores))
+                          gluon_rows, scale, (nq, nk), hkv, group, (*extra, *stores, *dq_args))
         else:
             ks.dkdv[(cdiv(nk, var.block_owned), b * hkv)](
                 q, k, v, do, lse, delta, dk, dv, dq_target,
                 *s4(q), *s4(k), *s4(v), *s4(do), *row_strides, *s4(dk), *s4(dv),
                 *s4(dq_target), scale, nq, nk, hkv, group, *extra, **ks.launch,
             )  # fmt: skip
-        if atomic:
-            dq.copy_(dq_target)
+        if acc is not None:
+            dq.copy_(acc)
         elif ks.gluon["dq"]:
             stores = (dq, *dq.stride()[:2]) if packed else ()
             _launch_gluon("dq", ks.dq, var, (cdiv(nq, var.block_owned), b * hq),
@@ -207,6 +214,14 @@ def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
     return run
 
 
+def _dq_buffer(variant: Any, shape: torch.Size, device: torch.device) -> torch.Tensor | None:
+    """The zeroed fp32 buffer the atomic dQ mode sums every key block's share into (q's
+    shape, contiguous), or None in the separate mode."""
+    if variant.dq_mode != "atomic":
+        return None
+    return torch.zeros(shape, device=device, dtype=torch.float32)
+
+
 def _launch_gluon(kernel: str, fn: Any, variant: Any, grid: tuple[int, int],
                   tensors: tuple[torch.Tensor, ...], lse: torch.Tensor, delta: torch.Tensor,
                   row_strides: tuple[int, ...], scale: float, lengths: tuple[int, int],
@@ -226,11 +241,10 @@ def _triton_dkdv(ks: _Kernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                  do: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor,
                  dk: torch.Tensor, dv: torch.Tensor, scale: float, group: int) -> None:
     """The Triton dK/dV kernel; in the atomic dq mode it also fills `dq`."""
-    b, hq, nq, d = q.shape
+    b, nq = q.shape[0], q.shape[2]
     hkv, nk = k.shape[1], k.shape[2]
-    atomic = ks.variant.dq_mode == "atomic"
-    # The atomic mode sums dQ shares from every K block, so it needs a zeroed fp32 buffer.
-    dq_target = torch.zeros((b, hq, nq, d), device=q.device, dtype=torch.float32) if atomic else dq
+    acc = _dq_buffer(ks.variant, q.shape, q.device)
+    dq_target = dq if acc is None else acc
     rows = (*lse.stride(), *delta.stride())
     ks.dkdv[(cdiv(nk, ks.variant.block_owned), b * hkv)](
         q, k, v, do, lse, delta, dk, dv, dq_target,
@@ -240,5 +254,5 @@ def _triton_dkdv(ks: _Kernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         **ks.launch,
     )  # fmt: skip
 
-    if atomic:
-        dq.copy_(dq_target)
+    if acc is not None:
+        dq.copy_(acc)
