@@ -43,7 +43,12 @@ def bwd_shared_memory_bytes(v: BwdVariant, p: Problem) -> int:
     d = p.padded_head_dim
     stages = max(1, v.num_stages)
     streamed = max(v.streamed("dkdv"), v.streamed("dq"))
-    return elem * (d * (2 * v.block_owned + 2 * streamed * stages) + v.block_owned * streamed)
+    staged = 0
+    if v.gluon("dkdv") and v.dq_mode == "atomic":
+        # The Gluon dK/dV kernel's dQ share, staged in fp32 per consumer for its TMA reduce.
+        staged = 4 * v.block_streamed * d * (v.block_owned // 64)
+    return staged + elem * (d * (2 * v.block_owned + 2 * streamed * stages)
+                            + v.block_owned * streamed)
 
 
 BwdRule = Callable[[BwdVariant, Problem, DeviceInfo], str | None]

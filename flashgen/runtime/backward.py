@@ -116,7 +116,7 @@ def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
             acc = _dq_buffer(var, q.shape, q.device)
             _launch_gluon("dkdv", ks.dkdv, var, (cdiv(nk, var.block_owned), b * hkv),
                           (q, k, v, do, dk, dv), lse, delta, rows, scale, (nq, nk), hkv, group,
-                          () if acc is None else (acc, *acc.stride()[:3]))
+                          () if acc is None else (gluon_descriptor(acc, var.block_streamed),))
             if acc is not None:
                 dq.copy_(acc)
         else:
@@ -179,8 +179,8 @@ def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
             packed) else (*lse.stride()[:2], *delta.stride()[:2])
         if ks.gluon["dkdv"]:
             stores = (dk, dv, *dk.stride()[:2], *dv.stride()[:2]) if packed else ()
-            # The fp32 dQ buffer's (batch, head, row) strides; packed: (0, head, row).
-            dq_args = () if acc is None else (acc, *s4(acc)[:3])
+            # The fp32 dQ buffer the kernel adds into by TMA reduce, over the same view.
+            dq_args = () if acc is None else (gluon_descriptor(view(acc), var.block_streamed),)
             _launch_gluon("dkdv", ks.dkdv, var, (cdiv(nk, var.block_owned), b * hkv),
                           tuple(view(t) for t in (q, k, v, do, dk, dv)), lse, delta,
                           gluon_rows, scale, (nq, nk), hkv, group, (*extra, *stores, *dq_args))

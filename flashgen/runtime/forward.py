@@ -101,8 +101,8 @@ def _gluon_tile_layout(rows: int, cols: int, dtype: torch.dtype) -> object:
     cores read fastest). Cached: working it out costs ~10 us of Python, per descriptor."""
     from triton.experimental.gluon import language as gl
 
-    element = {torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}.get(
-        dtype, gl.bfloat16)
+    element = {torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv,
+               torch.float32: gl.float32}.get(dtype, gl.bfloat16)
     return gl.NVMMASharedLayout.get_default_for([1, 1, rows, cols], element)
 
 

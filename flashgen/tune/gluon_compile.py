@@ -155,8 +155,9 @@ def compile_fa3_bwd(kernel: str, variant: BwdVariant, problem: Problem,
         t = torch.empty(2, 4, 256, problem.head_dim, dtype=problem.torch_dtype)
         args = [*(gluon_descriptor(t, r) for r in tiles), rows, rows, 1024, 256, 1024, 256,
                 0.125, 250, 250, 4, 1, *mods]
-    if kernel == "dkdv" and variant.dq_mode == "atomic":  # the fp32 dQ buffer, its strides
-        args += [torch.empty(4, dtype=torch.float32), 0, problem.head_dim, 4 * problem.head_dim]
+    if kernel == "dkdv" and variant.dq_mode == "atomic":  # the fp32 dQ buffer's descriptor
+        acc = torch.empty(1 if problem.varlen else 2, 4, 256, problem.head_dim)
+        args.append(gluon_descriptor(acc, variant.block_streamed))
     return compile_gluon(load_bwd_kernel(kernel, variant, problem), args, {}, 4, capability)
 
 
