@@ -45,8 +45,9 @@ def bwd_shared_memory_bytes(v: BwdVariant, p: Problem) -> int:
     streamed = max(v.streamed("dkdv"), v.streamed("dq"))
     staged = 0
     if v.gluon("dkdv") and v.dq_mode == "atomic":
-        # The Gluon dK/dV kernel's dQ share, staged in fp32 per consumer for its TMA reduce.
-        staged = 4 * v.block_streamed * d * (v.block_owned // 64)
+        # The Gluon dK/dV kernel's dQ share, staged in fp32 for its TMA reduce, and dS^T
+        # for both consumers' products, double-buffered (the estimate's P tile is one).
+        staged = 4 * v.block_streamed * d + elem * v.block_owned * v.block_streamed
     return staged + elem * (d * (2 * v.block_owned + 2 * streamed * stages)
                             + v.block_owned * streamed)
 

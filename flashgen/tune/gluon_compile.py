@@ -157,7 +157,8 @@ def compile_fa3_bwd(kernel: str, variant: BwdVariant, problem: Problem,
                 0.125, 250, 250, 4, 1, *mods]
     if kernel == "dkdv" and variant.dq_mode == "atomic":  # the fp32 dQ buffer's descriptor
         acc = torch.empty(1 if problem.varlen else 2, 4, 256, problem.head_dim)
-        args.append(gluon_descriptor(acc, variant.block_streamed))
+        args.append(gluon_descriptor(acc, variant.block_streamed,
+                                     problem.head_dim // (variant.block_owned // 64)))
     return compile_gluon(load_bwd_kernel(kernel, variant, problem), args, {}, 4, capability)
 
 
