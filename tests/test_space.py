@@ -259,15 +259,15 @@ FWD_PORTFOLIO_PINNED = {
 
 BWD_PORTFOLIO_PINNED = {
     64: [
+        "bwd-atomic own128x64 w4 s2 fa3", "bwd-atomic own128x128 w4 s2 fa3",
         "bwd-separate own128x64 w4 s2 fa3", "bwd-separate own128x64 w4 s3 fa3",
         "bwd-separate own128x32 w4 s3 fa3-dq dq-x64",
         "bwd-separate own128x32 w4 s3 fa3-dq dq-x128",
         "bwd-separate own128x128 w4 s2 fa3", "bwd-separate own128x128 w4 s2 fa3 dq-x64",
-        "bwd-atomic own128x64 w4 s2 fa3", "bwd-atomic own128x128 w4 s2 fa3",
         "bwd-separate own128x32 w4 s3",
     ],
-    128: ["bwd-separate own128x64 w4 s2 fa3", "bwd-separate own128x64 w4 s3 fa3",
-          "bwd-atomic own128x64 w4 s2 fa3", "bwd-separate own128x64 w8 s2"],
+    128: ["bwd-atomic own128x64 w4 s2 fa3", "bwd-separate own128x64 w4 s2 fa3",
+          "bwd-separate own128x64 w4 s3 fa3", "bwd-separate own128x64 w8 s2"],
     96: ["bwd-separate own128x64 w8 s2"],
     256: ["bwd-separate own64x32 w8 s2"],
 }
