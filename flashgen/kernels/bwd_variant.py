@@ -33,10 +33,11 @@ class BwdVariant(Knobs):
     num_warps / num_stages: warps per program and pipelining depth of the streamed loads, for
         the dK/dV and dQ kernels alike.
     dq_mode: "separate" runs the dQ kernel (deterministic, recomputes S and dP); "atomic" adds
-        each K block's share of dQ with fp32 atomics inside the dK/dV kernel (no recompute,
-        but atomic traffic, an fp32 scratch buffer and a run-to-run nondeterministic sum order).
-        With fa3 "both" that is the Gluon dK/dV kernel (FlashAttention 3's five-product
-        backward); "dq" names the Gluon dQ kernel, which the atomic mode does not launch.
+        each K block's share of dQ into an fp32 buffer inside the dK/dV kernel (no recompute,
+        but reduce traffic, the buffer and a run-to-run nondeterministic sum order): fp32
+        atomics in the Triton kernel; with fa3 "both", TMA reduces in the Gluon one
+        (FlashAttention 3's five-product backward). "dq" names the Gluon dQ kernel, which the
+        atomic mode does not launch.
     fa3: which kernels are the Gluon (FlashAttention-3 style, Hopper) ones: "none", "dq" (the
         dQ kernel; dK/dV stays Triton's) or "both". Their consumer warpgroups own 64 rows each
         (block_owned / 64 of them, 4 warps each, num_warps = 4), a producer warp feeds them by TMA.
@@ -76,8 +77,8 @@ class BwdVariant(Knobs):
     @property
     def deterministic(self) -> bool:
         """Whether its gradients are bitwise equal from run to run: the atomic dQ mode adds
-        fp32 shares in whatever order programs reach them; the separate mode's programs own
-        their rows (GQA dK/dV is summed on chip, and the Gluon kernels run only separate)."""
+        fp32 shares in whatever order programs reach them (Triton or Gluon kernel); the
+        separate mode's programs own their rows (GQA dK/dV is summed on chip)."""
         return self.dq_mode == "separate"
 
     def gluon(self, kernel: str) -> bool:
