@@ -23,6 +23,10 @@ was used (docs/search-quality.md).
 
 The sweep needs the GPU and the replay does not: `--phase sweep` on the GPU machine (it
 resumes a cut-off sweep of the same `--out`), then `--phase replay` anywhere on that folder.
+`--part K/N` sweeps every N-th variant of the set from the K-th, so one problem's sweep can
+be spread over GPUs or sessions, each part in its own folder; the replay takes the merged
+database and every part's cost file (`cost-...-pKofN.json`) from one folder and adds up
+their sweep times.
 
     python scripts/search_quality.py --out out/sq --phase sweep --every fa3 --limit 120
     python scripts/search_quality.py --out out/sq --phase replay --every fa3 --limit 120
@@ -194,11 +198,38 @@ def replay(problem: Problem, device: DeviceInfo, rows: dict[Variant, Measurement
             "seconds_to_2pct": reached[1] if reached else None}
 
 
-def cost_path(out: Path, problem: Problem) -> Path:
-    """Where the sweep notes each variant's cost (a plain file name: it travels anywhere)."""
+def cost_path(out: Path, problem: Problem, part: tuple[int, int] = (0, 1)) -> Path:
+    """Where the sweep (or part K of N of it) notes each variant's cost (a plain file name:
+    it travels anywhere)."""
     mask = "causal" if problem.causal else "full"
+    suffix = f"-p{part[0]}of{part[1]}" if part[1] > 1 else ""
     return out / (f"cost-{problem.dtype}-D{problem.head_dim}-{mask}-N{problem.seq_q}"
-                  f"-B{problem.batch}-H{problem.heads_q}-{problem.heads_kv}.json")
+                  f"-B{problem.batch}-H{problem.heads_q}-{problem.heads_kv}{suffix}.json")
+
+
+def noted_costs(out: Path, problem: Problem) -> dict[str, Any] | None:
+    """The costs every sweep of `problem` noted in `out`, a whole one's or its parts'
+    merged: their variants' costs and the sum of their sweep times (GPU seconds, however
+    many GPUs ran the parts). None where there are none."""
+    whole = cost_path(out, problem)
+    files = sorted(out.glob(whole.stem + "-p*of*.json"))
+    files += [whole] if whole.exists() else []
+    if not files:
+        return None
+    merged: dict[str, Any] = {"cost": {}, "sweep_s": 0.0}
+    for path in files:
+        known = json.loads(path.read_text())
+        merged["cost"].update(known["cost"])
+        merged["sweep_s"] += known["sweep_s"]
+    return merged
+
+
+def parse_part(text: str) -> tuple[int, int]:
+    """'K/N' -> (K, N): part K (from 0) of N."""
+    k, sep, n = text.partition("/")
+    if not sep or not (k.isdigit() and n.isdigit()) or not 0 <= int(k) < int(n):
+        raise argparse.ArgumentTypeError(f"--part takes K/N with 0 <= K < N, not {text!r}")
+    return int(k), int(n)
 
 
 def sweep(problem: Problem, db: TuningDB, device: DeviceInfo, target: torch.device,
@@ -206,7 +237,9 @@ def sweep(problem: Problem, db: TuningDB, device: DeviceInfo, target: torch.devi
     """Sweep `problem`'s sample into `db` (resuming: measured variants are skipped) and add
     the costs of what this run measured to its cost file, also when it is interrupted (a
     sweep spread over calls is stopped with SIGINT each time). Returns the wall seconds."""
-    with narrowed(sample(problem, device, args.limit, seed=0, every=args.every)):
+    points = sample(problem, device, args.limit, seed=0, every=args.every)
+    part, parts = args.part
+    with narrowed(points[part::parts]):
         bench = TimedBench(KernelBench(problem, target, compile_workers=args.compile_workers))
         start = time.perf_counter()
         try:
@@ -214,7 +247,7 @@ def sweep(problem: Problem, db: TuningDB, device: DeviceInfo, target: torch.devi
                          TuneOptions(exhaustive=True, batch=args.compile_workers))
         finally:
             wall = time.perf_counter() - start
-            path = cost_path(args.out, problem)
+            path = cost_path(args.out, problem, args.part)
             known = (json.loads(path.read_text()) if path.exists()
                      else {"cost": {}, "sweep_s": 0.0})
             known["cost"].update({v.to_json(): c for v, c in bench.cost.items()})
@@ -241,8 +274,7 @@ def replay_problem(problem: Problem, db: TuningDB, device: DeviceInfo,
     if not ok:
         print(f"{problem}: nothing passed the sweep", file=sys.stderr)
         return None
-    path = cost_path(args.out, problem)
-    known = json.loads(path.read_text()) if path.exists() else estimated_costs(db, problem)
+    known = noted_costs(args.out, problem) or estimated_costs(db, problem)
     cost = {Variant.from_json(k): c for k, c in known["cost"].items()}
     # Variants a cut-off run measured before its cost file was written: the mean noted cost.
     mean = statistics.fmean(cost.values()) if cost else 0.0
@@ -285,7 +317,14 @@ def main(argv: list[str] | None = None) -> int:
                              "is 0 or 1. For problems the portfolio was not picked on")
     parser.add_argument("--phase", choices=("both", "sweep", "replay"), default="both",
                         help="sweep: GPU only; replay: CPU only, from OUT's sweep")
+    parser.add_argument("--part", type=parse_part, default=(0, 1), metavar="K/N",
+                        help="sweep every N-th variant from the K-th (0-based): one part of "
+                             "a sweep spread over GPUs or sessions")
     args = parser.parse_args(argv)
+    if args.part[1] > 1 and args.phase != "sweep":
+        print("error: --part sweeps one part: run it with --phase sweep, then replay the "
+              "merged parts (docs/search-quality.md)", file=sys.stderr)
+        return 2
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     args.out.mkdir(parents=True, exist_ok=True)
     device_file = args.out / "device.json"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import shlex
 import shutil
 import subprocess
@@ -76,3 +78,29 @@ def test_search_quality_samples_keep_the_portfolio_and_every_point_asked_for() -
            if v.loop_order == "fa3"]
     assert set(fa3) <= set(wide) and len(wide) == max(80, len(set(wide) & set(fa3)))
     assert sq.sample(problem, hopper, 80, seed=0) == plain  # seeded  # type: ignore[attr-defined]
+
+
+def test_search_quality_parts_split_a_sweep_and_their_costs_merge(tmp_path: Path) -> None:
+    from flashgen.kernels.hardware import DeviceInfo
+
+    sq = _search_quality()
+    hopper = DeviceInfo("H-test", (9, 0), 132, 232448)
+    problem = sq.shape_problem("8,32,32,2048,64,0", "bf16")  # type: ignore[attr-defined]
+    points = sq.sample(problem, hopper, 0, seed=0)  # type: ignore[attr-defined]
+    parts = [points[k::3] for k in range(3)]
+    assert sorted(str(v) for part in parts for v in part) == sorted(map(str, points))
+    assert sq.parse_part("2/3") == (2, 3)  # type: ignore[attr-defined]
+    for bad in ("3/3", "1", "a/2", "-1/2"):
+        with pytest.raises(argparse.ArgumentTypeError, match="K/N"):
+            sq.parse_part(bad)  # type: ignore[attr-defined]
+    assert sq.noted_costs(tmp_path, problem) is None  # type: ignore[attr-defined]
+    for k, (variant, cost, wall) in enumerate([("a", 1.0, 10.0), ("b", 2.0, 30.0)]):
+        path = sq.cost_path(tmp_path, problem, (k, 2))  # type: ignore[attr-defined]
+        assert path.name.endswith(f"-p{k}of2.json")
+        path.write_text(json.dumps({"cost": {variant: cost}, "sweep_s": wall}))
+    other = sq.shape_problem("2,32,32,8192,64,0", "bf16")  # type: ignore[attr-defined]
+    sq.cost_path(tmp_path, other).write_text(  # type: ignore[attr-defined]
+        json.dumps({"cost": {"c": 9.0}, "sweep_s": 99.0}))
+    merged = sq.noted_costs(tmp_path, problem)  # type: ignore[attr-defined]
+    assert merged == {"cost": {"a": 1.0, "b": 2.0}, "sweep_s": 40.0}
+    assert sq.main(["--out", str(tmp_path), "--part", "1/2"]) == 2  # type: ignore[attr-defined]
