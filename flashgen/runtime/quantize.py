@@ -11,6 +11,7 @@ unchanged and spreads each outlier over all D coordinates before rounding.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -131,7 +132,10 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     zero, so they share a head dim). Then pass `scale=D ** -0.5` to attention (its default
     would use D') and keep `out[..., :D]`: the extra columns of the output are zero.
     `block`: rows per scale (default `QUANT_BLOCK`); `None` gives one scale per tensor.
-    `incoherent=False, block=None` is plain per-tensor fp8, the baseline.
+    `incoherent=False, block=None` is plain per-tensor fp8, the baseline. Attention reads
+    one descale per `QUANT_BLOCK` rows (or one per tensor): another block size is for
+    accuracy studies (`dequantize`, the emulation), and warns, since its descales could
+    have attention's shape and still scale the wrong rows.
     `v_keys_inner`: v comes back as a (B, H, N, D) view of (B, H, D, N) memory, each column's
     keys contiguous (rows padded to 16 keys): the layout fp8 tensor cores take for P V (the
     reduction runs over the keys; Hopper's fp8 WGMMA reads that operand only K-major) and
@@ -153,6 +157,10 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     if block is not None and (isinstance(block, bool) or not isinstance(block, int)
                               or block < 1):
         raise ValueError(f"block must be a positive int or None, got {block!r}")
+    if block not in (None, QUANT_BLOCK):
+        warnings.warn(f"quantize(block={block}): flashgen.attention reads one descale per "
+                      f"{QUANT_BLOCK} rows (or one per tensor); these descales are for "
+                      "dequantize and accuracy studies, not for attention", stacklevel=2)
     if incoherent:
         d = q.shape[-1]
         pad = padded_dim(d) - d
