@@ -147,18 +147,20 @@ def test_modifier_matches_reference(name: str, causal: bool) -> None:
            [q, k, v, *extra])
 
 
-@pytest.mark.parametrize("name", ["all", "window"])
-def test_modifiers_on_packed_fp16(name: str) -> None:
+@pytest.mark.parametrize("name", ["all", "window", "softcap", "sinks"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_modifiers_on_packed_fp16(name: str, causal: bool) -> None:
+    """Each modifier alone and all together on packed sequences, with gradients."""
     dtype = torch.float16
     mods, extra = _sinks(MODIFIERS[name], 4, dtype)
     lk = [9, 3, 20]
     cq, ck = _cu(LENGTHS), _cu(lk)
     leaves = [*_packed(LENGTHS, lk, 4, 2, 16, dtype), *extra]
     _check(lambda q, k, v, *s: flashgen.attention_varlen(
-               q, k, v, cq, ck, 17, 20, causal=True, sinks=s[0] if s else None,
+               q, k, v, cq, ck, 17, 20, causal=causal, sinks=s[0] if s else None,
                return_lse=True, **mods),
            lambda q, k, v, *s, dtype: reference.attention_varlen(
-               q, k, v, cq, ck, True, None, dtype, sinks=s[0] if s else None, **mods),
+               q, k, v, cq, ck, causal, None, dtype, sinks=s[0] if s else None, **mods),
            leaves)  # fmt: skip
 
 
