@@ -54,12 +54,13 @@ def test_contiguous_ragged(causal: bool, nq: int, splits: int) -> None:
 
 
 @interpreter
-@pytest.mark.parametrize("page,block_n,splits", [(16, 16, 2), (8, 16, 0), (16, 32, 2)])
-def test_paged_shuffled(page: int, block_n: int, splits: int) -> None:
+@pytest.mark.parametrize("page,block_n,splits,nq", [(16, 16, 2, 3), (8, 16, 0, 3),
+                                                    (16, 32, 2, 3), (16, 16, 2, 1)])
+def test_paged_shuffled(page: int, block_n: int, splits: int, nq: int) -> None:
     """A shuffled block table over spare pages; pages of 8 under 16-key tiles take the
     per-key page gather, as do 32-key tiles over pages of 16. fp16, Nq 3 (speculative
-    decoding), causal, odd head dim 40."""
-    p = DecodeProblem(2, 8, 2, 3, 48, 40, "fp16", True, page_size=page)
+    decoding) or 1 (a generated token), causal, odd head dim 40."""
+    p = DecodeProblem(2, 8, 2, nq, 48, 40, "fp16", True, page_size=page)
     _check(p, [48, 19], DecodeVariant(16, block_n, splits, 1, 1))
 
 
@@ -167,6 +168,11 @@ def test_bad_input_paged() -> None:
         _call(**(good | {"block_table": bad}))
     with pytest.raises(ValueError, match="longer than the cache"):  # 2 pages of 16 keys
         _call(**(good | {"cache_seqlens": torch.tensor([33, 9], dtype=torch.int32)}))
+    # A contiguous (B, Hkv, Nmax, D) cache passed with a block table: the error says how
+    # its dims were read.
+    flat = _inputs()
+    with pytest.raises(ValueError, match=r"read as paged.*gives Hkv 32, D 16"):
+        _call(**(flat | {"block_table": table}))
 
 
 def test_invalid_explicit_variant_is_an_error() -> None:

@@ -134,10 +134,16 @@ def check_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             raise ValueError(f"page_size (k_cache.shape[1] of a paged cache (num_pages, "
                              f"page_size, Hkv, D)) must be a power of two, got {page_size}")
         n_max = table.shape[1] * page_size
+    # With a block table the caches are read as paged: a contiguous cache passed with one
+    # fails here, and the message says how its dims were read.
+    read_as = ("" if block_table is None else
+               " (with block_table the caches are read as paged, (num_pages, page_size, Hkv, "
+               f"D): k_cache {tuple(k_cache.shape)} gives Hkv {hkv}, D {dk})")
     if dk != d:
-        raise ValueError(f"head dims differ: q {d}, k_cache/v_cache {dk}")
+        raise ValueError(f"head dims differ: q {d}, k_cache/v_cache {dk}{read_as}")
     if hq % hkv:
-        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads "
+                         f"({hkv}){read_as}")
     if d > MAX_HEAD_DIM:
         raise ValueError(f"head dim {d} is over the supported maximum {MAX_HEAD_DIM}")
     if min(b, hq, nq, d, k_cache.shape[0]) == 0:
