@@ -783,7 +783,8 @@ def bench(
     competitors: Annotated[str | None, typer.Option(
         metavar="LIST",
         help="Comma-separated: flashgen, sdpa-flash, sdpa-cudnn, sdpa-efficient, sdpa-math, "
-             "flex. Default: all but sdpa-math on cuda; flashgen,sdpa-math on cpu.")] = None,
+             "flex. Default: all but sdpa-math on cuda; flashgen,sdpa-math on cpu. --mode "
+             "decode takes flashgen, sdpa-flash, sdpa-cudnn, flex and sdpa-math.")] = None,
     gpu: Annotated[int, typer.Option(min=0, help="Index of the CUDA GPU to run on.")] = 0,
     device: Annotated[str, typer.Option(
         metavar="cuda|cpu",
@@ -848,9 +849,14 @@ def bench(
     if db is not None and not db.is_file():
         raise _fail(f"no tuning database at {db}")
     if mode == "decode":
+        if window is not None or varlen is not None or memory:
+            raise _fail("--mode decode times plain KV-cache calls: drop --window, --varlen "
+                        "and --memory")
         _bench_decode(shape or [], preset or [], dtype, causal, page_size, device, gpu, out,
-                      csv_path, seed, rep_ms, timer, db)
+                      csv_path, seed, rep_ms, timer, db, competitors)
         return
+    if "decode" in (m.strip().lower() for m in mode.split(",")):
+        raise _fail(f"--mode decode runs alone (its problems are KV-cache calls), got {mode!r}")
 
     from flashgen.bench.command import Outputs, resolve_device, run_bench
     from flashgen.bench.competitors import parse_names, resolve
@@ -882,10 +888,11 @@ def bench(
 
 def _bench_decode(shapes: list[str], preset_names: list[str], dtype: str | None, causal: str,
                   page_size: str, device: str, gpu: int, out: Path, csv_path: Path | None,
-                  seed: int, rep_ms: float, timer: str, db: Path | None) -> None:
+                  seed: int, rep_ms: float, timer: str, db: Path | None,
+                  competitors: str | None) -> None:
     """`flashgen bench --mode decode`: see `flashgen.bench.decoding`."""
     from flashgen.bench.command import resolve_device
-    from flashgen.bench.decoding import DECODE_COMPETITORS, run_decode_bench
+    from flashgen.bench.decoding import DECODE_COMPETITORS, FLASHGEN, run_decode_bench
     from flashgen.kernels import presets
     from flashgen.serve import Dispatcher
     from flashgen.store.table import shipped_db_path
@@ -893,13 +900,24 @@ def _bench_decode(shapes: list[str], preset_names: list[str], dtype: str | None,
     try:
         target = resolve_device(device, gpu)
         dtypes = presets.parse_dtypes(dtype or ("bf16" if device == "cuda" else "fp32"))
+        if "fp8" in dtypes:
+            raise ValueError("--dtype fp8 is forward only: the decode family takes fp16, bf16 "
+                             "(and fp32 on the CPU)")
         problems = presets.decode_problems(
             shapes, preset_names, dtypes,
             presets.parse_causal("yes" if causal == "both" else causal),
             presets.parse_page_sizes(page_size))
     except ValueError as exc:
         raise _fail(str(exc)) from None
-    names = DECODE_COMPETITORS if target.type == "cuda" else ("flashgen",)
+    known = (*DECODE_COMPETITORS, "sdpa-math")
+    if competitors is None:
+        names = DECODE_COMPETITORS if target.type == "cuda" else (FLASHGEN, "sdpa-math")
+    else:
+        names = tuple(dict.fromkeys(n.strip() for n in competitors.split(",") if n.strip()))
+        unknown = [n for n in names if n not in known]
+        if unknown or not names:
+            raise _fail(f"--mode decode takes competitors among {', '.join(known)}; got "
+                        f"{competitors!r}")
     run_decode_bench(problems, target, names, seed=seed, rep_ms=rep_ms, timer=timer,
                      csv_path=csv_path or out / "decode.csv", console=_console(),
                      dispatcher=Dispatcher([db, shipped_db_path()]) if db else None)

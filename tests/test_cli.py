@@ -325,6 +325,32 @@ def test_bench_dispatches_from_its_db(tmp_path: Path) -> None:
     assert record["note"].startswith(f"fwd {winner} (exact)"), record["note"]
 
 
+@pytest.mark.interpreter
+def test_bench_decode_on_the_cpu_and_what_it_refuses(tmp_path: Path) -> None:
+    """`bench --mode decode` through the CLI: flashgen and SDPA's math backend by default on
+    the interpreter, a `timer` column in its CSV; options it cannot honour are refused."""
+    args = ["bench", "--mode", "decode", "--device", "cpu", "--shape", "1,4,1,1,24,16",
+            "--page-size", "0", "--out", str(tmp_path / "out")]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    with (tmp_path / "out" / "decode.csv").open() as f:
+        records = list(csv.DictReader(f))
+    assert [(r["competitor"], r["status"], r["timer"]) for r in records] == [
+        ("flashgen", "ok", "cpu"), ("sdpa-math", "ok", "cpu")]
+    only = runner.invoke(app, [*args, "--competitors", "flashgen", "--csv",
+                               str(tmp_path / "one.csv")])
+    assert only.exit_code == 0, only.output
+    assert len((tmp_path / "one.csv").read_text().splitlines()) == 2
+    for extra, words in [(["--window", "4"], "drop --window"), (["--varlen", "2"], "drop"),
+                         (["--competitors", "sdpa-efficient"], "takes competitors among"),
+                         (["--dtype", "fp8"], "fp8 is forward only")]:
+        refused = runner.invoke(app, [*args, *extra])
+        assert refused.exit_code == 2 and words in refused.output, (extra, refused.output)
+    mixed = runner.invoke(app, ["bench", "--mode", "fwd,decode", "--device", "cpu",
+                                "--shape", "1,4,1,1,24,16"])
+    assert mixed.exit_code == 2 and "decode runs alone" in mixed.output
+
+
 def _lines_fit(text: str, rows: int) -> None:
     """Every line within 80 columns, no cell cut short ("…"), and `rows` data rows, one line
     each (a wrapped row would add lines): all lines but titles, headers and rules."""

@@ -139,7 +139,7 @@ def run_decode_bench(problems: Sequence[DecodeProblem], device: torch.device,
             rows.append(_measure(name, problem, small, cache, device, dispatcher, rep_ms,
                                  timer))
         if csv_path is not None:  # after every problem: a run cut short keeps what it measured
-            write_decode_csv(rows, csv_path, rate)
+            write_decode_csv(rows, csv_path, rate, timer if gpu else "cpu")
         # Let go of this problem's caches before the next is made: two 128k caches of B64 do
         # not fit an 80 GB GPU together.
         small = cache = None  # type: ignore[assignment]
@@ -148,7 +148,7 @@ def run_decode_bench(problems: Sequence[DecodeProblem], device: torch.device,
             torch.cuda.empty_cache()
     console.print(decode_table(rows, names, rate))
     if csv_path is not None:
-        write_decode_csv(rows, csv_path, rate)
+        write_decode_csv(rows, csv_path, rate, timer if gpu else "cpu")
         console.print(f"CSV: {csv_path}")
     return rows
 
@@ -213,17 +213,20 @@ def decode_table(rows: Sequence[DecodeRow], names: Sequence[str], rate: float | 
     return table
 
 
-def write_decode_csv(rows: Sequence[DecodeRow], path: Path, rate: float | None) -> None:
+def write_decode_csv(rows: Sequence[DecodeRow], path: Path, rate: float | None,
+                     timer: str) -> None:
+    """One row per competitor and problem; `timer`: "wall" or "gpu" (`flashgen bench
+    --timer`), or "cpu" for the interpreter's wall clock."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="", encoding="utf-8") as handle:
         writer = csv.writer(handle)
         writer.writerow(["batch", "heads_q", "heads_kv", "seq_q", "seq_k", "head_dim", "dtype",
                          "causal", "page_size", "competitor", "status", "us", "gbps",
-                         "copy_gbps", "note"])
+                         "copy_gbps", "timer", "note"])
         for r in rows:
             p = r.problem
             writer.writerow([p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim,
                              p.dtype, int(p.causal), p.page_size, r.competitor, r.status,
                              "" if r.us is None else f"{r.us:.2f}",
                              "" if r.gbps is None else f"{r.gbps:.1f}",
-                             "" if rate is None else f"{rate / 1e9:.1f}", r.note])
+                             "" if rate is None else f"{rate / 1e9:.1f}", timer, r.note])
