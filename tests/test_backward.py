@@ -30,6 +30,7 @@ from flashgen.kernels.bwd_variant import BwdVariant
 from flashgen.kernels.hardware import INTERPRETER, DeviceInfo
 from flashgen.kernels.problem import DTYPE_NAMES
 from flashgen.runtime.backward import fa3_tile_rows
+from flashgen.runtime.forward import padded_head_dim
 from flashgen.serve import run_backward
 from flashgen.tune.check import CheckResult, make_inputs
 from flashgen.tune.grads import compare_grads, reference_grads
@@ -319,8 +320,15 @@ def test_fa3_backward_points_exist_only_where_the_gluon_kernels_run() -> None:
     for point in (pick.variant for pick in HOPPER_BWD_PORTFOLIO):  # each serves some problem
         assert any(why_invalid_bwd(point, _fa3_problem(d, t, c), HOPPER) is None
                    for d in (64, 128) for t in ("fp16", "bf16") for c in (False, True)), point
-    for problem in (_fa3_problem(96), _fa3_problem(64, "fp32")):
+    # Head dims below a tile are padded by TMA (rows of 16-byte multiples); D100's rows are
+    # 200 bytes, D256 has no Gluon backward, fp32 no fa3 at all.
+    assert {v.fa3 for v in bwd_search_space(_fa3_problem(96), HOPPER)} == {"none", "dq", "both"}
+    for problem in (_fa3_problem(100), _fa3_problem(256), _fa3_problem(64, "fp32")):
         assert {v.fa3 for v in bwd_search_space(problem, HOPPER)} == {"none"}
+    assert "16-byte rows" in (why_invalid_bwd(BwdVariant(64, 128, 4, 2, fa3="both"),
+                                              _fa3_problem(100), HOPPER) or "")
+    assert "spills" in (why_invalid_bwd(BwdVariant(128, 128, 4, 2, fa3="both"),
+                                        _fa3_problem(96), HOPPER) or "")
     reasons = {
         BwdVariant(64, 128, 4, 2, "atomic", "dq"): "does not launch",
         BwdVariant(32, 128, 4, 2, "atomic", "both"): "64 query rows or more",
@@ -431,7 +439,11 @@ def test_fa3_backward_renders_gluon_for_its_kernels_only() -> None:
      ("dkdv", BwdVariant(64, 128, 4, 2, "atomic", "both"), 128, "bf16", True),
      ("dkdv", BwdVariant(64, 128, 4, 2, "atomic", "both"), 64, "bf16", False),
      ("dkdv", BwdVariant(128, 128, 4, 2, "atomic", "both"), 64, "fp16", True),
-     ("dkdv", BwdVariant(64, 64, 4, 2, "atomic", "both"), 128, "bf16", False)],
+     ("dkdv", BwdVariant(64, 64, 4, 2, "atomic", "both"), 128, "bf16", False),
+     # Padded head dims: 128-wide tiles, TMA's zero fill.
+     ("dkdv", BwdVariant(64, 128, 4, 2, fa3="both"), 96, "bf16", True),
+     ("dq", BwdVariant(64, 128, 4, 2, fa3="both"), 80, "fp16", False),
+     ("dkdv", BwdVariant(64, 128, 4, 2, "atomic", "both"), 112, "bf16", False)],
 )
 def test_fa3_backward_compiles_for_hopper(kernel: str, variant: BwdVariant, d: int,
                                           dtype: str, causal: bool) -> None:
@@ -455,7 +467,8 @@ def test_fa3_backward_compiles_for_hopper(kernel: str, variant: BwdVariant, d: i
         # separate kernel 236), 192 at D64 on 128-row steps, none at D64 on 64-row steps.
         assert found["opcodes"].get("UTMAREDG.4D.ADD")
         assert not any(op.startswith("REDG") for op in found["opcodes"])
-        bound = {(128, 64): 400, (64, 128): 256}.get((d, variant.block_streamed), 0)
+        bound = {(128, 64): 400, (64, 128): 256}.get((padded_head_dim(d),
+                                                      variant.block_streamed), 0)
         if variant.block_owned == 64:
             bound = 96  # one consumer: 60 bytes at D128
         assert _spill_store_bytes(found["ptxas"]) <= bound, found["ptxas"]
@@ -560,6 +573,7 @@ def test_gpu_fa3_backward(variant: BwdVariant, causal: bool) -> None:
     for i, (d, dtype, nq, nk, layout) in enumerate([
         (64, torch.float16, 333, 517, "bnhd"), (64, torch.bfloat16, 517, 333, "bhnd"),
         (128, torch.bfloat16, 333, 517, "bhnd"), (128, torch.float16, 1000, 1000, "bnhd"),
+        (96, torch.bfloat16, 517, 333, "bnhd"), (40, torch.float16, 333, 517, "bhnd"),
     ]):
         problem = flashgen.Problem(2, 8, 2, nq, nk, d, DTYPE_NAMES[dtype], causal)
         if why_invalid_bwd(variant, problem, "cuda") is None:

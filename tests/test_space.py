@@ -268,7 +268,8 @@ BWD_PORTFOLIO_PINNED = {
     ],
     128: ["bwd-atomic own128x64 w4 s2 fa3", "bwd-separate own128x64 w4 s2 fa3",
           "bwd-separate own128x64 w4 s3 fa3", "bwd-separate own128x64 w8 s2"],
-    96: ["bwd-separate own128x64 w8 s2"],
+    96: ["bwd-atomic own128x64 w4 s2 fa3", "bwd-separate own128x64 w4 s2 fa3",
+         "bwd-separate own128x64 w4 s3 fa3", "bwd-separate own128x64 w8 s2"],
     256: ["bwd-separate own64x32 w8 s2"],
 }
 

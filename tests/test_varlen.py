@@ -886,7 +886,7 @@ def _gluon_bwd_or_skip(bwd: BwdVariant, problem: Problem) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("bwd", _FA3_BWD_POINTS, ids=str)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128])
 def test_packed_fa3_backward_on_the_gpu(bwd: BwdVariant, causal: bool, d: int) -> None:
     """The Gluon dK/dV and dQ kernels on packed sequences (cross-attention, GQA 8:2): tiles
     that run into the next sequence must neither read its rows as theirs nor write them."""

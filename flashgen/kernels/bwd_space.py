@@ -14,6 +14,7 @@ from flashgen.kernels.bwd_variant import DQ_MODES, FA3_KERNELS, BwdVariant
 from flashgen.kernels.fwd_space import (
     MAX_ACC_PER_THREAD,
     Pick,
+    _rows_not_16_bytes,
     first_broken,
     longer_than_needed,
     over_shared_memory,
@@ -100,8 +101,13 @@ def fa3_unavailable(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:
         return "fa3 backward kernels are Gluon kernels for Hopper (sm_90)"
     if p.dtype not in ("fp16", "bf16"):
         return f"fa3 backward kernels take fp16 or bf16, not {p.dtype}"
-    if p.head_dim not in (64, 128):
-        return f"fa3 backward kernels need head_dim 64 or 128 (TMA tiles), not {p.head_dim}"
+    if p.padded_head_dim not in (64, 128):
+        return (f"fa3 backward kernels tile head dims 64 and 128 (or pad up to one), not "
+                f"{p.head_dim}")
+    if reason := _rows_not_16_bytes("fa3 backward", p):
+        # Below its tile a head dim (80, 96, 112) is padded by TMA: zero fill on load,
+        # clipped on store; its rows need only be 16-byte multiples.
+        return reason
     if v.dq_mode == "atomic" and v.fa3 != "both":
         return ("fa3 'dq' is the Gluon dQ kernel, which the atomic mode does not launch: "
                 "use fa3 'both' (the Gluon dK/dV kernel adds dQ) or 'none'")
@@ -116,7 +122,7 @@ def fa3_unavailable(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:
                 f"not {v.block_owned}")
     if v.block_streamed < 32:
         return f"fa3 backward kernels stream tiles of 32 rows or more, not {v.block_streamed}"
-    if v.gluon("dkdv") and p.head_dim == 128 and v.block_streamed > 64:
+    if v.gluon("dkdv") and p.padded_head_dim == 128 and v.block_streamed > 64:
         # dK and dV of a consumer's 64 keys take 128 of its 240 registers at D128.
         return (f"fa3 dK/dV at head_dim 128 spills with block_streamed {v.block_streamed} "
                 "(at most 64)")
@@ -217,10 +223,12 @@ _16BIT = ("fp16", "bf16")
 #: tail steps down to the 16 x 16 tile, which every problem admits.
 #: Measurements: docs/backward-kernels.md.
 BWD_DEFAULTS: tuple[Pick[BwdVariant], ...] = (
+    # The Gluon rows serve the head dims they were measured at; a padded one (40, 96) takes
+    # them only where tuned, the tuner's gate having checked them there.
     Pick(BwdVariant(64, 128, 4, 2, fa3="both"), "both Gluon kernels: won every D128 fa-bench "
-         "key on H100 and H200", min_d=128),
+         "key on H100 and H200", min_d=128, exact_d=True),
     Pick(BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_streamed=64), "Triton dK/dV, Gluon "
-         "dQ on 64-key tiles: won most D64 keys", max_d=64, hopper=True),
+         "dQ on 64-key tiles: won most D64 keys", max_d=64, hopper=True, exact_d=True),
     # fp32 dots run exactly on CUDA cores, unrolled per thread: big tiles compile for
     # minutes, and fp32 is the exactness path, so compile time decides.
     Pick(BwdVariant(16, 32, 4, 1), "fp32 at D >= 128: seconds to compile, not half a minute",

@@ -410,10 +410,13 @@ class Pick(Generic[V]):
     #: Only problems measured plainly: no padded head dim (64, not 40 or 48; 128, not 80
     #: or 96) and no modifiers (window, softcap, sinks, packed).
     plain: bool = False
+    #: Only head dims the kernels tile exactly (64, not 40; 128, not 96), modifiers or not.
+    exact_d: bool = False
 
     def serves(self, problem: Problem, dev: DeviceInfo) -> bool:
         """Whether this row is meant for `problem` on `dev` (before the validity rules)."""
-        if self.plain and (problem.head_dim != problem.padded_head_dim or problem.modifiers):
+        padded = problem.head_dim != problem.padded_head_dim
+        if (self.plain and (padded or problem.modifiers)) or (self.exact_d and padded):
             return False
         return (self.min_d <= problem.padded_head_dim <= self.max_d
                 and problem.seq_k >= self.min_keys and problem.dtype in self.dtypes

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .forward import KernelOf, cdiv, gluon_descriptor, strides4, tma_ready
+from .forward import KernelOf, cdiv, gluon_descriptor, padded_head_dim, strides4, tma_ready
 from .launch import bind
 from .modifiers import Mods
 from .table import Entry, Shape, knobs
@@ -229,7 +229,7 @@ def _dq_reduce_args(variant: Any, acc: torch.Tensor | None) -> tuple[Any, ...]:
     if acc is None:
         return ()
     return (gluon_descriptor(acc, variant.block_streamed,
-                             acc.shape[-1] // (variant.block_owned // 64)),)
+                             padded_head_dim(acc.shape[-1]) // (variant.block_owned // 64)),)
 
 
 def _launch_gluon(kernel: str, fn: Any, variant: Any, grid: tuple[int, int],
@@ -239,10 +239,13 @@ def _launch_gluon(kernel: str, fn: Any, variant: Any, grid: tuple[int, int],
     """One Gluon backward kernel on `tensors` ((B, H, N, D) views of q, k, v, do, then its
     outputs); `row_strides`: LSE's and delta's batch and head strides; `lengths`: N_Q and
     N_K (packed: the longest sequences'); `heads`: the heads its grid spans, H_KV or H_Q;
-    `extra`: the modifiers' arguments (and a packed call's gradient pointers and strides)."""
+    `extra`: the modifiers' arguments (and a packed call's gradient pointers and strides).
+    A head dim below the kernels' tile (80, 96, 112) is padded by TMA: tiles of the padded
+    width, zero-filled on load and clipped on store."""
     rows = fa3_tile_rows(kernel, variant)
+    cols = padded_head_dim(tensors[0].shape[-1])
     fn[grid](
-        *(gluon_descriptor(t, r) for t, r in zip(tensors, rows, strict=True)),
+        *(gluon_descriptor(t, r, cols) for t, r in zip(tensors, rows, strict=True)),
         lse, delta, *row_strides, scale, *lengths, heads, group, *extra, num_warps=4,
     )  # fmt: skip
 

@@ -137,6 +137,7 @@ def compile_fa3_bwd(kernel: str, variant: BwdVariant, problem: Problem,
     if not variant.gluon(kernel):
         raise ValueError(f"the {kernel} kernel of {variant} is not a Gluon one")
     tiles = fa3_tile_rows(kernel, variant)
+    cols = problem.padded_head_dim  # a head dim below it is padded by TMA
     rows = torch.empty(4, dtype=torch.float32)
     # Sinks add nothing to the backward kernels (the launcher computes their gradient).
     mods = example_modifier_args(problem.with_(sinks=False))
@@ -149,16 +150,16 @@ def compile_fa3_bwd(kernel: str, variant: BwdVariant, problem: Problem,
         cu = torch.zeros(3, dtype=torch.int32)
         outs = [t, t, *t.stride()[:2], *t.stride()[:2]] if kernel == "dkdv" else [
             t, *t.stride()[:2]]
-        args = [*(gluon_descriptor(view, r) for r in tiles), rows, rows, 0, 512, 0, 512,
+        args = [*(gluon_descriptor(view, r, cols) for r in tiles), rows, rows, 0, 512, 0, 512,
                 0.125, 256, 256, 4, 1, cu, cu, *mods, *outs]
     else:
         t = torch.empty(2, 4, 256, problem.head_dim, dtype=problem.torch_dtype)
-        args = [*(gluon_descriptor(t, r) for r in tiles), rows, rows, 1024, 256, 1024, 256,
+        args = [*(gluon_descriptor(t, r, cols) for r in tiles), rows, rows, 1024, 256, 1024, 256,
                 0.125, 250, 250, 4, 1, *mods]
     if kernel == "dkdv" and variant.dq_mode == "atomic":  # the fp32 dQ buffer's descriptor
         acc = torch.empty(1 if problem.varlen else 2, 4, 256, problem.head_dim)
         args.append(gluon_descriptor(acc, variant.block_streamed,
-                                     problem.head_dim // (variant.block_owned // 64)))
+                                     cols // (variant.block_owned // 64)))
     return compile_gluon(load_bwd_kernel(kernel, variant, problem), args, {}, 4, capability)
 
 
