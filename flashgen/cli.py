@@ -848,14 +848,15 @@ def bench(
         raise _fail("--memory measures dense problems: run it without --window/--varlen")
     if db is not None and not db.is_file():
         raise _fail(f"no tuning database at {db}")
-    if mode == "decode":
+    named = {m.strip().lower() for m in mode.split(",") if m.strip()}
+    if named == {"decode"}:
         if window is not None or varlen is not None or memory:
             raise _fail("--mode decode times plain KV-cache calls: drop --window, --varlen "
                         "and --memory")
         _bench_decode(shape or [], preset or [], dtype, causal, page_size, device, gpu, out,
                       csv_path, seed, rep_ms, timer, db, competitors)
         return
-    if "decode" in (m.strip().lower() for m in mode.split(",")):
+    if "decode" in named:
         raise _fail(f"--mode decode runs alone (its problems are KV-cache calls), got {mode!r}")
 
     from flashgen.bench.command import Outputs, resolve_device, run_bench

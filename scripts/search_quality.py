@@ -213,8 +213,15 @@ def noted_costs(out: Path, problem: Problem) -> dict[str, Any] | None:
     many GPUs ran the parts). None where there are none."""
     whole = cost_path(out, problem)
     files = sorted(out.glob(whole.stem + "-p*of*.json"))
-    files += [whole] if whole.exists() else []
-    if not files:
+    if files:  # parts: all N of them, of one N (a whole sweep's file beside them is older)
+        found = {tuple(map(int, f.stem.rsplit("-p", 1)[1].split("of"))) for f in files}
+        counts = {n for _, n in found}
+        if len(counts) != 1 or {k for k, _ in found} != set(range(counts.pop())):
+            print(f"warning: {problem}: parts {sorted(found)} are not all parts of one sweep; "
+                  "the replay covers what they hold", file=sys.stderr)
+    elif whole.exists():
+        files = [whole]
+    else:
         return None
     merged: dict[str, Any] = {"cost": {}, "sweep_s": 0.0}
     for path in files:

@@ -349,6 +349,8 @@ def test_bench_decode_on_the_cpu_and_what_it_refuses(tmp_path: Path) -> None:
     mixed = runner.invoke(app, ["bench", "--mode", "fwd,decode", "--device", "cpu",
                                 "--shape", "1,4,1,1,24,16"])
     assert mixed.exit_code == 2 and "decode runs alone" in mixed.output
+    upper = [a if a != "decode" else " DECODE" for a in args]  # as parse_modes reads modes
+    assert runner.invoke(app, [*upper, "--competitors", "flashgen"]).exit_code == 0
 
 
 def _lines_fit(text: str, rows: int) -> None:

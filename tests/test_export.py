@@ -817,7 +817,7 @@ def test_exported_gluon_backward_uses_the_winners_tiles(tmp_path: Path,
 
     monkeypatch.setattr(runtime, "device_name", lambda device: "NVIDIA H200")
     monkeypatch.setattr(sys.modules[f"{package.__name__}.runtime.backward"], "gluon_descriptor",
-                        lambda t, rows: ("tma", rows))
+                        lambda t, rows, cols=None: ("tma", rows))
     monkeypatch.setattr(runtime.PackageDispatcher, "kernel",
                         lambda self, entry, role, shape: Recorder(role))
     # The kernels are recorded, never run, so the interpreter's refusal of bf16 (its dots are

@@ -80,7 +80,8 @@ def test_search_quality_samples_keep_the_portfolio_and_every_point_asked_for() -
     assert sq.sample(problem, hopper, 80, seed=0) == plain  # seeded  # type: ignore[attr-defined]
 
 
-def test_search_quality_parts_split_a_sweep_and_their_costs_merge(tmp_path: Path) -> None:
+def test_search_quality_parts_split_a_sweep_and_their_costs_merge(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from flashgen.kernels.hardware import DeviceInfo
 
     sq = _search_quality()
@@ -103,4 +104,7 @@ def test_search_quality_parts_split_a_sweep_and_their_costs_merge(tmp_path: Path
         json.dumps({"cost": {"c": 9.0}, "sweep_s": 99.0}))
     merged = sq.noted_costs(tmp_path, problem)  # type: ignore[attr-defined]
     assert merged == {"cost": {"a": 1.0, "b": 2.0}, "sweep_s": 40.0}
+    sq.cost_path(tmp_path, problem, (0, 2)).unlink()  # type: ignore[attr-defined]
+    assert sq.noted_costs(tmp_path, problem)["sweep_s"] == 30.0  # type: ignore[attr-defined]
+    assert "not all parts of one sweep" in capsys.readouterr().err
     assert sq.main(["--out", str(tmp_path), "--part", "1/2"]) == 2  # type: ignore[attr-defined]

@@ -132,10 +132,14 @@ def check_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         _, page_size, hkv, dk = k_cache.shape
         if page_size < 1 or page_size & (page_size - 1):
             raise ValueError(f"page_size (k_cache.shape[1] of a paged cache (num_pages, "
-                             f"page_size, Hkv, D)) must be a power of two, got {page_size}")
+                             f"page_size, Hkv, D)) must be a power of two, got {page_size} "
+                             f"(k_cache {tuple(k_cache.shape)}; a contiguous cache takes no "
+                             "block_table)")
         n_max = table.shape[1] * page_size
-    # With a block table the caches are read as paged: a contiguous cache passed with one
-    # fails here, and the message says how its dims were read.
+    # With a block table the caches are read as paged: where a contiguous cache passed with
+    # one fails these checks, the message says how its dims were read.
+    if min(b, hq, nq, d, *k_cache.shape) == 0:
+        raise ValueError(f"empty input: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}")
     read_as = ("" if block_table is None else
                " (with block_table the caches are read as paged, (num_pages, page_size, Hkv, "
                f"D): k_cache {tuple(k_cache.shape)} gives Hkv {hkv}, D {dk})")
@@ -146,8 +150,6 @@ def check_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          f"({hkv}){read_as}")
     if d > MAX_HEAD_DIM:
         raise ValueError(f"head dim {d} is over the supported maximum {MAX_HEAD_DIM}")
-    if min(b, hq, nq, d, k_cache.shape[0]) == 0:
-        raise ValueError(f"empty input: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}")
     devices = {t.device for t in (q, k_cache, v_cache, seqlens)}
     if block_table is not None:
         devices.add(block_table.device)
