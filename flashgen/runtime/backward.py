@@ -49,8 +49,8 @@ def why_nondeterministic(entry: Entry) -> str | None:
     address the inputs."""
     for data in (entry["variant"], entry.get("twin") or {}):
         if data.get("dq_mode") == "atomic":
-            return ("its dq_mode 'atomic' adds dQ with fp32 atomics, in an order that varies "
-                    "from run to run")
+            return ("its dq_mode 'atomic' adds dQ's fp32 shares (atomics or TMA reduces) in "
+                    "an order that varies from run to run")
     return None
 
 
