@@ -78,12 +78,14 @@ for what in "${@:-tests}"; do
       ;;
     pending)
       # Kernels built and compiled on the CPU but not yet run on a GPU, against their gates:
-      # fa3 on padded head dims (40-112), the persistent fa3 kernel with softcap and sinks,
-      # the persistent fa3 fp8 kernel carrying P in fp16, and fp8 AOT cubins.
+      # fa3 on padded head dims (40-112) forward and, in the Gluon backward, D96 and D40
+      # (test_gpu_fa3_backward's shapes, packed D96), the persistent fa3 kernel with softcap
+      # and sinks, the persistent fa3 fp8 kernel carrying P in fp16, and fp8 AOT cubins.
       stage "kernels not yet run on a GPU"
       timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider -n 14 tests/test_varlen.py \
-        tests/test_fa3.py tests/test_fp8.py tests/test_export.py -k "padded or \
-        persistent_fa3_softcap or (packed_fa3 and 96) or fa3-persistent or aot_fp8" \
+        tests/test_fa3.py tests/test_fp8.py tests/test_export.py tests/test_backward.py \
+        -k "padded or persistent_fa3_softcap or (packed_fa3 and 96) or fa3-persistent or \
+        aot_fp8 or gpu_fa3_backward" \
         >"$out/t/pending.log" 2>&1
       grep -E "passed|failed|FAILED|Error" "$out/t/pending.log" | cut -c1-300 | tail -20
       ;;
