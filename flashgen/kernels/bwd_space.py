@@ -14,10 +14,10 @@ from flashgen.kernels.bwd_variant import DQ_MODES, FA3_KERNELS, BwdVariant
 from flashgen.kernels.fwd_space import (
     MAX_ACC_PER_THREAD,
     Pick,
-    _rows_not_16_bytes,
     first_broken,
     longer_than_needed,
     over_shared_memory,
+    rows_not_16_bytes,
     tile_reason,
 )
 from flashgen.kernels.hardware import DeviceInfo, device_info
@@ -104,7 +104,7 @@ def fa3_unavailable(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:
     if p.padded_head_dim not in (64, 128):
         return (f"fa3 backward kernels tile head dims 64 and 128 (or pad up to one), not "
                 f"{p.head_dim}")
-    if reason := _rows_not_16_bytes("fa3 backward", p):
+    if reason := rows_not_16_bytes("fa3 backward", p):
         # Below its tile a head dim (80, 96, 112) is padded by TMA: zero fill on load,
         # clipped on store; its rows need only be 16-byte multiples.
         return reason

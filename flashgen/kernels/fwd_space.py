@@ -145,10 +145,10 @@ def tma_needs_hopper_and_aligned_rows(v: Variant, p: Problem, dev: DeviceInfo) -
         return None
     if not (dev.is_hopper or dev.is_interpreter):
         return "use_tma needs a Hopper GPU (compute capability 9.x)"
-    return _rows_not_16_bytes("use_tma", p)
+    return rows_not_16_bytes("use_tma", p)
 
 
-def _rows_not_16_bytes(who: str, p: Problem) -> str | None:
+def rows_not_16_bytes(who: str, p: Problem) -> str | None:
     """TMA's rule for a row of D elements (every stride but the last a multiple of 16 bytes);
     a padded head dim's extra columns are TMA's zero fill, so only the row itself counts."""
     elem = p.torch_dtype.itemsize
@@ -187,7 +187,7 @@ def fa3_needs_hopper_and_16bit(v: Variant, p: Problem, dev: DeviceInfo) -> str |
     if v.programs_per_sm and d not in FA3_PERSISTENT_HEAD_DIMS:
         return (f"fa3 on the persistent grid tiles head dims {FA3_PERSISTENT_HEAD_DIMS}, not "
                 f"{d} (the one-tile kernel does)")
-    return _rows_not_16_bytes("fa3", p)
+    return rows_not_16_bytes("fa3", p)
 
 
 def fa3_tiles(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:

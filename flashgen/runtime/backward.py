@@ -116,7 +116,7 @@ def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
             acc = _dq_buffer(var, q.shape, q.device)
             _launch_gluon("dkdv", ks.dkdv, var, (cdiv(nk, var.block_owned), b * hkv),
                           (q, k, v, do, dk, dv), lse, delta, rows, scale, (nq, nk), hkv, group,
-                          _dq_reduce_args(var, acc))
+                          dq_reduce_args(var, acc))
             if acc is not None:
                 dq.copy_(acc)
         else:
@@ -180,7 +180,7 @@ def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
         if ks.gluon["dkdv"]:
             stores = (dk, dv, *dk.stride()[:2], *dv.stride()[:2]) if packed else ()
             # The fp32 dQ buffer the kernel adds into by TMA reduce, over the same view.
-            dq_args = _dq_reduce_args(var, None if acc is None else view(acc))
+            dq_args = dq_reduce_args(var, None if acc is None else view(acc))
             _launch_gluon("dkdv", ks.dkdv, var, (cdiv(nk, var.block_owned), b * hkv),
                           tuple(view(t) for t in (q, k, v, do, dk, dv)), lse, delta,
                           gluon_rows, scale, (nq, nk), hkv, group, (*extra, *stores, *dq_args))
@@ -222,7 +222,7 @@ def _dq_buffer(variant: Any, shape: torch.Size, device: torch.device) -> torch.T
     return torch.zeros(shape, device=device, dtype=torch.float32)
 
 
-def _dq_reduce_args(variant: Any, acc: torch.Tensor | None) -> tuple[Any, ...]:
+def dq_reduce_args(variant: Any, acc: torch.Tensor | None) -> tuple[Any, ...]:
     """The Gluon dK/dV kernel's atomic-mode argument: a descriptor over the fp32 dQ buffer
     (a (B, H, N, D) view) moving the tile each consumer adds, block_streamed rows by its
     share of the columns (D split over block_owned / 64 consumers)."""

@@ -131,7 +131,7 @@ def compile_fa3_bwd(kernel: str, variant: BwdVariant, problem: Problem,
                     capability: int = 90) -> Any:
     """Triton's compiled Gluon backward kernel `kernel` ("dkdv" or "dq") of `variant`."""
     from flashgen.kernels.bwd_render import load_bwd_kernel
-    from flashgen.runtime.backward import fa3_tile_rows
+    from flashgen.runtime.backward import dq_reduce_args, fa3_tile_rows
     from flashgen.runtime.forward import gluon_descriptor
 
     if not variant.gluon(kernel):
@@ -156,10 +156,9 @@ def compile_fa3_bwd(kernel: str, variant: BwdVariant, problem: Problem,
         t = torch.empty(2, 4, 256, problem.head_dim, dtype=problem.torch_dtype)
         args = [*(gluon_descriptor(t, r, cols) for r in tiles), rows, rows, 1024, 256, 1024, 256,
                 0.125, 250, 250, 4, 1, *mods]
-    if kernel == "dkdv" and variant.dq_mode == "atomic":  # the fp32 dQ buffer's descriptor
+    if kernel == "dkdv":  # the atomic mode's fp32 dQ buffer, as the launcher describes it
         acc = torch.empty(1 if problem.varlen else 2, 4, 256, problem.head_dim)
-        args.append(gluon_descriptor(acc, variant.block_streamed,
-                                     cols // (variant.block_owned // 64)))
+        args += dq_reduce_args(variant, acc if variant.dq_mode == "atomic" else None)
     return compile_gluon(load_bwd_kernel(kernel, variant, problem), args, {}, 4, capability)
 
 
