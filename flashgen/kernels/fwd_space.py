@@ -41,6 +41,12 @@ def shared_memory_bytes(v: Variant, p: Problem) -> int:
     # fa3 stages O through Q's buffer, except on a persistent grid: there Q is double-buffered
     # (the next tile's loads during this one) and O, written while both are in use, has its own.
     q_and_o = 3 * v.block_m if v.loop_order == "fa3" and v.programs_per_sm else v.block_m
+    # fa2 on a persistent grid with TMA stages O for its TMA store while the next tile's K/V
+    # loads hold their buffers, and fa1 pipelines its inner loop's Q and running-output
+    # loads: each a block_m x D tile more. Fitted to an H100 sweep of every valid variant
+    # (docs/search-quality.md), where exactly these kernels overflowed at D128.
+    if (v.loop_order == "fa2" and v.use_tma and v.programs_per_sm) or v.loop_order == "fa1":
+        q_and_o += v.block_m
     # One-tile fa3 also stores each row's running sum (fp32) where nothing reads it.
     row_sums = 4 * v.block_m if v.loop_order == "fa3" and not v.programs_per_sm else 0
     # fp8 fa3 stages its 16-bit O in a buffer of its own, and P for P V.
