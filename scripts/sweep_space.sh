@@ -19,7 +19,7 @@ shapes=(--shape 8,32,32,2048,64,0 --shape 8,16,16,2048,128,1
         --shape 2,32,32,8192,64,0 --shape 2,16,16,8192,128,1)
 gpus=$(nvidia-smi -L | wc -l)
 parts=$((gpus * workers))
-threads=$(( $(nproc) / parts ))
+threads=$(( $(nproc) / parts )); threads=$(( threads > 0 ? threads : 1 ))
 mkdir -p "$out"
 echo "sweep: $gpus GPUs x $workers workers, $threads compile threads each, ${seconds}s"
 for ((k = 0; k < parts; k++)); do
@@ -35,7 +35,7 @@ out, parts = sys.argv[1], int(sys.argv[2])
 total = 0
 for k in range(parts):
     try:
-        con = sqlite3.connect(f"{out}/p{k}/sweep.db")
+        con = sqlite3.connect(f"file:{out}/p{k}/sweep.db?mode=ro", uri=True)
         rows = con.execute("select count(*) from trials").fetchone()[0]
     except sqlite3.Error as exc:
         rows = 0

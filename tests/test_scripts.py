@@ -108,3 +108,34 @@ def test_search_quality_parts_split_a_sweep_and_their_costs_merge(
     assert sq.noted_costs(tmp_path, problem)["sweep_s"] == 30.0  # type: ignore[attr-defined]
     assert "not all parts of one sweep" in capsys.readouterr().err
     assert sq.main(["--out", str(tmp_path), "--part", "1/2"]) == 2  # type: ignore[attr-defined]
+
+
+def test_sweep_space_gives_every_gpu_its_workers_and_parts(tmp_path: Path) -> None:
+    """scripts/sweep_space.sh with two fake GPUs: four sweep processes, parts 0/4 .. 3/4 of
+    the same four problems, two on each GPU, then a count of each part's rows."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: A'\necho 'GPU 1: B'\n")
+    real = shutil.which("python3")
+    (bin_dir / "python3").write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = scripts/search_quality.py ]; then\n'
+        f'  echo "$CUDA_VISIBLE_DEVICES $*" >> {tmp_path}/calls; exit 0\n'
+        "fi\n"
+        f'exec {real} "$@"\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    out = tmp_path / "sweep"
+    run = subprocess.run(["bash", "scripts/sweep_space.sh", str(out), "5"], cwd=ROOT,
+                         capture_output=True, text=True, check=True,
+                         env={"PATH": f"{bin_dir}:/usr/bin:/bin", "WORKERS": "2"})
+    calls = sorted((tmp_path / "calls").read_text().splitlines())
+    assert len(calls) == 4
+    for k, call in enumerate(calls):
+        gpu, *args = call.split()
+        assert gpu == str(k // 2)
+        assert args[args.index("--part") + 1] == f"{k}/4"
+        assert args[args.index("--limit") + 1] == "0"
+        assert args.count("--shape") == 4
+    assert "2 GPUs x 2 workers" in run.stdout
+    assert "sweep: 0 rows in all" in run.stdout  # no part wrote a database
