@@ -299,8 +299,6 @@ def tune(
             raise _fail(str(exc)) from None
     if trials is None and timeout is None and not exhaustive:
         trials = DEFAULT_TRIALS
-    if storage is not None:
-        _check_storage(storage)  # a bad URL fails here, before any GPU work
 
     from flashgen.kernels import presets
 
@@ -329,7 +327,10 @@ def tune(
     run = RunOptions(device, gpu, trials, timeout, seed, compile_workers, db, modes, remeasure,
                      wide, exhaustive, deterministic)
     if distributed:
-        _run_workers(problems, run, _worker_slots(run, gpus, workers), storage, campaign)
+        slots = _worker_slots(run, gpus, workers)  # a bad --gpus first: nothing is opened yet
+        if storage is not None:
+            _check_storage(storage)  # a bad URL fails here, before any GPU work
+        _run_workers(problems, run, slots, storage, campaign)
     else:
         _run_tuning(problems, run)
 

@@ -47,7 +47,7 @@ from flashgen.tune.storage import (
     open_storage,
     study_name,
 )
-from flashgen.tune.workers import WorkerPlan, parse_gpus, worker_main
+from flashgen.tune.workers import WorkerPlan, _pump, parse_gpus, worker_main
 
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
 #: Short heartbeats, so a dead worker's trial fails within the test.
@@ -289,6 +289,38 @@ def test_a_killed_worker_loses_only_its_running_trial(
     assert len(states[TrialState.FAIL]) >= 1 and len(states[TrialState.COMPLETE]) == 1
     assert ROW_ATTR in states[TrialState.COMPLETE][0].user_attrs
     assert not [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.RUNNING]
+
+
+def test_the_parent_polls_its_workers_while_their_messages_keep_coming() -> None:
+    """A worker killed while the others keep reporting is reaped within a poll: until then
+    its pid still answers and the variant it was measuring stays claimed (a live run then
+    never measures it again). The queue here never runs dry for 0.3 s."""
+    class Busy:
+        def __init__(self) -> None:
+            self.left = 30
+
+        def get(self, timeout: float) -> tuple:
+            if not self.left:
+                raise __import__("queue").Empty
+            self.left -= 1
+            time.sleep(0.01)
+            return ("progress", 1, None)
+
+    class Worker:
+        def __init__(self, busy: Busy) -> None:
+            self.busy = busy
+            self.polls: list[int] = []  # messages still to come at each poll
+
+        def is_alive(self) -> bool:
+            self.polls.append(self.busy.left)
+            return False
+
+    busy = Busy()
+    worker = Worker(busy)
+    handled: list[tuple] = []
+    _pump(busy, [worker], handled.append, poll_s=0.05)
+    assert len(handled) == 30
+    assert any(left > 0 for left in worker.polls), worker.polls  # polled while busy
 
 
 def test_an_interrupt_of_the_parent_alone_stops_its_workers(
@@ -567,7 +599,32 @@ def test_a_bad_storage_is_one_error_line_before_any_work(
         open_storage(url)
 
 
-def test_a_missing_gpu_is_one_error_line() -> None:
+@pytest.mark.parametrize(("url", "hint"), [
+    ("postgresql+psycopg://u:pw@127.0.0.1:1/x", "pip install 'flashgen[distributed]'"),
+    ("mysql://u:pw@127.0.0.1:1/x", "install the SQLAlchemy driver"),
+])
+def test_a_missing_database_driver_is_named_with_what_installs_it(
+        url: str, hint: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Optuna re-raises a missing driver as a plain ImportError (the module not found is its
+    cause); the error still names the driver, and the extra only where it brings it."""
+    import flashgen.tune.storage as storage
+
+    def missing(*args: Any, **kwargs: Any) -> None:
+        try:
+            raise ModuleNotFoundError("No module named 'drv'", name="drv")
+        except ModuleNotFoundError as exc:
+            raise ImportError("Failed to import DB access module for the specified "
+                              "storage URL.") from exc
+
+    monkeypatch.setattr(storage, "RDBStorage", missing)
+    with pytest.raises(StorageError) as caught:
+        open_storage(url)
+    message = str(caught.value)
+    assert "driver 'drv' is not installed" in message and hint in message
+    assert "pw" not in message
+
+
+def test_a_missing_gpu_is_one_error_line(tmp_path: Path) -> None:
     assert parse_gpus("all", 2) == [0, 1]
     assert parse_gpus("0,0", 1) == [0, 0]
     for text, visible, needle in (("0,3", 2, "no GPU 3 (2 visible)"), ("all", 0, "no CUDA"),
@@ -579,3 +636,8 @@ def test_a_missing_gpu_is_one_error_line() -> None:
                                           "--gpus", "0,1"])
         assert result.exit_code == 2
         assert result.output.strip() == "error: --gpus 0,1: no GPU 0, 1 (0 visible)"
+        journal = tmp_path / "new.log"  # checked before the storage is opened (made)
+        result = CliRunner().invoke(app, ["tune", "--shape", "1,2,1,32,32,16", "--gpus", "5",
+                                          "--storage", str(journal)])
+        assert result.exit_code == 2 and "no GPU 5" in result.output
+        assert not journal.exists()

@@ -125,9 +125,13 @@ def open_storage(url: str, *, heartbeat_s: int = HEARTBEAT_S,
                     raise
                 time.sleep(0.2 * (attempt + 1))
         raise AssertionError("unreachable")
-    except ModuleNotFoundError as exc:
-        raise StorageError(f"--storage {redact(url)}: driver {exc.name!r} is not installed "
-                           f"(pip install 'flashgen[distributed]')") from None
+    except ImportError as exc:  # a missing driver; Optuna re-raises it as a plain one
+        missing = getattr(exc, "name", None) or getattr(exc.__cause__, "name", None)
+        what = f"driver {missing!r}" if missing else f"its driver ({str(exc).splitlines()[0]})"
+        hint = ("pip install 'flashgen[distributed]'" if scheme.startswith("postgresql")
+                else "install the SQLAlchemy driver its URL names")
+        raise StorageError(f"--storage {redact(url)}: {what} is not installed "
+                           f"({hint})") from None
     except Exception as exc:  # SQLAlchemy's errors: unreachable host, bad login, bad URL
         first = (str(getattr(exc, "orig", None) or exc).strip().splitlines() or [""])[0]
         raise StorageError(f"--storage {redact(url)}: cannot connect: "

@@ -275,27 +275,24 @@ def run_workers(plan: WorkerPlan, gpus: list[int | None],
     results: list[TuneResult] = []
     said: dict[int, tuple[str, str]] = {}
     skipped: dict[int, dict[Problem, str]] = {}
-    try:
-        while True:
-            try:
-                message = report.get(timeout=0.2)
-            except queue_module.Empty:
-                if all(not p.is_alive() for p in processes):
-                    break
-                continue
-            kind, index = message[0], message[1]
-            if kind == "progress" and on_progress:
+
+    def handle(message: tuple) -> None:
+        kind, index = message[0], message[1]
+        if kind == "progress" and on_progress:
+            on_progress(index, message[2])
+        elif kind == "result":
+            results.append(message[2])
+            if on_progress:
                 on_progress(index, message[2])
-            elif kind == "result":
-                results.append(message[2])
-                if on_progress:
-                    on_progress(index, message[2])
-            elif kind == "skipped":
-                skipped.setdefault(index, {})[message[2]] = message[3]
-                if on_skip:
-                    on_skip(index, message[2], message[3])
-            elif kind == "done":
-                said[index] = (message[2], message[3])
+        elif kind == "skipped":
+            skipped.setdefault(index, {})[message[2]] = message[3]
+            if on_skip:
+                on_skip(index, message[2], message[3])
+        elif kind == "done":
+            said[index] = (message[2], message[3])
+
+    try:
+        _pump(report, processes, handle)
     except KeyboardInterrupt:
         _interrupt(processes)
         raise
@@ -309,6 +306,32 @@ def run_workers(plan: WorkerPlan, gpus: list[int | None],
             text = f"exit code {process.exitcode}"
         ends.append(WorkerEnd(i, gpu, status, process.exitcode, text, skipped.get(i, {})))
     return merge_results(results), ends
+
+
+#: Seconds between polls of the workers' processes, also while their messages keep coming.
+POLL_S = 0.2
+
+
+def _pump(report: Any, processes: list[Any], handle: Callable[[tuple], None],
+          poll_s: float = POLL_S) -> None:
+    """Hand the workers' messages to `handle` until every worker has ended and the queue is
+    drained. The processes are polled at least every `poll_s` even while messages keep
+    coming: a poll reaps a worker that died (`kill -9`), and until it is reaped its pid still
+    answers, so its claims would look held and its running variant would not be measured
+    again (`store.claims`)."""
+    next_poll = time.monotonic() + poll_s
+    while True:
+        try:
+            message = report.get(timeout=poll_s)
+        except queue_module.Empty:
+            message = None
+        if message is None or time.monotonic() >= next_poll:
+            next_poll = time.monotonic() + poll_s
+            running = [p.is_alive() for p in processes]  # is_alive() reaps the dead
+            if message is None and not any(running):
+                return
+        if message is not None:
+            handle(message)
 
 
 #: Seconds the workers get to stop on their own after this process was interrupted.
