@@ -306,6 +306,9 @@ def test_the_parent_polls_its_workers_while_their_messages_keep_coming() -> None
             time.sleep(0.01)
             return ("progress", 1, None)
 
+        def get_nowait(self) -> tuple:
+            return self.get(0.0)
+
     class Worker:
         def __init__(self, busy: Busy) -> None:
             self.busy = busy
@@ -321,6 +324,35 @@ def test_the_parent_polls_its_workers_while_their_messages_keep_coming() -> None
     _pump(busy, [worker], handled.append, poll_s=0.05)
     assert len(handled) == 30
     assert any(left > 0 for left in worker.polls), worker.polls  # polled while busy
+
+
+def test_a_message_that_lands_as_the_last_worker_ends_is_still_handled() -> None:
+    """The queue is empty, then the poll finds every worker ended, but the last one's
+    "done" landed in between: it is handled, not lost (the worker would read as killed)."""
+    import queue
+
+    class Late:
+        def __init__(self) -> None:
+            self.items: list[tuple] = []
+
+        def get(self, timeout: float) -> tuple:
+            raise queue.Empty
+
+        def get_nowait(self) -> tuple:
+            if not self.items:
+                raise queue.Empty
+            return self.items.pop(0)
+
+    late = Late()
+
+    class Ending:
+        def is_alive(self) -> bool:
+            late.items.append(("done", 0, "ok", ""))
+            return False
+
+    handled: list[tuple] = []
+    _pump(late, [Ending()], handled.append, poll_s=0.01)
+    assert handled == [("done", 0, "ok", "")]
 
 
 def test_an_interrupt_of_the_parent_alone_stops_its_workers(

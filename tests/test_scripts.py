@@ -139,3 +139,20 @@ def test_sweep_space_gives_every_gpu_its_workers_and_parts(tmp_path: Path) -> No
         assert args.count("--shape") == 4
     assert "2 GPUs x 2 workers" in run.stdout
     assert "sweep: 0 rows in all" in run.stdout  # no part wrote a database
+    assert "sweep: done" in run.stdout
+
+    def again(smi: str, sweep: str) -> subprocess.CompletedProcess[str]:
+        (bin_dir / "nvidia-smi").write_text(f"#!/bin/sh\n{smi}\n")
+        (bin_dir / "python3").write_text(
+            f'#!/bin/sh\nif [ "$1" = scripts/search_quality.py ]; then {sweep}; fi\n'
+            f'exec {real} "$@"\n')
+        return subprocess.run(["bash", "scripts/sweep_space.sh", str(out), "5"], cwd=ROOT,
+                              capture_output=True, text=True,
+                              env={"PATH": f"{bin_dir}:/usr/bin:/bin"})
+
+    none = again("exit 9", "exit 0")  # no GPU: one error line, nothing started
+    assert none.returncode == 2 and "needs a GPU" in none.stderr
+    failed = again("echo 'GPU 0: A'", "exit 7")
+    assert failed.returncode == 1 and "part 1 failed (exit 7)" in failed.stderr
+    cut = again("echo 'GPU 0: A'", "sleep 30")  # stopped by the time limit: resumable
+    assert cut.returncode == 3 and "run again to resume" in cut.stdout

@@ -329,9 +329,17 @@ def _pump(report: Any, processes: list[Any], handle: Callable[[tuple], None],
             next_poll = time.monotonic() + poll_s
             running = [p.is_alive() for p in processes]  # is_alive() reaps the dead
             if message is None and not any(running):
-                return
+                break
         if message is not None:
             handle(message)
+    # A last message can land between the empty get and the poll that found every worker
+    # ended (a worker's queue is flushed as it exits): take what is left.
+    while True:
+        try:
+            message = report.get_nowait()
+        except queue_module.Empty:
+            return
+        handle(message)
 
 
 #: Seconds the workers get to stop on their own after this process was interrupted.
