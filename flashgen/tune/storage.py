@@ -128,8 +128,11 @@ def open_storage(url: str, *, heartbeat_s: int = HEARTBEAT_S,
     except ImportError as exc:  # a missing driver; Optuna re-raises it as a plain one
         missing = getattr(exc, "name", None) or getattr(exc.__cause__, "name", None)
         what = f"driver {missing!r}" if missing else f"its driver ({str(exc).splitlines()[0]})"
-        hint = ("pip install 'flashgen[distributed]'" if scheme.startswith("postgresql")
-                else "install the SQLAlchemy driver its URL names")
+        hint = ("install the SQLAlchemy driver its URL names"
+                if not scheme.startswith("postgresql") else
+                # the extra brings psycopg 3, which older SQLAlchemy takes only when named
+                "write postgresql+psycopg:// and pip install 'flashgen[distributed]'"
+                if missing == "psycopg2" else "pip install 'flashgen[distributed]'")
         raise StorageError(f"--storage {redact(url)}: {what} is not installed "
                            f"({hint})") from None
     except Exception as exc:  # SQLAlchemy's errors: unreachable host, bad login, bad URL
