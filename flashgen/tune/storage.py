@@ -128,11 +128,12 @@ def open_storage(url: str, *, heartbeat_s: int = HEARTBEAT_S,
     except ImportError as exc:  # a missing driver; Optuna re-raises it as a plain one
         missing = getattr(exc, "name", None) or getattr(exc.__cause__, "name", None)
         what = f"driver {missing!r}" if missing else f"its driver ({str(exc).splitlines()[0]})"
-        hint = ("install the SQLAlchemy driver its URL names"
-                if not scheme.startswith("postgresql") else
-                # the extra brings psycopg 3, which older SQLAlchemy takes only when named
-                "write postgresql+psycopg:// and pip install 'flashgen[distributed]'"
-                if missing == "psycopg2" else "pip install 'flashgen[distributed]'")
+        if not scheme.startswith("postgresql"):
+            hint = "install the SQLAlchemy driver its URL names"
+        elif missing == "psycopg2":  # the extra brings psycopg 3, taken when named (or new)
+            hint = "write postgresql+psycopg:// and pip install 'flashgen[distributed]'"
+        else:
+            hint = "pip install 'flashgen[distributed]'"
         raise StorageError(f"--storage {redact(url)}: {what} is not installed "
                            f"({hint})") from None
     except Exception as exc:  # SQLAlchemy's errors: unreachable host, bad login, bad URL
