@@ -9,6 +9,10 @@ then a cProfile of the dispatched call. Run on the GPU machine:
 
   python3 scripts/profile_host.py --shape 32,16,16,512,512,128 --dtype bf16 --causal
 
+`--varlen S` packs each --shape's B x N tokens into S sequences (as `flashgen bench --varlen`)
+and profiles `attention_varlen` on them, beside the dense call of the same tokens, forward
+and (with `--grad`) forward+backward.
+
 `--decode B,Hq,Hkv,Nq,Nk,D` does the same for `attention_with_kvcache` on a full contiguous
 cache (the database from $FLASHGEN_DB or `--db`), against SDPA flash and cuDNN on it, plus
 the host time of each of its two kernel launches alone.
@@ -19,8 +23,10 @@ from __future__ import annotations
 import argparse
 import cProfile
 import functools
+import itertools
 import pstats
 import time
+from collections.abc import Callable
 
 import torch
 from probe_launch_gap import host_us
@@ -42,12 +48,16 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--varlen", type=int, help="--shape's tokens packed into this many sequences")
+    ap.add_argument("--grad", action="store_true", help="--varlen: forward+backward too")
     args = ap.parse_args()
     print(f"device {torch.cuda.get_device_name()} "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     for shape in args.decode:
         profile_decode(shape, args)
-    for shape in args.shape:
+    for shape in args.shape if args.varlen else ():
+        profile_varlen(shape, args)
+    for shape in args.shape if not args.varlen else ():
         b, hq, hkv, nq, nk, d = map(int, shape.split(","))
         problem = Problem(b, hq, hkv, nq, nk, d, args.dtype, args.causal)
         q, k, v = make_inputs(b, hq, hkv, nq, nk, d, problem.torch_dtype, "cuda", 0)
@@ -73,6 +83,53 @@ def main() -> None:
             torch.cuda.synchronize()
         stats = pstats.Stats(profiler).strip_dirs().sort_stats("tottime")
         stats.print_stats(args.top)
+
+
+def _print_profile(fn: Callable[[], object], top: int) -> None:
+    """cProfile of 300 calls of `fn`, queued behind a GPU spin (nothing waits on the GPU)."""
+    profiler = cProfile.Profile()
+    torch.cuda._sleep(400_000_000)
+    profiler.enable()
+    for _ in range(300):
+        fn()
+    profiler.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(profiler).strip_dirs().sort_stats("tottime").print_stats(top)
+
+
+def profile_varlen(text: str, args: argparse.Namespace) -> None:
+    """Host time of `attention_varlen` on --varlen packed sequences, beside the dense call of
+    the same tokens; then the cProfile of the packed call (forward, or forward+backward)."""
+    from flashgen.bench.layouts import Layout
+
+    b, hq, hkv, n, _, d = map(int, text.split(","))
+    problem = Problem(b, hq, hkv, n, n, d, args.dtype, args.causal)
+    lens = Layout(None, args.varlen).lengths(problem, 0)
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
+    grad = args.grad
+    q, k, v = (torch.randn(b * n, h, d, device="cuda", dtype=problem.torch_dtype,
+                           requires_grad=grad) for h in (hq, hkv, hkv))
+    dense = [t.detach().view(b, n, -1, d).transpose(1, 2).requires_grad_(grad)
+             for t in (q, k, v)]
+    do = torch.randn_like(q)
+
+    def packed() -> object:
+        return flashgen.attention_varlen(q, k, v, cu, cu, max(lens), max(lens),
+                                         causal=args.causal)
+
+    def dense_call() -> object:
+        return flashgen.attention(*dense, causal=args.causal)
+
+    calls = {"attention_varlen": packed, "attention (dense, same tokens)": dense_call}
+    if grad:
+        calls = {f"{name} fwd+bwd": (lambda f=fn, g=do: f().backward(
+            g if f is packed else g.view(b, n, hq, d).transpose(1, 2)))
+            for name, fn in calls.items()}
+    print(f"{problem} packed into {len(lens)} sequences (longest {max(lens)})")
+    with torch.set_grad_enabled(grad):
+        for name, fn in calls.items():
+            print(f"  {name:36s} {host_us(fn):7.1f} us host per call")
+        _print_profile(next(iter(calls.values())), args.top)
 
 
 def _through_jit(self: Bound, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:

@@ -297,6 +297,23 @@ def test_bad_packed_shapes_are_named_errors() -> None:
         flashgen.attention(q[None], q[None], q[None], softcap=float("inf"))
 
 
+def test_modified_calls_run_outside_the_graph_under_torch_compile() -> None:
+    """Packed and modified calls read offsets on the host: under torch.compile they break the
+    graph and run eagerly (eager calls skip that wrapper), giving eager's answer."""
+    q, k, v = (t.detach() for t in _packed(LENGTHS, LENGTHS, 2, 1, 16, torch.float32))
+    cu = _cu(LENGTHS)
+
+    def calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        packed = flashgen.attention_varlen(q, k, v, cu, cu, 17, 17, causal=True, softcap=5.0)
+        dense = flashgen.attention(q[None].transpose(1, 2), k[None].transpose(1, 2),
+                                   v[None].transpose(1, 2), window=(3, 0))
+        return packed.sum() + dense.sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(calls, backend="eager")(q, k, v)
+    assert torch.allclose(compiled, calls(q, k, v), rtol=1e-5, atol=1e-5)
+
+
 def test_offsets_are_read_once_per_tensor_and_version(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each host read of the offsets is a GPU sync, which stalls a train step's every layer:
     a tensor already checked is not read again until torch sees it written in place. A bad

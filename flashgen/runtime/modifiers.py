@@ -11,6 +11,7 @@ strides.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import threading
@@ -274,6 +275,14 @@ def tile_schedule(offsets_q: tuple[int, ...], offsets_k: tuple[int, ...], block_
     return found
 
 
+@functools.lru_cache(maxsize=64)
+def _longest(offsets: tuple[int, ...]) -> int:
+    """The longest sequence of `offsets`, or -1 where they decrease. Cached: a packing is
+    checked on every call that takes it (each layer, forward and backward)."""
+    steps = [b - a for a, b in itertools.pairwise(offsets)]
+    return -1 if any(n < 0 for n in steps) else max(steps)
+
+
 def _check_cu(name: str, cu: object, total: int, device: torch.device) -> tuple[int, ...]:
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of int32 offsets, got "
@@ -290,7 +299,7 @@ def _check_cu(name: str, cu: object, total: int, device: torch.device) -> tuple[
     offsets = _read_offsets(cu)
     if offsets[0] != 0:
         raise ValueError(f"{name} must start at 0, got {offsets[0]}")
-    if any(b < a for a, b in itertools.pairwise(offsets)):
+    if _longest(offsets) < 0:
         raise ValueError(f"{name} must not decrease, got {list(offsets)}")
     if offsets[-1] != total:
         raise ValueError(f"{name} must end at the packed length {total}, got {offsets[-1]}")
@@ -310,7 +319,7 @@ def check_varlen(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: object, cu_seql
                                  ("max_seqlen_k", max_seqlen_k, ck)):
         if isinstance(bound, bool) or not isinstance(bound, int):
             raise TypeError(f"{name} must be an int, got {type(bound).__name__}")
-        longest = max(b - a for a, b in itertools.pairwise(offsets))
+        longest = _longest(offsets)
         if bound < longest:
             raise ValueError(f"{name} ({bound}) is smaller than the longest sequence "
                              f"({longest})")
