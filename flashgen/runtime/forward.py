@@ -54,14 +54,19 @@ def sm_count(device: torch.device) -> int:
 
 def tma_ready(*tensors: torch.Tensor) -> bool:
     """Whether TMA descriptors can address these tensors: a unit last stride, other strides
-    and the base address multiples of 16 bytes (the copy engine's rules)."""
+    and the base address multiples of 16 bytes (the copy engine's rules). Every launch of a
+    TMA kernel asks it of each tensor: the stride rule is cached by strides and element size,
+    the address is read each time."""
     for t in tensors:
-        size = t.element_size()
-        if t.stride(-1) != 1 or t.data_ptr() % 16:
-            return False
-        if any((s * size) % 16 for s in t.stride()[:-1]):
+        if t.data_ptr() % 16 or not _tma_strides(t.stride(), t.element_size()):
             return False
     return True
+
+
+@functools.lru_cache(maxsize=4096)
+def _tma_strides(strides: tuple[int, ...], size: int) -> bool:
+    """`tma_ready`'s stride rule: a unit last stride, the others multiples of 16 bytes."""
+    return strides[-1] == 1 and not any((s * size) % 16 for s in strides[:-1])
 
 
 @functools.cache
@@ -78,21 +83,42 @@ def _gluon_descriptor_type() -> type:
     return TensorDescriptor
 
 
-def _unchecked(cls: type, t: torch.Tensor, block: list[int], **extra: object) -> object:
-    """`cls(t, shape, strides, block, ...)` without its __post_init__ checks, which cost ~8 us
-    a descriptor on every call: `tma_ready` has made them (alignment, unit last stride) and
-    the tiles are fixed per variant. An empty tensor is left to the checked constructor."""
-    if 0 in t.shape:
-        return cls(t, list(t.shape), list(t.stride()), block, **extra)
+def _unchecked(cls: type, t: torch.Tensor, rows: int, cols: int, gluon: bool) -> object:
+    """`cls(t, shape, strides, [1, 1, rows, cols], ...)` without its __post_init__ checks,
+    which cost ~8 us a descriptor on every call: `tma_ready` has made them (alignment, unit
+    last stride) and the tiles are fixed per variant. Everything but the base tensor comes
+    from `_fields`, cached by layout; the base is set anew on each call, on a new object, so
+    a descriptor never addresses another tensor than its own. An empty tensor is left to the
+    checked constructor."""
+    shape = t.shape
+    if 0 in shape:
+        block = [1, 1, rows, cols]
+        extra = {"layout": _gluon_tile_layout(rows, cols, t.dtype)} if gluon else {}
+        return cls(t, list(shape), list(t.stride()), block, **extra)
     made = object.__new__(cls)
-    made.__dict__.update(base=t, shape=list(t.shape), strides=list(t.stride()),
-                         block_shape=block, padding="zero", **extra)
+    fields = made.__dict__
+    fields.update(_fields(shape, t.stride(), rows, cols, t.dtype if gluon else None))
+    fields["base"] = t
     return made
+
+
+@functools.lru_cache(maxsize=4096)
+def _fields(shape: tuple[int, ...], strides: tuple[int, ...], rows: int, cols: int,
+            gluon_dtype: torch.dtype | None) -> dict[str, object]:
+    """A descriptor's fields but its base, by what they depend on: shape, strides, tile and
+    (Gluon, `gluon_dtype` given) the tile's shared layout; nothing of the address. The lists
+    are shared by the descriptors of one layout, which only read them (Triton's launcher and
+    `runtime.launch`'s key)."""
+    fields: dict[str, object] = {"shape": list(shape), "strides": list(strides),
+                                 "block_shape": [1, 1, rows, cols], "padding": "zero"}
+    if gluon_dtype is not None:
+        fields["layout"] = _gluon_tile_layout(rows, cols, gluon_dtype)
+    return fields
 
 
 def descriptor(t: torch.Tensor, rows: int, cols: int) -> object:
     """A TMA descriptor over the (B, H, N, D) view moving [1, 1, rows, cols] tiles."""
-    return _unchecked(_tma_descriptor_type(), t, [1, 1, rows, cols])
+    return _unchecked(_tma_descriptor_type(), t, rows, cols, False)
 
 
 @functools.cache
@@ -111,9 +137,8 @@ def gluon_descriptor(t: torch.Tensor, rows: int, cols: int | None = None) -> obj
     the whole last dim, D of a (B, H, N, D) view, unless given; wider than D, TMA zero-fills
     the columns past it on load and clips them on store). The caller has checked
     `tma_ready`."""
-    cols = t.shape[-1] if cols is None else cols
-    return _unchecked(_gluon_descriptor_type(), t, [1, 1, rows, cols],
-                      layout=_gluon_tile_layout(rows, cols, t.dtype))
+    return _unchecked(_gluon_descriptor_type(), t, rows, t.shape[-1] if cols is None else cols,
+                      True)
 
 
 def fa2_grid(variant: Any, nq: int, heads: int, device: torch.device) -> tuple[int, int]:
