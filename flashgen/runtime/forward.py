@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .launch import bind
+from .launch import SPEC_ATTR, bind, descriptor_spec
 from .modifiers import Mods, Varlen
 from .table import Entry, Shape, knobs
 
@@ -97,22 +97,26 @@ def _unchecked(cls: type, t: torch.Tensor, rows: int, cols: int, gluon: bool) ->
         return cls(t, list(shape), list(t.stride()), block, **extra)
     made = object.__new__(cls)
     fields = made.__dict__
-    fields.update(_fields(shape, t.stride(), rows, cols, t.dtype if gluon else None))
+    fields.update(_fields(cls, shape, t.stride(), rows, cols, t.dtype, gluon))
     fields["base"] = t
     return made
 
 
 @functools.lru_cache(maxsize=4096)
-def _fields(shape: tuple[int, ...], strides: tuple[int, ...], rows: int, cols: int,
-            gluon_dtype: torch.dtype | None) -> dict[str, object]:
-    """A descriptor's fields but its base, by what they depend on: shape, strides, tile and
-    (Gluon, `gluon_dtype` given) the tile's shared layout; nothing of the address. The lists
-    are shared by the descriptors of one layout, which only read them (Triton's launcher and
-    `runtime.launch`'s key)."""
+def _fields(cls: type, shape: tuple[int, ...], strides: tuple[int, ...], rows: int, cols: int,
+            dtype: torch.dtype, gluon: bool) -> dict[str, object]:
+    """A descriptor's fields but its base, by what they depend on: shape, strides, tile,
+    dtype (and, Gluon, the tile's shared layout from them); nothing of the address. The
+    lists are shared by the descriptors of one layout, which only read them (Triton's
+    launcher and `runtime.launch`'s key). With them the launch key's part for the descriptor
+    (`launch.descriptor_spec`), worked out once."""
+    block = [1, 1, rows, cols]
     fields: dict[str, object] = {"shape": list(shape), "strides": list(strides),
-                                 "block_shape": [1, 1, rows, cols], "padding": "zero"}
-    if gluon_dtype is not None:
-        fields["layout"] = _gluon_tile_layout(rows, cols, gluon_dtype)
+                                 "block_shape": block, "padding": "zero"}
+    layout = None
+    if gluon:
+        layout = fields["layout"] = _gluon_tile_layout(rows, cols, dtype)
+    fields[SPEC_ATTR] = descriptor_spec(cls, dtype, tuple(block), layout, "zero")
     return fields
 
 

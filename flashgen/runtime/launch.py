@@ -47,6 +47,35 @@ def _int_spec(value: int) -> int:
     return ((value >> 31) << 5) + ((value & 15) << 1) + (value == 1)
 
 
+class Spec:
+    """What Triton specialises a host TMA descriptor on (its type, dtype, tile, shared layout
+    and padding), interned by `descriptor_spec`: equal specs are one object, which the key
+    hashes by identity (a Gluon layout hashes in Python, ~0.5 us a launch per descriptor)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: tuple) -> None:
+        self.value = value
+
+
+#: Interned `Spec`s by value.
+_SPECS: dict[tuple, Spec] = {}
+#: The attribute a descriptor may carry its `Spec` in (`forward`'s descriptors do); others are
+#: keyed field by field.
+SPEC_ATTR = "_flashgen_spec"
+
+
+def descriptor_spec(kind: type, dtype: torch.dtype, block: tuple[int, ...], layout: Any,
+                    padding: str) -> Spec:
+    """The one `Spec` of these values; a descriptor that carries it under `SPEC_ATTR` must
+    have exactly them (its type, base dtype, block shape, layout and padding)."""
+    value = (kind, dtype, block, layout, padding)
+    spec = _SPECS.get(value)
+    if spec is None:
+        spec = _SPECS[value] = Spec(value)
+    return spec
+
+
 def _spec(value: Any) -> Any:
     """The key's part for an argument `_key` does not handle itself (tensors, descriptors
     and plain ints it does)."""
@@ -136,8 +165,10 @@ def _key(args: tuple, kwargs: dict[str, Any]) -> tuple | None:
                 return None
             # What Triton specialises a descriptor on: dtype, tile and shared layout (its
             # base's alignment, shape and strides go to the launcher as values).
-            append((kind, base.dtype, tuple(a.block_shape), getattr(a, "layout", None),
-                    a.padding))
+            spec = a.__dict__.get(SPEC_ATTR)
+            append(spec if spec is not None else (
+                kind, base.dtype, tuple(a.block_shape), getattr(a, "layout", None),
+                a.padding))
             tensors = True
         else:
             spec = _spec(a)
