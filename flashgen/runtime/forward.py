@@ -297,6 +297,8 @@ def _prepare_tma(entry: Entry, shape: Shape, kernel_of: KernelOf, strict: bool) 
     bm, bn = variant.block_m, variant.block_n
     d = padded_head_dim(shape.head_dim, shape.dtype)
     group, fa3 = shape.group, variant.loop_order == "fa3"
+    # fa3: each consumer warpgroup moves its own 16 x num_warps rows of Q and O.
+    rows = 16 * variant.num_warps
     # fp8 V is addressed keys-inner: its (B, H, D, N) memory (`fp8.quantize`'s layout); the
     # descales and the output dtype come with each call as `mods.fp8`.
     fp8 = shape.dtype == "fp8"
@@ -341,7 +343,6 @@ def _prepare_tma(entry: Entry, shape: Shape, kernel_of: KernelOf, strict: bool) 
             return twin(q, k, v, scale, mods)
         if not tma_ready(*views):
             return twin(q, k, v, scale, mods)
-        rows = 16 * variant.num_warps
         grid, extra = fa3_packed_grid(variant, lens, shape.causal, hq, q.device)
         kernel[grid](
             gluon_descriptor(views[0], rows, d), gluon_descriptor(views[1], bn, d),
@@ -366,8 +367,6 @@ def _prepare_tma(entry: Entry, shape: Shape, kernel_of: KernelOf, strict: bool) 
         b, hq, nq, _ = q.shape
         lse = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
         if fa3:
-            # Each consumer warpgroup moves its own 16 x num_warps rows of Q and O.
-            rows = 16 * variant.num_warps
             grid, extra = fa3_grid(variant, nq, b * hq, q.device)
             # fp8: V's tiles are (D, BLOCK_N) of its keys-inner memory; the descales follow.
             # A head dim below the tiles' d (80, 96) is padded by TMA: d-wide tiles, zero fill.

@@ -206,8 +206,11 @@ def _direct(compiled: Any) -> tuple | None:
 def _hooks_idle() -> bool:
     """No launch hook registered (a profiler such as proton adds them): the direct launch
     passes none."""
-    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-    return all(h is None or not getattr(h, "calls", True) for h in hooks)
+    runtime = knobs.runtime
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    # Asked on every launch: spelt out, no generator.
+    return ((enter is None or not getattr(enter, "calls", True))
+            and (leave is None or not getattr(leave, "calls", True)))
 
 
 def _stream(device: int) -> int:
