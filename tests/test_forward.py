@@ -371,3 +371,50 @@ def test_descriptors_skip_only_checks_that_tma_ready_has_made() -> None:
                                                  [1, 1, 64, 64], layout)
     with pytest.raises(AssertionError):  # an empty tensor still meets the checks
         descriptor(torch.empty(0, 4, 256, 64, dtype=torch.float16), 64, 64)
+
+
+def test_cached_descriptor_layouts_never_carry_another_tensor() -> None:
+    """A descriptor's fields but its base are cached by shape, strides, tile and dtype: each
+    call still makes a new descriptor over its own tensor, and a tensor of another shape,
+    strides or dtype gets its own fields, equal to what the checked constructor makes."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from flashgen.runtime.forward import descriptor
+
+    a = torch.empty(2, 4, 256, 64, dtype=torch.float16)
+    b = torch.empty_like(a)  # same layout, another address
+    transposed = torch.empty(2, 256, 4, 64, dtype=torch.float16).transpose(1, 2)
+    longer = torch.empty(2, 4, 320, 64, dtype=torch.float16)
+    made = [descriptor(t, 64, 64) for t in (a, b, transposed, longer, a)]
+    assert len({id(d) for d in made}) == len(made)
+    for t, d in zip((a, b, transposed, longer, a), made, strict=True):
+        assert d.base is t
+        assert d == TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, 64, 64])
+    assert made[0].strides != made[2].strides and made[0].shape != made[3].shape
+    assert descriptor(a, 32, 64).block_shape == [1, 1, 32, 64]
+    if pytest.importorskip("triton.experimental.gluon") is not None:
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as Gluon
+
+        from flashgen.runtime.forward import _gluon_tile_layout, gluon_descriptor
+
+        wide = torch.empty(2, 4, 256, 64, dtype=torch.float32)
+        for t in (a, b, transposed, wide, a):
+            d = gluon_descriptor(t, 64)
+            assert d.base is t
+            assert d == Gluon(t, list(t.shape), list(t.stride()), [1, 1, 64, 64],
+                              _gluon_tile_layout(64, 64, t.dtype))
+        assert gluon_descriptor(wide, 64).layout != gluon_descriptor(a, 64).layout
+
+
+def test_tma_ready_reads_every_address_and_the_strides_by_element_size() -> None:
+    """`tma_ready` caches its stride rule by (strides, element size), never the address."""
+    from flashgen.runtime.forward import tma_ready
+
+    half = torch.empty(4, 8, dtype=torch.float16)  # rows of 16 bytes
+    byte = torch.empty(4, 8, dtype=torch.uint8)  # the same strides, rows of 8 bytes
+    for _ in range(2):  # cached or not, the same answers
+        assert tma_ready(half) and not tma_ready(byte)
+        assert not tma_ready(half.view(-1)[1:].view(-1)[:24].view(3, 8))  # 2 bytes off
+        assert tma_ready(half.view(-1)[8:].view(3, 8))  # 16 bytes on
+        assert not tma_ready(half.t())  # no unit last stride
+        assert not tma_ready(half, byte) and not tma_ready(byte, half)

@@ -250,3 +250,22 @@ def test_tritons_debug_and_instrumentation_modes_are_in_the_key(
     monkeypatch.setattr(knobs.runtime, "debug", True)
     bound[(1,)](x, 16, 1.0, True, BLOCK=32)
     assert [e[0] for e in jit.log] == ["jit", "jit", "jit"]
+
+
+def test_forward_descriptors_are_keyed_by_their_interned_spec() -> None:
+    """The runtime's descriptors carry their key part (`launch.descriptor_spec`, one object
+    per dtype, tile, layout and padding): the same kind of descriptor over another tensor or
+    length hits, another dtype or tile goes through the JIT."""
+    from flashgen.runtime.forward import descriptor
+
+    jit = FakeJit()
+    bound = launch.bind(jit)
+    a = cuda_looking(torch.zeros(2, 4, 64, 64, dtype=torch.float16))
+    longer = cuda_looking(torch.zeros(2, 4, 128, 64, dtype=torch.float16))
+    wide = cuda_looking(torch.zeros(2, 4, 64, 64))
+    for t, rows in ((a, 16), (longer, 16), (wide, 16), (a, 32), (a, 16), (wide, 16)):
+        bound[(1,)](descriptor(t, rows, 64), 16, 1.0, True, BLOCK=16)
+    assert [e[0] for e in jit.log] == ["jit", "direct", "jit", "jit", "direct", "direct"]
+    spec = getattr(descriptor(a, 16, 64), launch.SPEC_ATTR)
+    assert spec is getattr(descriptor(longer, 16, 64), launch.SPEC_ATTR)
+    assert spec.value[1:] == (torch.float16, (1, 1, 16, 64), None, "zero")

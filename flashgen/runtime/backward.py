@@ -65,6 +65,9 @@ class _Kernels:
         # The atomic dQ mode has no dQ kernel: the dK/dV kernel (Triton or Gluon) adds dQ.
         self.dq = bind(kernel_of("dq" + suffix)) if variant.dq_mode == "separate" else None
         self.launch = {"num_warps": variant.num_warps, "num_stages": variant.num_stages}
+        #: Each Gluon kernel's TMA tile rows (`fa3_tile_rows`), worked out once.
+        self.tile_rows = {role: fa3_tile_rows(role, variant)
+                          for role, gluon in self.gluon.items() if gluon}
 
 
 def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
@@ -89,7 +92,7 @@ def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
         (B, H, N, D) views the Gluon kernels would get; an empty one takes no descriptor)
         or the LSE rows are strided."""
         if main.variant.fa3 == "none" or (lse.stride(-1) == 1 and tma_ready(*tensors)
-                                          and all(t.numel() for t in tensors)):
+                                          and all(map(torch.Tensor.numel, tensors))):
             return main
         if not plain:
             plain.append(_Kernels(knobs(entry["twin"]), kernel_of, "_plain"))
@@ -114,7 +117,7 @@ def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
         rows = (*lse.stride()[:2], *delta.stride()[:2])
         if ks.gluon["dkdv"]:
             acc = _dq_buffer(var, q.shape, q.device)
-            _launch_gluon("dkdv", ks.dkdv, var, (cdiv(nk, var.block_owned), b * hkv),
+            _launch_gluon(ks.tile_rows["dkdv"], ks.dkdv, (cdiv(nk, var.block_owned), b * hkv),
                           (q, k, v, do, dk, dv), lse, delta, rows, scale, (nq, nk), hkv, group,
                           dq_reduce_args(var, acc))
             if acc is not None:
@@ -122,7 +125,7 @@ def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
         else:
             _triton_dkdv(ks, q, k, v, do, lse, delta, dq, dk, dv, scale, group)
         if ks.gluon["dq"]:
-            _launch_gluon("dq", ks.dq, var, (cdiv(nq, var.block_owned), b * hq),
+            _launch_gluon(ks.tile_rows["dq"], ks.dq, (cdiv(nq, var.block_owned), b * hq),
                           (q, k, v, do, dq), lse, delta, rows, scale, (nq, nk), hq, group)
         elif ks.dq is not None:
             # The dQ kernel owns block_n query rows per program (the pair swaps; see
@@ -181,7 +184,7 @@ def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
             stores = (dk, dv, *dk.stride()[:2], *dv.stride()[:2]) if packed else ()
             # The fp32 dQ buffer the kernel adds into by TMA reduce, over the same view.
             dq_args = dq_reduce_args(var, None if acc is None else view(acc))
-            _launch_gluon("dkdv", ks.dkdv, var, (cdiv(nk, var.block_owned), b * hkv),
+            _launch_gluon(ks.tile_rows["dkdv"], ks.dkdv, (cdiv(nk, var.block_owned), b * hkv),
                           tuple(view(t) for t in (q, k, v, do, dk, dv)), lse, delta,
                           gluon_rows, scale, (nq, nk), hkv, group, (*extra, *stores, *dq_args))
         else:
@@ -194,7 +197,7 @@ def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
             dq.copy_(acc)
         elif ks.gluon["dq"]:
             stores = (dq, *dq.stride()[:2]) if packed else ()
-            _launch_gluon("dq", ks.dq, var, (cdiv(nq, var.block_owned), b * hq),
+            _launch_gluon(ks.tile_rows["dq"], ks.dq, (cdiv(nq, var.block_owned), b * hq),
                           tuple(view(t) for t in (q, k, v, do, dq)), lse, delta, gluon_rows,
                           scale, (nq, nk), hq, group, (*extra, *stores))
         else:
@@ -232,20 +235,23 @@ def dq_reduce_args(variant: Any, acc: torch.Tensor | None) -> tuple[Any, ...]:
                              padded_head_dim(acc.shape[-1]) // (variant.block_owned // 64)),)
 
 
-def _launch_gluon(kernel: str, fn: Any, variant: Any, grid: tuple[int, int],
+def _launch_gluon(rows: tuple[int, ...], fn: Any, grid: tuple[int, int],
                   tensors: tuple[torch.Tensor, ...], lse: torch.Tensor, delta: torch.Tensor,
                   row_strides: tuple[int, ...], scale: float, lengths: tuple[int, int],
                   heads: int, group: int, extra: tuple[Any, ...] = ()) -> None:
     """One Gluon backward kernel on `tensors` ((B, H, N, D) views of q, k, v, do, then its
-    outputs); `row_strides`: LSE's and delta's batch and head strides; `lengths`: N_Q and
+    outputs), moving tiles of `rows` rows each (`fa3_tile_rows` of the kernel);
+    `row_strides`: LSE's and delta's batch and head strides; `lengths`: N_Q and
     N_K (packed: the longest sequences'); `heads`: the heads its grid spans, H_KV or H_Q;
     `extra`: the modifiers' arguments (and a packed call's gradient pointers and strides).
     A head dim below the kernels' tile (80, 96, 112) is padded by TMA: tiles of the padded
     width, zero-filled on load and clipped on store."""
-    rows = fa3_tile_rows(kernel, variant)
     cols = padded_head_dim(tensors[0].shape[-1])
+    q, k, v, do, *outs = tensors
     fn[grid](
-        *(gluon_descriptor(t, r, cols) for t, r in zip(tensors, rows, strict=True)),
+        gluon_descriptor(q, rows[0], cols), gluon_descriptor(k, rows[1], cols),
+        gluon_descriptor(v, rows[2], cols), gluon_descriptor(do, rows[3], cols),
+        *[gluon_descriptor(t, r, cols) for t, r in zip(outs, rows[4:], strict=True)],
         lse, delta, *row_strides, scale, *lengths, heads, group, *extra, num_warps=4,
     )  # fmt: skip
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .launch import bind
+from .launch import SPEC_ATTR, bind, descriptor_spec
 from .modifiers import Mods, Varlen
 from .table import Entry, Shape, knobs
 
@@ -54,14 +54,19 @@ def sm_count(device: torch.device) -> int:
 
 def tma_ready(*tensors: torch.Tensor) -> bool:
     """Whether TMA descriptors can address these tensors: a unit last stride, other strides
-    and the base address multiples of 16 bytes (the copy engine's rules)."""
+    and the base address multiples of 16 bytes (the copy engine's rules). Every launch of a
+    TMA kernel asks it of each tensor: the stride rule is cached by strides and element size,
+    the address is read each time."""
     for t in tensors:
-        size = t.element_size()
-        if t.stride(-1) != 1 or t.data_ptr() % 16:
-            return False
-        if any((s * size) % 16 for s in t.stride()[:-1]):
+        if t.data_ptr() % 16 or not _tma_strides(t.stride(), t.element_size()):
             return False
     return True
+
+
+@functools.lru_cache(maxsize=4096)
+def _tma_strides(strides: tuple[int, ...], size: int) -> bool:
+    """`tma_ready`'s stride rule: a unit last stride, the others multiples of 16 bytes."""
+    return strides[-1] == 1 and not any((s * size) % 16 for s in strides[:-1])
 
 
 @functools.cache
@@ -78,21 +83,46 @@ def _gluon_descriptor_type() -> type:
     return TensorDescriptor
 
 
-def _unchecked(cls: type, t: torch.Tensor, block: list[int], **extra: object) -> object:
-    """`cls(t, shape, strides, block, ...)` without its __post_init__ checks, which cost ~8 us
-    a descriptor on every call: `tma_ready` has made them (alignment, unit last stride) and
-    the tiles are fixed per variant. An empty tensor is left to the checked constructor."""
-    if 0 in t.shape:
-        return cls(t, list(t.shape), list(t.stride()), block, **extra)
+def _unchecked(cls: type, t: torch.Tensor, rows: int, cols: int, gluon: bool) -> object:
+    """`cls(t, shape, strides, [1, 1, rows, cols], ...)` without its __post_init__ checks,
+    which cost ~8 us a descriptor on every call: `tma_ready` has made them (alignment, unit
+    last stride) and the tiles are fixed per variant. Everything but the base tensor comes
+    from `_fields`, cached by layout; the base is set anew on each call, on a new object, so
+    a descriptor never addresses another tensor than its own. An empty tensor is left to the
+    checked constructor."""
+    shape = t.shape
+    if 0 in shape:
+        block = [1, 1, rows, cols]
+        extra = {"layout": _gluon_tile_layout(rows, cols, t.dtype)} if gluon else {}
+        return cls(t, list(shape), list(t.stride()), block, **extra)
     made = object.__new__(cls)
-    made.__dict__.update(base=t, shape=list(t.shape), strides=list(t.stride()),
-                         block_shape=block, padding="zero", **extra)
+    fields = made.__dict__
+    fields.update(_fields(cls, shape, t.stride(), rows, cols, t.dtype, gluon))
+    fields["base"] = t
     return made
+
+
+@functools.lru_cache(maxsize=4096)
+def _fields(cls: type, shape: tuple[int, ...], strides: tuple[int, ...], rows: int, cols: int,
+            dtype: torch.dtype, gluon: bool) -> dict[str, object]:
+    """A descriptor's fields but its base, by what they depend on: shape, strides, tile,
+    dtype (and, Gluon, the tile's shared layout from them); nothing of the address. The
+    lists are shared by the descriptors of one layout, which only read them (Triton's
+    launcher and `runtime.launch`'s key). With them the launch key's part for the descriptor
+    (`launch.descriptor_spec`), worked out once."""
+    block = [1, 1, rows, cols]
+    fields: dict[str, object] = {"shape": list(shape), "strides": list(strides),
+                                 "block_shape": block, "padding": "zero"}
+    layout = None
+    if gluon:
+        layout = fields["layout"] = _gluon_tile_layout(rows, cols, dtype)
+    fields[SPEC_ATTR] = descriptor_spec(cls, dtype, tuple(block), layout, "zero")
+    return fields
 
 
 def descriptor(t: torch.Tensor, rows: int, cols: int) -> object:
     """A TMA descriptor over the (B, H, N, D) view moving [1, 1, rows, cols] tiles."""
-    return _unchecked(_tma_descriptor_type(), t, [1, 1, rows, cols])
+    return _unchecked(_tma_descriptor_type(), t, rows, cols, False)
 
 
 @functools.cache
@@ -111,9 +141,8 @@ def gluon_descriptor(t: torch.Tensor, rows: int, cols: int | None = None) -> obj
     the whole last dim, D of a (B, H, N, D) view, unless given; wider than D, TMA zero-fills
     the columns past it on load and clips them on store). The caller has checked
     `tma_ready`."""
-    cols = t.shape[-1] if cols is None else cols
-    return _unchecked(_gluon_descriptor_type(), t, [1, 1, rows, cols],
-                      layout=_gluon_tile_layout(rows, cols, t.dtype))
+    return _unchecked(_gluon_descriptor_type(), t, rows, t.shape[-1] if cols is None else cols,
+                      True)
 
 
 def fa2_grid(variant: Any, nq: int, heads: int, device: torch.device) -> tuple[int, int]:
@@ -268,6 +297,8 @@ def _prepare_tma(entry: Entry, shape: Shape, kernel_of: KernelOf, strict: bool) 
     bm, bn = variant.block_m, variant.block_n
     d = padded_head_dim(shape.head_dim, shape.dtype)
     group, fa3 = shape.group, variant.loop_order == "fa3"
+    # fa3: each consumer warpgroup moves its own 16 x num_warps rows of Q and O.
+    rows = 16 * variant.num_warps
     # fp8 V is addressed keys-inner: its (B, H, D, N) memory (`fp8.quantize`'s layout); the
     # descales and the output dtype come with each call as `mods.fp8`.
     fp8 = shape.dtype == "fp8"
@@ -312,7 +343,6 @@ def _prepare_tma(entry: Entry, shape: Shape, kernel_of: KernelOf, strict: bool) 
             return twin(q, k, v, scale, mods)
         if not tma_ready(*views):
             return twin(q, k, v, scale, mods)
-        rows = 16 * variant.num_warps
         grid, extra = fa3_packed_grid(variant, lens, shape.causal, hq, q.device)
         kernel[grid](
             gluon_descriptor(views[0], rows, d), gluon_descriptor(views[1], bn, d),
@@ -337,8 +367,6 @@ def _prepare_tma(entry: Entry, shape: Shape, kernel_of: KernelOf, strict: bool) 
         b, hq, nq, _ = q.shape
         lse = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
         if fa3:
-            # Each consumer warpgroup moves its own 16 x num_warps rows of Q and O.
-            rows = 16 * variant.num_warps
             grid, extra = fa3_grid(variant, nq, b * hq, q.device)
             # fp8: V's tiles are (D, BLOCK_N) of its keys-inner memory; the descales follow.
             # A head dim below the tiles' d (80, 96) is padded by TMA: d-wide tiles, zero fill.

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from triton import knobs
 
+_Tensor = torch.Tensor
+
 #: An argument type the key does not know: the launch is not cached.
 _UNKNOWN = object()
 
@@ -43,6 +45,35 @@ def _int_spec(value: int) -> int:
     a 1 as a constant, divisibility by 16): the bits above 31 (0 or -1 for every 32-bit
     value), the residue mod 16, and whether it is 1, packed in one int."""
     return ((value >> 31) << 5) + ((value & 15) << 1) + (value == 1)
+
+
+class Spec:
+    """What Triton specialises a host TMA descriptor on (its type, dtype, tile, shared layout
+    and padding), interned by `descriptor_spec`: equal specs are one object, which the key
+    hashes by identity (a Gluon layout hashes in Python, ~0.5 us a launch per descriptor)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: tuple) -> None:
+        self.value = value
+
+
+#: Interned `Spec`s by value.
+_SPECS: dict[tuple, Spec] = {}
+#: The attribute a descriptor may carry its `Spec` in (`forward`'s descriptors do); others are
+#: keyed field by field.
+SPEC_ATTR = "_flashgen_spec"
+
+
+def descriptor_spec(kind: type, dtype: torch.dtype, block: tuple[int, ...], layout: Any,
+                    padding: str) -> Spec:
+    """The one `Spec` of these values; a descriptor that carries it under `SPEC_ATTR` must
+    have exactly them (its type, base dtype, block shape, layout and padding)."""
+    value = (kind, dtype, block, layout, padding)
+    spec = _SPECS.get(value)
+    if spec is None:
+        spec = _SPECS[value] = Spec(value)
+    return spec
 
 
 def _spec(value: Any) -> Any:
@@ -77,8 +108,9 @@ class Bound:
         constexpr = [i for i, p in enumerate(getattr(fn, "params", []))
                      if getattr(p, "is_constexpr", False)]
         self.positional = constexpr[0] if constexpr else len(params)
-        #: key -> (compiled kernel, its direct launch or None)
-        self.compiled: dict[tuple, tuple[Any, tuple | None]] = {}
+        #: key -> (compiled kernel, its direct launch or None, the parameters after the
+        #: positional arguments)
+        self.compiled: dict[tuple, tuple[Any, tuple | None, tuple]] = {}
 
     def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
@@ -87,9 +119,7 @@ class Bound:
         key = _key(args, kwargs) if len(args) <= self.positional else None
         hit = self.compiled.get(key) if key is not None else None
         if hit is not None:
-            rest = [kwargs[n] if n in kwargs else self.defaults[n]
-                    for n in self.names[len(args):]]
-            compiled, direct = hit
+            compiled, direct, rest = hit
             if direct is not None and _hooks_idle():
                 run, function, metadata, cooperative, pdl = direct
                 g = (*grid, 1, 1)
@@ -103,37 +133,48 @@ class Bound:
                 n in kwargs or n in self.defaults for n in self.names[len(args):]):
             if len(self.compiled) >= MAX_SIGNATURES:
                 self.compiled.clear()
-            self.compiled[key] = (compiled, _direct(compiled))
+            # The parameters after the positional ones (constexprs): the key holds the number
+            # of positional arguments and the keyword ones by value, so a hit's are these.
+            rest = tuple(kwargs[n] if n in kwargs else self.defaults[n]
+                         for n in self.names[len(args):])
+            self.compiled[key] = (compiled, _direct(compiled), rest)
 
 
 def _key(args: tuple, kwargs: dict[str, Any]) -> tuple | None:
     """The launch's key, the current device first (see the module's docstring), or None: an
     unknown type, or no GPU tensor (the JIT's path). One pass over the arguments: this runs
-    on every launch."""
-    parts = []
+    on every launch (up to ~50 arguments), so the common types come first and names are
+    local."""
+    parts: list[Any] = []
+    append = parts.append
     tensors = False
     for a in args:
         kind = type(a)
         if kind is int:  # most arguments: `_int_spec` inline
-            parts.append(((a >> 31) << 5) + ((a & 15) << 1) + (a == 1))
-        elif kind is torch.Tensor or isinstance(a, torch.Tensor):
+            append(((a >> 31) << 5) + ((a & 15) << 1) + (a == 1))
+        elif kind is _Tensor or isinstance(a, _Tensor):
             if not a.is_cuda:
                 return None  # a CPU tensor is the interpreter's: nothing to cache
-            parts.append((a.dtype, a.data_ptr() % 16 == 0))
+            append((a.dtype, a.data_ptr() % 16 == 0))
             tensors = True
+        elif kind is float:  # Triton never specialises a runtime float
+            append(float)
         elif kind.__name__ == "TensorDescriptor":  # Triton's or Gluon's host descriptor
-            if not a.base.is_cuda:
+            base = a.base
+            if not base.is_cuda:
                 return None
             # What Triton specialises a descriptor on: dtype, tile and shared layout (its
             # base's alignment, shape and strides go to the launcher as values).
-            parts.append((kind, a.base.dtype, tuple(a.block_shape),
-                          getattr(a, "layout", None), a.padding))
+            spec = a.__dict__.get(SPEC_ATTR)
+            append(spec if spec is not None else (
+                kind, base.dtype, tuple(a.block_shape), getattr(a, "layout", None),
+                a.padding))
             tensors = True
         else:
             spec = _spec(a)
             if spec is _UNKNOWN:
                 return None
-            parts.append(spec)
+            append(spec)
     if not tensors:
         return None
     # Keyword arguments are constexprs and launch options: by value (floats included).
@@ -165,8 +206,11 @@ def _direct(compiled: Any) -> tuple | None:
 def _hooks_idle() -> bool:
     """No launch hook registered (a profiler such as proton adds them): the direct launch
     passes none."""
-    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-    return all(h is None or not getattr(h, "calls", True) for h in hooks)
+    runtime = knobs.runtime
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    # Asked on every launch: spelt out, no generator.
+    return ((enter is None or not getattr(enter, "calls", True))
+            and (leave is None or not getattr(leave, "calls", True)))
 
 
 def _stream(device: int) -> int:
