@@ -121,7 +121,9 @@ def _fields(cls: type, shape: tuple[int, ...], strides: tuple[int, ...], rows: i
 
 
 def descriptor(t: torch.Tensor, rows: int, cols: int) -> object:
-    """A TMA descriptor over the (B, H, N, D) view moving [1, 1, rows, cols] tiles."""
+    """A TMA descriptor over the (B, H, N, D) view moving [1, 1, rows, cols] tiles. Read
+    only: its shape, strides and block_shape lists are shared with every descriptor of the
+    same layout (`_fields`), which Triton reads and never edits."""
     return _unchecked(_tma_descriptor_type(), t, rows, cols, False)
 
 
@@ -140,7 +142,7 @@ def gluon_descriptor(t: torch.Tensor, rows: int, cols: int | None = None) -> obj
     """A Gluon TMA descriptor over the 4-D view `t` moving [1, 1, rows, cols] tiles (cols:
     the whole last dim, D of a (B, H, N, D) view, unless given; wider than D, TMA zero-fills
     the columns past it on load and clips them on store). The caller has checked
-    `tma_ready`."""
+    `tma_ready`. Read only, as `descriptor`'s are."""
     return _unchecked(_gluon_descriptor_type(), t, rows, t.shape[-1] if cols is None else cols,
                       True)
 

@@ -71,8 +71,8 @@ def descriptor_spec(kind: type, dtype: torch.dtype, block: tuple[int, ...], layo
     have exactly them (its type, base dtype, block shape, layout and padding)."""
     value = (kind, dtype, block, layout, padding)
     spec = _SPECS.get(value)
-    if spec is None:
-        spec = _SPECS[value] = Spec(value)
+    if spec is None:  # setdefault: two threads interning one value get one Spec
+        spec = _SPECS.setdefault(value, Spec(value))
     return spec
 
 
