@@ -269,3 +269,59 @@ def test_forward_descriptors_are_keyed_by_their_interned_spec() -> None:
     spec = getattr(descriptor(a, 16, 64), launch.SPEC_ATTR)
     assert spec is getattr(descriptor(longer, 16, 64), launch.SPEC_ATTR)
     assert spec.value[1:] == (torch.float16, (1, 1, 16, 64), None, "zero")
+
+
+class Desc:
+    """Looks like a host TMA descriptor to Triton's wrapper: base, shape, strides, padding."""
+
+    def __init__(self, ptr: int, shape: list[int], strides: list[int]) -> None:
+        self.base = type("Base", (), {"data_ptr": lambda _self, p=ptr: p})()
+        self.shape, self.strides, self.padding = shape, strides, "zero"
+
+
+def test_descriptor_arguments_encode_once_per_address_and_layout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton's wrapper encodes every TMA descriptor on every launch; `descriptor_launch`
+    passes the C launcher the very arguments the wrapper would, encoding a descriptor again
+    only where its address, shape, strides or the kernel's metadata differ."""
+    from triton.backends.nvidia import driver
+
+    encoded: list[int] = []
+
+    def encode(arg: Desc, meta: dict) -> list:
+        encoded.append(arg.base.data_ptr())
+        return [("map", arg.base.data_ptr(), meta["swizzle"], *arg.shape), *arg.shape,
+                *arg.strides]
+
+    monkeypatch.setattr(driver, "make_tensordesc_arg", encode)
+    calls: list[tuple] = []
+    signature = {"a": "*bf16", "d0": "tensordesc<bf16[64, 64]>", "n": "i32",
+                 "d1": "tensordesc<bf16[128, 64]>", "s": "fp32"}
+    metas = [{"swizzle": 128, "elem_size": 2, "elem_type": 10, "block_size": [64, 64],
+              "fp4_padded": False},
+             {"swizzle": 64, "elem_size": 2, "elem_type": 10, "block_size": [128, 64],
+              "fp4_padded": False}]
+    inner = driver.wrap_handle_tensordesc(lambda *a: calls.append(a), signature, metas)
+    fast = launch.descriptor_launch(inner)
+    assert fast is not None
+    base = tuple(range(driver._BASE_ARGS_FORMAT_LEN))
+
+    def both(*kernel_args: Any) -> list[int]:
+        """The wrapper's and the cached launch's arguments agree; the addresses the cached
+        one encoded."""
+        inner(*base, *kernel_args)
+        before = len(encoded)
+        fast(*base, *kernel_args)
+        assert calls[-1] == calls[-2]
+        return encoded[before:]
+
+    d0, d1 = Desc(4096, [2, 8, 64], [512, 64, 1]), Desc(8192, [2, 8, 64], [512, 64, 1])
+    assert both("ptr", d0, 5, d1, 0.5) == [4096, 8192]
+    # Same addresses and layouts, other tensors and values: nothing encoded again.
+    assert both("ptr", Desc(4096, [2, 8, 64], [512, 64, 1]), 6, d1, 0.25) == []
+    assert both("ptr", Desc(4160, [2, 8, 64], [512, 64, 1]), 5, d1, 0.5) == [4160]
+    assert both("ptr", d0, 5, Desc(8192, [2, 9, 64], [576, 64, 1]), 0.5) == [8192]  # shape
+    assert both("ptr", d0, 5, Desc(8192, [2, 8, 64], [1024, 64, 1]), 0.5) == [8192]  # strides
+    assert launch.descriptor_launch(lambda *a: None) is None  # not Triton's wrapper
+    assert launch.descriptor_launch(driver.wrap_handle_tensordesc(
+        lambda *a: None, signature, None)) is None  # descriptors without metadata

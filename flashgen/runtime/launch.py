@@ -192,15 +192,71 @@ def _key(args: tuple, kwargs: dict[str, Any]) -> tuple | None:
 def _direct(compiled: Any) -> tuple | None:
     """(C launcher, function, packed metadata, cooperative, pdl) of a compiled kernel that
     needs no scratch memory, else None (its runner sizes scratch per launch). Read from
-    Triton's launcher (3.6); another layout leaves the runner in charge."""
+    Triton's launcher (3.6); another layout leaves the runner in charge. A launcher that
+    takes TMA descriptors encodes them through `descriptor_launch`'s cache."""
     try:
         launcher = compiled.run  # loads the kernel on first use
         if launcher.global_scratch_size or launcher.profile_scratch_size:
             return None
-        return (launcher.launch, compiled.function, compiled.packed_metadata,
-                launcher.launch_cooperative_grid, launcher.launch_pdl)
+        return (descriptor_launch(launcher.launch) or launcher.launch, compiled.function,
+                compiled.packed_metadata, launcher.launch_cooperative_grid,
+                launcher.launch_pdl)
     except AttributeError:
         return None
+
+
+#: Encoded TMA descriptor arguments by everything their encoding reads (the base address,
+#: shape, strides, padding and the kernel's descriptor metadata); cleared when full.
+_ENCODED: dict[tuple, tuple] = {}
+ENCODED_KEPT = 4096
+
+
+def descriptor_launch(launch: Callable[..., Any]) -> Callable[..., Any] | None:
+    """The same launch as `launch`, Triton's wrapper (`inner`, 3.6) around the C launcher of
+    a kernel with TMA descriptor arguments, with each descriptor's encoding cached; None
+    where `launch` is not that wrapper or a descriptor has no metadata.
+
+    The wrapper encodes every descriptor on every launch (`make_tensordesc_arg`: a
+    cuTensorMapEncodeTiled call and Python around it, a few microseconds each, nine a
+    backward). The encoding is a pure function of the key kept here, so an address the
+    caching allocator hands out again with the same shape and strides reuses it."""
+    code = getattr(launch, "__code__", None)
+    if code is None or code.co_name != "inner" or not launch.__closure__:
+        return None
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in launch.__closure__),
+                     strict=True))
+    try:
+        raw, indices, metas = (cells["launcher"], cells["tensordesc_indices"],
+                               cells["tensordesc_meta"])
+        from triton.backends.nvidia import driver
+
+        base, encode = driver._BASE_ARGS_FORMAT_LEN, driver.make_tensordesc_arg
+        # The wrapper gives the k-th descriptor (in argument order) the k-th metadata.
+        plan = tuple((base + i, meta, (meta["swizzle"], meta["elem_size"], meta["elem_type"],
+                                       tuple(meta["block_size"]), meta["fp4_padded"]))
+                     for i, meta in zip(sorted(indices), metas, strict=True))
+    except (KeyError, TypeError, ValueError, AttributeError, ImportError):
+        return None
+
+    def run(*args: Any) -> Any:
+        final: list[Any] = []
+        start = 0
+        for at, meta, spec in plan:
+            d = args[at]
+            final += args[start:at]
+            key = (d.base.data_ptr(), tuple(d.shape), tuple(d.strides), d.padding, spec)
+            encoded = _ENCODED.get(key)
+            if encoded is None:
+                encoded = tuple(encode(d, meta))
+                if len(_ENCODED) >= ENCODED_KEPT:
+                    _ENCODED.clear()
+                _ENCODED[key] = encoded
+            final += encoded
+            start = at + 1
+        final += args[start:]
+        return raw(*final)
+
+    return run
 
 
 def _hooks_idle() -> bool:
