@@ -74,15 +74,7 @@ def main() -> None:
             print(f"{problem}: {choice.variant} ({choice.how})")
             for name, fn in calls.items():
                 print(f"  {name:20s} {host_us(fn):7.1f} us host per call")
-            profiler = cProfile.Profile()
-            torch.cuda._sleep(400_000_000)
-            profiler.enable()
-            for _ in range(300):
-                calls["flashgen.attention"]()
-            profiler.disable()
-            torch.cuda.synchronize()
-        stats = pstats.Stats(profiler).strip_dirs().sort_stats("tottime")
-        stats.print_stats(args.top)
+            _print_profile(calls["flashgen.attention"], args.top)
 
 
 def _print_profile(fn: Callable[[], object], top: int) -> None:
@@ -179,14 +171,7 @@ def profile_decode(text: str, args: argparse.Namespace) -> None:
             finally:
                 Bound.launch = bound_launch  # type: ignore[method-assign]
             print(f"  launcher bound {bound:6.1f} us, through the JIT {jit:6.1f} us")
-        profiler = cProfile.Profile()
-        torch.cuda._sleep(400_000_000)
-        profiler.enable()
-        for _ in range(300):
-            call()
-        profiler.disable()
-        torch.cuda.synchronize()
-    pstats.Stats(profiler).strip_dirs().sort_stats("tottime").print_stats(args.top)
+        _print_profile(call, args.top)
 
 
 if __name__ == "__main__":
