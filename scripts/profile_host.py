@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import functools
-import itertools
 import pstats
 import time
 from collections.abc import Callable
@@ -96,28 +95,30 @@ def profile_varlen(text: str, args: argparse.Namespace) -> None:
 
     b, hq, hkv, n, _, d = map(int, text.split(","))
     problem = Problem(b, hq, hkv, n, n, d, args.dtype, args.causal)
-    lens = Layout(None, args.varlen).lengths(problem, 0)
-    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
+    layout = Layout(None, args.varlen)
+    extra = layout.extra(problem, torch.device("cuda"), 0)  # the bench's offsets
+    cu, longest = extra["cu"], extra["longest"]
     grad = args.grad
     q, k, v = (torch.randn(b * n, h, d, device="cuda", dtype=problem.torch_dtype,
                            requires_grad=grad) for h in (hq, hkv, hkv))
     dense = [t.detach().view(b, n, -1, d).transpose(1, 2).requires_grad_(grad)
              for t in (q, k, v)]
     do = torch.randn_like(q)
+    do_dense = do.view(b, n, hq, d).transpose(1, 2)
 
-    def packed() -> object:
-        return flashgen.attention_varlen(q, k, v, cu, cu, max(lens), max(lens),
-                                         causal=args.causal)
+    def packed() -> torch.Tensor:
+        return flashgen.attention_varlen(q, k, v, cu, cu, longest, longest, causal=args.causal)
 
-    def dense_call() -> object:
+    def dense_call() -> torch.Tensor:
         return flashgen.attention(*dense, causal=args.causal)
 
-    calls = {"attention_varlen": packed, "attention (dense, same tokens)": dense_call}
+    calls: dict[str, Callable[[], object]] = {
+        "attention_varlen": packed, "attention (dense, same tokens)": dense_call}
     if grad:
-        calls = {f"{name} fwd+bwd": (lambda f=fn, g=do: f().backward(
-            g if f is packed else g.view(b, n, hq, d).transpose(1, 2)))
-            for name, fn in calls.items()}
-    print(f"{problem} packed into {len(lens)} sequences (longest {max(lens)})")
+        calls = {"attention_varlen fwd+bwd": lambda: packed().backward(do),
+                 "attention (dense, same tokens) fwd+bwd":
+                     lambda: dense_call().backward(do_dense)}
+    print(f"{problem} packed into {cu.numel() - 1} sequences (longest {longest})")
     with torch.set_grad_enabled(grad):
         for name, fn in calls.items():
             print(f"  {name:36s} {host_us(fn):7.1f} us host per call")
