@@ -54,6 +54,38 @@ def test_contiguous_ragged(causal: bool, nq: int, splits: int) -> None:
 
 
 @interpreter
+@pytest.mark.parametrize("causal,nq,splits,page", [(True, 1, 3, 0), (False, 3, 0, 0),
+                                                   (True, 5, 2, 16), (False, 1, 3, 0)])
+def test_fused_combine(causal: bool, nq: int, splits: int, page: int) -> None:
+    """The split pass's last program merges the splits (one launch): ragged lengths, one
+    of them too short to reach every split (empty splits weigh nothing), Nq 5 over two row
+    tiles, pages; the automatic count (one split for 48 keys here) writes the output
+    straight. Twice on one problem: the
+    merging programs left the counters at zero for the next call."""
+    p = DecodeProblem(3, 8, 2, nq, 48, 24, "fp32", causal, page_size=page)
+    for seed in (0, 1):
+        _check(p, [48, 5, 23], DecodeVariant(16, 16, splits, 1, 1, fused_combine=True),
+               seed=seed)
+
+
+def test_fused_combine_is_one_kernel_and_leaves_plain_kernels_alone() -> None:
+    """A fused variant launches one kernel (its own text); an unfused one renders as
+    before the knob existed, so stored rows keep their kernel hashes."""
+    from flashgen.kernels.decode_render import decode_roles
+
+    p = DecodeProblem(1, 8, 2, 1, 512, 128, "fp16", True)
+    plain, fused = DecodeVariant(16, 64, 0, 4, 2), DecodeVariant(16, 64, 0, 4, 2, True)
+    assert decode_roles(fused) == ("decode",)
+    assert decode_roles(plain) == ("decode", "decode_combine")
+    assert "atomic_add" in render_decode("decode", fused, p)
+    assert "COUNTS," not in render_decode("decode", plain, p)
+    assert decode_kernel_hash(plain, p) != decode_kernel_hash(fused, p)
+    assert "nothing to merge" in why_invalid_decode(DecodeVariant(16, 64, 1, 4, 2, True), p,
+                                                    INTERPRETER)
+    assert str(fused) == "decode m16 n64 xauto w4 s2 fused"
+
+
+@interpreter
 @pytest.mark.parametrize("page,block_n,splits,nq", [(16, 16, 2, 3), (8, 16, 0, 3),
                                                     (16, 32, 2, 3), (16, 16, 2, 1)])
 def test_paged_shuffled(page: int, block_n: int, splits: int, nq: int) -> None:
@@ -185,6 +217,8 @@ def test_invalid_explicit_variant_is_an_error() -> None:
 #: The fixed-split variant the GPU tests run: 16 packed rows (Nq 1 pads a tile of 4 heads,
 #: Nq 4 fills one), 64-key tiles (across four pages of 16).
 GPU_FIXED_SPLITS = DecodeVariant(16, 64, 7, 4, 3)
+#: The split pass merging its own splits, with the launcher's count.
+GPU_FUSED = DecodeVariant(16, 64, 0, 4, 3, fused_combine=True)
 
 
 def test_the_gpu_tests_variant_is_valid_on_hopper() -> None:
@@ -196,6 +230,7 @@ def test_the_gpu_tests_variant_is_valid_on_hopper() -> None:
     for page, nq, dtype in itertools.product((0, 16, 256), (1, 4), ("bf16", "fp16")):
         p = DecodeProblem(4, 32, 8, nq, 8192, 128, dtype, True, page_size=page)
         assert space_of("decode").why_invalid(GPU_FIXED_SPLITS, p, h100) is None
+        assert space_of("decode").why_invalid(GPU_FUSED, p, h100) is None
 
 
 @gpu
@@ -206,7 +241,7 @@ def test_gpu_real_sizes(dtype: str, page: int, nq: int) -> None:
     """Llama 3 8B heads (32:8, D128), ragged lengths up to 8k, default and fixed splits."""
     p = DecodeProblem(4, 32, 8, nq, 8192, 128, dtype, True, page_size=page)
     lengths = [8192, 4097, 777, nq + 5]
-    for variant in (None, GPU_FIXED_SPLITS):
+    for variant in (None, GPU_FIXED_SPLITS, GPU_FUSED):
         _check(p, lengths, variant, device="cuda")
 
 
@@ -230,7 +265,7 @@ def test_gpu_modifiers_on_the_kv_cache(mods: dict, page: int) -> None:
     kwargs = dict(mods)
     if kwargs.get("sinks") is True:
         kwargs["sinks"] = torch.randn(32, generator=torch.Generator().manual_seed(1)).cuda()
-    for variant in (None, GPU_FIXED_SPLITS):
+    for variant in (None, GPU_FIXED_SPLITS, GPU_FUSED):
         out, lse = flashgen.attention_with_kvcache(
             cache.q, cache.k, cache.v, cache.seqlens, block_table=cache.block_table,
             return_lse=True, variant=variant, **kwargs)
@@ -246,7 +281,7 @@ def test_gpu_left_padded_rows() -> None:
     c = make_kvcache(p, "cuda", 7, seqlens=[4096, 900, 2300])
     pads = [100, 0, 1700]
     k, v, lens = _left_padded(c, pads)
-    for variant in (None, GPU_FIXED_SPLITS):
+    for variant in (None, GPU_FIXED_SPLITS, GPU_FUSED):
         out = flashgen.attention_with_kvcache(
             c.q, k, v, lens, cache_leftpad=torch.tensor(pads, dtype=torch.int32).cuda(),
             variant=variant)
@@ -335,11 +370,12 @@ def test_modifiers_on_the_kv_cache(mods: dict, page: int, nq: int, splits: int) 
     kwargs = dict(mods)
     if kwargs.get("sinks") is True:
         kwargs["sinks"] = torch.randn(8, generator=torch.Generator().manual_seed(1))
-    out, lse = flashgen.attention_with_kvcache(
-        cache.q, cache.k, cache.v, cache.seqlens, block_table=cache.block_table,
-        return_lse=True, variant=DecodeVariant(16, 16, splits, 1, 1), **kwargs)
-    got = compare_kvcache(out, cache, True, lse=lse, modifiers=kwargs)
-    assert got.ok, f"{p} {mods}: {got.reason}"
+    for fused in (False, True) if splits != 1 else (False,):
+        out, lse = flashgen.attention_with_kvcache(
+            cache.q, cache.k, cache.v, cache.seqlens, block_table=cache.block_table,
+            return_lse=True, variant=DecodeVariant(16, 16, splits, 1, 1, fused), **kwargs)
+        got = compare_kvcache(out, cache, True, lse=lse, modifiers=kwargs)
+        assert got.ok, f"{p} {mods} fused={fused}: {got.reason}"
 
 
 def test_modified_decode_kernels_compile_for_hopper_as_plain_ones_do() -> None:

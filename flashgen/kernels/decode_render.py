@@ -57,6 +57,7 @@ def decode_render_context(kernel: DecodeKernel, variant: DecodeVariant,
         # the same flags); none of them changes a plain kernel's text, nor does leftpad.
         **mods,
         "leftpad": leftpad,
+        "fused_combine": variant.fused_combine,
     }
 
 
@@ -78,8 +79,11 @@ def render_decode_with(templates: Mapping[str, str], kernel: DecodeKernel,
 
 
 def decode_roles(variant: DecodeVariant) -> tuple[DecodeKernel, ...]:
-    """The kernels `variant` may launch: one split needs no combine."""
-    return ("decode",) if variant.num_splits == 1 else ("decode", "decode_combine")
+    """The kernels `variant` may launch: one split, or a fused combine, needs no combine
+    kernel."""
+    if variant.num_splits == 1 or variant.fused_combine:
+        return ("decode",)
+    return ("decode", "decode_combine")
 
 
 def decode_kernel_hash(variant: DecodeVariant, problem: Problem) -> str:

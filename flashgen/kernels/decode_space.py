@@ -22,6 +22,8 @@ BLOCK_N = (16, 32, 64, 128, 256)
 SPLITS = (0, 1, 2, 4, 8, 16, 32, 64)
 WARPS = (1, 2, 4, 8)
 STAGES = (1, 2, 3, 4)
+#: Merge the splits in a combine kernel (False) or in the split pass's last program (True).
+FUSED = (False, True)
 #: The most splits the launcher makes or a variant may ask for: the combine kernel holds a
 #: row's partials (splits x D fp32) in registers.
 MAX_SPLITS = 128
@@ -62,6 +64,13 @@ def more_splits_than_tiles(v: DecodeVariant, p: Problem, dev: DeviceInfo) -> str
     return None
 
 
+def fused_without_splits(v: DecodeVariant, p: Problem, dev: DeviceInfo) -> str | None:
+    # One split is the whole call already: the fused point would repeat the unfused one.
+    if v.fused_combine and v.num_splits == 1:
+        return "fused_combine with num_splits 1 (nothing to merge)"
+    return None
+
+
 def shared_memory_overflow(v: DecodeVariant, p: Problem, dev: DeviceInfo) -> str | None:
     elem = 4 if p.dtype == "fp32" else 2
     need = elem * p.padded_head_dim * (v.block_m + 2 * v.block_n * v.num_stages)
@@ -89,6 +98,7 @@ RULES: tuple[Rule, ...] = (
     block_m_longer_than_rows,
     block_n_longer_than_keys,
     more_splits_than_tiles,
+    fused_without_splits,
     shared_memory_overflow,
     accumulator_too_large,
     too_many_warps,
@@ -106,7 +116,7 @@ def decode_search_space(problem: Problem,
     """The valid decode variants for `problem` on `device`, in a stable order."""
     dev = device_info(device)
     points = (DecodeVariant(*knobs)
-              for knobs in itertools.product(BLOCK_M, BLOCK_N, SPLITS, WARPS, STAGES))
+              for knobs in itertools.product(BLOCK_M, BLOCK_N, SPLITS, WARPS, STAGES, FUSED))
     return [v for v in points if why_invalid_decode(v, problem, dev) is None]
 
 

@@ -20,6 +20,10 @@ class DecodeVariant(Knobs):
         the combine kernel. 0 lets the launcher pick enough to give every SM about two
         programs (`runtime.kvcache.auto_splits`); 1 runs the split kernel alone (no combine).
     num_warps / num_stages: warps per program and pipelining depth of the K/V loads.
+    fused_combine: the last split of each tile to finish merges all of them (an arrival
+        counter per tile), so a call is one launch, not a split pass and a combine kernel:
+        less host time and no second kernel's start on short caches, against one program
+        per tile doing the merge alone.
     """
 
     kind = "decode variant"
@@ -28,8 +32,9 @@ class DecodeVariant(Knobs):
     num_splits: int = 0
     num_warps: int = 4
     num_stages: int = 2
+    fused_combine: bool = False
 
     def __str__(self) -> str:
         splits = f"x{self.num_splits}" if self.num_splits else "xauto"
         return (f"decode m{self.block_m} n{self.block_n} {splits} "
-                f"w{self.num_warps} s{self.num_stages}")
+                f"w{self.num_warps} s{self.num_stages}{' fused' if self.fused_combine else ''}")

@@ -3,7 +3,8 @@
 `check_kvcache` turns the arguments of `attention_with_kvcache` into a `DecodeShape` (or a
 named error); `prepare_decode` loads an entry's kernels once and returns a function that
 launches them: the split-KV pass (`templates/attn_decode_split.py.jinja`), and where a
-sequence's keys are cut into several runs, the combine pass. Like every runtime module it
+sequence's keys are cut into several runs, the combine pass (for a `fused_combine` variant,
+the split pass's last program of each tile: `split_counters`). Like every runtime module it
 imports only torch, triton and the standard library (exports copy it verbatim).
 
 Checks that read the values of `cache_seqlens` or `block_table` need them on the host. Where
@@ -219,6 +220,42 @@ def auto_splits(programs: int, n_max: int, block_n: int, device: torch.device) -
     return max(1, min(want, most, MAX_AUTO_SPLITS))
 
 
+#: Arrival counters of fused-combine launches by (device, stream), kept zero between launches.
+_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+#: The fewest counters a kept buffer holds (4 KiB): growing it is an allocation and a fill.
+MIN_COUNTERS = 1024
+
+
+def split_counters(tiles: int, device: torch.device) -> torch.Tensor:
+    """`tiles` zeroed int32 arrival counters for a fused-combine launch on the current stream.
+
+    The kernel's merging program sets each counter back to zero, and launches on one stream
+    never overlap, so one buffer per stream serves every launch on it without a fill. Under
+    CUDA graph capture (a replay may run on another stream, beside another replay) and on
+    the CPU (the interpreter) each call gets its own zeroed buffer.
+    """
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return torch.zeros(tiles, dtype=torch.int32, device=device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, torch._C._cuda_getCurrentRawStream(index))
+    counters = _COUNTERS.get(key)
+    if counters is None or counters.numel() < tiles:
+        counters = torch.zeros(max(tiles, MIN_COUNTERS), dtype=torch.int32, device=device)
+        _COUNTERS[key] = counters
+    return counters
+
+
+def merge_stages(block_m: int, block_d: int, num_warps: int) -> int:
+    """Pipelining depth of a fused merge's loop over splits (1 to 8): a stage per
+    MERGE_VALUES fp32 values of a (block_m, block_d) partial tile a thread holds, so one warp
+    (already short of registers: sm_90 compile, m16 D128) gets 1 and 4 warps 4."""
+    return max(1, min(8, MERGE_VALUES * 32 * num_warps // (block_m * block_d)))
+
+
+#: See `merge_stages`.
+MERGE_VALUES = 64
+
+
 def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
@@ -231,12 +268,15 @@ def prepare_decode(entry: Entry, shape: DecodeShape, kernel: KernelOf) -> Decode
     The output keeps q's memory layout.
     """
     variant = knobs(entry["variant"])
+    fused = getattr(variant, "fused_combine", False)  # rows stored before the knob lack it
     split_kernel = bind(kernel("decode"))
     combine: list[Any] = []  # the combine kernel, loaded on first need
     launch = {"num_warps": variant.num_warps, "num_stages": variant.num_stages}
     group, paged = shape.group, bool(shape.page_size)
     row_tiles = cdiv(group * shape.seq_q, variant.block_m)
     padded = padded_head_dim(shape.head_dim)
+    if fused:
+        launch["MERGE"] = merge_stages(variant.block_m, padded, variant.num_warps)
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: torch.Tensor | None,
             block_table: torch.Tensor | None, scale: float, mods: Mods | None = None,
@@ -276,12 +316,15 @@ def prepare_decode(entry: Entry, shape: DecodeShape, kernel: KernelOf) -> Decode
             extra.append(leftpad if leftpad.stride(0) == 1 else leftpad.contiguous())
         if seqlens is not None and seqlens.stride(0) != 1:  # the kernel reads them at stride 1
             seqlens = seqlens.contiguous()
+        if fused:
+            extra += [split_counters(b * hkv * row_tiles, q.device), out, lse, *out.stride(),
+                      *lse.stride()]
         split_kernel[(splits, b * hkv, row_tiles)](
             q, k, v, seqlens, table, part, part_lse,
             *q.stride(), *k_strides, *v_strides, table_stride, *part_strides, *lse_strides,
             scale, nq, n_max, hkv, group, splits, *extra, PAGE_SIZE=page, **launch,
         )  # fmt: skip
-        if splits > 1:
+        if splits > 1 and not fused:
             if not combine:
                 combine.append(bind(kernel("decode_combine")))
             width = _pow2(splits)

@@ -16,9 +16,10 @@ import dataclasses
 import json
 from typing import Any
 
-from flashgen.kernels.decode_render import load_decode_kernel
+from flashgen.kernels.decode_render import decode_roles, load_decode_kernel
 from flashgen.kernels.decode_variant import DecodeVariant
 from flashgen.kernels.problem import DecodeProblem
+from flashgen.runtime.kvcache import merge_stages
 from flashgen.tune.gluon_compile import ptxas_report, run_report
 
 
@@ -51,8 +52,8 @@ def compile_triton(fn: Any, signature: dict[str, str], constexprs: dict[str, Any
 
 def compile_decode(variant: DecodeVariant, problem: DecodeProblem,
                    splits: int = 64) -> dict[str, Any]:
-    """Both decode kernels of `variant` compiled for sm_90a as the launcher calls them (no
-    block table on a contiguous cache); the combine for `splits`."""
+    """The decode kernels of `variant` (`decode_roles`) compiled for sm_90a as the launcher
+    calls them (no block table on a contiguous cache); the combine for `splits`."""
     element = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}[problem.dtype]
     split_sig = {"Q": f"*{element}", "K": f"*{element}", "V": f"*{element}",
                  "SEQLENS": "*i32", "BLOCK_TABLE": "*i32", "O": "*fp32", "LSE": "*fp32",
@@ -65,15 +66,24 @@ def compile_decode(variant: DecodeVariant, problem: DecodeProblem,
         split_sig["SINKS"] = combine_sig["SINKS"] = "*fp32"
     if problem.leftpad:
         split_sig["LEFTPAD"] = "*i32"
+    if variant.fused_combine:  # the arrival counters and the final output
+        split_sig |= {"COUNTS": "*i32", "OUT": f"*{element}", "OUT_LSE": "*fp32"}
     width = 1 << (splits - 1).bit_length()
-    return {
+    kernels = {
         "decode": compile_triton(load_decode_kernel("decode", variant, problem), split_sig,
                                  {"PAGE_SIZE": max(1, problem.page_size)}
-                                 | ({} if problem.paged else {"BLOCK_TABLE": None}),
+                                 | ({} if problem.paged else {"BLOCK_TABLE": None})
+                                 | ({"MERGE": merge_stages(variant.block_m,
+                                                           problem.padded_head_dim,
+                                                           variant.num_warps)}
+                                    if variant.fused_combine else {}),
                                  variant.num_warps, variant.num_stages),
-        "decode_combine": compile_triton(load_decode_kernel("decode_combine", variant, problem),
-                                         combine_sig, {"SPLITS": width}, 8, 1),
     }
+    if "decode_combine" in decode_roles(variant):
+        kernels["decode_combine"] = compile_triton(
+            load_decode_kernel("decode_combine", variant, problem), combine_sig,
+            {"SPLITS": width}, 8, 1)
+    return kernels
 
 
 def report(variant: DecodeVariant, problem: DecodeProblem) -> dict[str, Any]:
