@@ -245,15 +245,15 @@ def split_counters(tiles: int, device: torch.device) -> torch.Tensor:
     return counters
 
 
-def merge_stages(block_m: int, block_d: int, num_warps: int) -> int:
-    """Pipelining depth of a fused merge's loop over splits (1 to 8): a stage per
-    MERGE_VALUES fp32 values of a (block_m, block_d) partial tile a thread holds, so one warp
-    (already short of registers: sm_90 compile, m16 D128) gets 1 and 4 warps 4."""
-    return max(1, min(8, MERGE_VALUES * 32 * num_warps // (block_m * block_d)))
+def merge_width(block_d: int, num_warps: int) -> int:
+    """Splits of a row a fused merge loads at once: as many as keep them within
+    MERGE_VALUES fp32 values a thread, 4 to 64 (a power of two)."""
+    fit = MERGE_VALUES * 32 * num_warps // block_d
+    return 1 << (max(4, min(64, fit)).bit_length() - 1)
 
 
-#: See `merge_stages`.
-MERGE_VALUES = 64
+#: See `merge_width`.
+MERGE_VALUES = 32
 
 
 def _pow2(n: int) -> int:
@@ -276,7 +276,7 @@ def prepare_decode(entry: Entry, shape: DecodeShape, kernel: KernelOf) -> Decode
     row_tiles = cdiv(group * shape.seq_q, variant.block_m)
     padded = padded_head_dim(shape.head_dim)
     if fused:
-        launch["MERGE"] = merge_stages(variant.block_m, padded, variant.num_warps)
+        launch["MERGE"] = merge_width(padded, variant.num_warps)
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: torch.Tensor | None,
             block_table: torch.Tensor | None, scale: float, mods: Mods | None = None,

@@ -19,7 +19,7 @@ from typing import Any
 from flashgen.kernels.decode_render import decode_roles, load_decode_kernel
 from flashgen.kernels.decode_variant import DecodeVariant
 from flashgen.kernels.problem import DecodeProblem
-from flashgen.runtime.kvcache import merge_stages
+from flashgen.runtime.kvcache import merge_width
 from flashgen.tune.gluon_compile import ptxas_report, run_report
 
 
@@ -73,9 +73,8 @@ def compile_decode(variant: DecodeVariant, problem: DecodeProblem,
         "decode": compile_triton(load_decode_kernel("decode", variant, problem), split_sig,
                                  {"PAGE_SIZE": max(1, problem.page_size)}
                                  | ({} if problem.paged else {"BLOCK_TABLE": None})
-                                 | ({"MERGE": merge_stages(variant.block_m,
-                                                           problem.padded_head_dim,
-                                                           variant.num_warps)}
+                                 | ({"MERGE": merge_width(problem.padded_head_dim,
+                                                          variant.num_warps)}
                                     if variant.fused_combine else {}),
                                  variant.num_warps, variant.num_stages),
     }
