@@ -22,11 +22,12 @@ changed since (a template from before the folded cap calls the `_cap_tanh` that 
 
 An alternate may instead be the working tree's templates rendered with render-context
 entries overridden (`NAME=@JSON`), which times a structure choice both ways from one tree.
-`--softcap C` times capped kernels: the cap is a runtime argument and the check uses it;
-cuDNN, which has no cap, stays the yardstick, and the variant's plain kernel runs beside
-them as "plain". The capped fa3 kernel before the folded cap, with the fold alone (the
-working tree's) and with the exp2 split too (B4 runs the reference out of memory on an
-80 GB GPU):
+`--dtypes fp8` times fp8 kernels on quantized inputs (block descales), checked by the fp8
+gate, with cuDNN in bf16 as the yardstick. `--softcap C` times capped kernels: the cap is
+a runtime argument and the check uses it; cuDNN, which has no cap, stays the yardstick,
+and the variant's plain kernel runs beside them as "plain". The capped fa3 kernel before
+the folded cap, with the fold alone (the working tree's) and with the exp2 split too (B4
+runs the reference out of memory on an 80 GB GPU):
 
     python3 scripts/ab_templates.py --softcap 30 --batch 2 --lens 8192 --dims 128 \\
         --dtypes bf16 --causal yes,no --match "m128 n128 w4 s2 p1 pp" \\
@@ -56,7 +57,8 @@ from flashgen.kernels.variant import Variant
 from flashgen.runtime.forward import Launcher, default_scale
 from flashgen.runtime.modifiers import Mods
 from flashgen.serve import prepare_forward
-from flashgen.tune.check import compare, make_inputs
+from flashgen.tune.check import compare, compare_fp8, make_inputs
+from flashgen.tune.modified import make_fp8_inputs
 from flashgen.tune.timing import time_cuda
 
 Alternate = tuple[dict[str, str], dict[str, object]]  # templates, render-context overrides
@@ -117,8 +119,14 @@ def main() -> None:
              for n in (int(x) for x in a.lens.split(","))
              for dtype in a.dtypes.split(",")
              for causal in (c == "yes" for c in a.causal.split(","))]
-    inputs = {p: make_inputs(p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim,
-                             p.torch_dtype, "cuda", seed=p.seq_q + p.head_dim) for p in cells}
+    # fp8 cells: quantized inputs with their descales (`make_fp8_inputs`), checked by the fp8
+    # gate; cuDNN runs the same problem in bf16.
+    fp8 = {p: make_fp8_inputs(p, torch.device("cuda"), p.seq_q + p.head_dim)
+           for p in cells if p.dtype == "fp8"}
+    inputs = {p: (fp8[p].q, fp8[p].k, fp8[p].v) if p in fp8 else make_inputs(
+        p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim, p.torch_dtype, "cuda",
+        seed=p.seq_q + p.head_dim) for p in cells}
+    extras = {p: [fp8[p].mods] if p in fp8 else extra for p in cells}
     jobs = [(p, v) for p in cells for v in points if why_invalid(v, p) is None]
 
     def warm(job: tuple[Problem, Variant]) -> dict[str, Launcher]:
@@ -133,7 +141,7 @@ def main() -> None:
             plain = prepare_forward(variant, problem.with_(softcap=False))
             runs[PLAIN] = lambda q, k, v, scale, *_: plain(q, k, v, scale)
         for run in runs.values():
-            run(*inputs[problem], default_scale(problem.head_dim), *extra)
+            run(*inputs[problem], default_scale(problem.head_dim), *extras[problem])
         return runs
 
     t0 = time.time()
@@ -146,17 +154,28 @@ def main() -> None:
     for (problem, variant), runs in prepared.items():
         q, k, v = inputs[problem]
         scale = default_scale(problem.head_dim)
+        extra = extras[problem]
 
-        # cuDNN has no cap: capped cells keep the plain attention as the yardstick.
+        # cuDNN has no cap nor fp8: such cells keep plain 16-bit attention as the yardstick.
         plain = problem.with_(softcap=False)
+        if problem in fp8:
+            plain = plain.with_(dtype="bf16")
+            base_inputs = tuple(t.to(torch.bfloat16).contiguous() for t in (q, k, v))
+        else:
+            base_inputs = (q, k, v)
         cudnn = functools.partial(COMPETITORS["sdpa-cudnn"].prepare(plain, q.device).fn,
-                                  q, k, v)
+                                  *base_inputs)
 
         checks = {}
         for name, run in runs.items():
             out, lse = run(q, k, v, scale, *extra)
-            checks[name] = compare(out, q, k, v, problem.causal, None, lse,
-                                   modifiers=None if name == PLAIN else modifiers)
+            if problem in fp8:
+                quantized = fp8[problem].quantized
+                assert quantized is not None
+                checks[name] = compare_fp8(out, quantized, problem.causal)
+            else:
+                checks[name] = compare(out, q, k, v, problem.causal, None, lse,
+                                       modifiers=None if name == PLAIN else modifiers)
         ratios: dict[str, list[float]] = {name: [] for name in runs}
         for _ in range(a.rounds):
             base = time_cuda(cudnn, q.device).median_ms
