@@ -100,6 +100,8 @@ def main() -> None:
                     help="comma-separated substrings of the sweep_fa3 points to compare")
     ap.add_argument("--csv", default="")
     a = ap.parse_args()
+    if "fp8" in a.dtypes.split(",") and a.softcap is not None:
+        ap.error("--dtypes fp8 takes no --softcap (the fp8 kernels have no modifiers)")
     alternates: dict[str, Alternate] = {}
     for alt in a.alt:
         name, _, where = alt.partition("=")

@@ -68,6 +68,20 @@ def test_fused_combine(causal: bool, nq: int, splits: int, page: int) -> None:
                seed=seed)
 
 
+@interpreter
+def test_fused_combine_merges_in_several_loads() -> None:
+    """Head dim 200 (256 padded) on one warp loads 4 splits of a row at a time
+    (`merge_width`): 9 splits take three loads, the running rescale between them; a
+    sequence of 3 keys leaves 8 splits empty, one of 1 key all but one."""
+    from flashgen.runtime.kvcache import merge_width
+
+    assert merge_width(256, 1) == 4
+    p = DecodeProblem(2, 4, 2, 1, 160, 200, "fp32", False)
+    _check(p, [160, 3], DecodeVariant(16, 16, 9, 1, 1, fused_combine=True))
+    _check(DecodeProblem(2, 4, 2, 1, 160, 200, "fp32", True), [1, 150],
+           DecodeVariant(16, 16, 9, 1, 1, fused_combine=True))
+
+
 def test_fused_combine_is_one_kernel_and_leaves_plain_kernels_alone() -> None:
     """A fused variant launches one kernel (its own text); an unfused one renders as
     before the knob existed, so stored rows keep their kernel hashes."""

@@ -45,6 +45,8 @@ def knobs_out_of_range(v: DecodeVariant, p: Problem, dev: DeviceInfo) -> str | N
         return f"num_stages must be among {STAGES}"
     if not 0 <= v.num_splits <= MAX_SPLITS:
         return f"num_splits must be 0 (automatic) to {MAX_SPLITS}"
+    if not isinstance(v.fused_combine, bool):
+        return f"fused_combine must be true or false, not {v.fused_combine!r}"
     return None
 
 

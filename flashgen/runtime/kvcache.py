@@ -245,15 +245,15 @@ def split_counters(tiles: int, device: torch.device) -> torch.Tensor:
     return counters
 
 
+#: See `merge_width`.
+MERGE_VALUES = 32
+
+
 def merge_width(block_d: int, num_warps: int) -> int:
     """Splits of a row a fused merge loads at once: as many as keep them within
     MERGE_VALUES fp32 values a thread, 4 to 64 (a power of two)."""
     fit = MERGE_VALUES * 32 * num_warps // block_d
     return 1 << (max(4, min(64, fit)).bit_length() - 1)
-
-
-#: See `merge_width`.
-MERGE_VALUES = 32
 
 
 def _pow2(n: int) -> int:
