@@ -260,6 +260,35 @@ def test_gpu_real_sizes(dtype: str, page: int, nq: int) -> None:
 
 
 @gpu
+def test_gpu_fused_combine_repeats_bitwise() -> None:
+    """Back-to-back fused calls share their stream's counters, which each merge sets back
+    to zero: 50 calls on the default stream, 20 on a side stream, and 5 replays of a CUDA
+    graph (which zeroes its own) all equal the first call bitwise (the merge order is
+    fixed), and the first matches the reference."""
+    p = DecodeProblem(8, 32, 8, 1, 8192, 128, "bf16", True)
+    c = make_kvcache(p, "cuda", 5, seqlens=[8192, 4097, 777, 6, 8192, 1, 3000, 64])
+    call = lambda: flashgen.attention_with_kvcache(c.q, c.k, c.v, c.seqlens,
+                                                   variant=GPU_FUSED)
+    first = call()
+    got = compare_kvcache(first, c, True)
+    assert got.ok, got.reason
+    outs = [call() for _ in range(50)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        outs += [call() for _ in range(20)]
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+    for _ in range(5):
+        graph.replay()
+        outs.append(captured.clone())
+    torch.cuda.synchronize()
+    assert len(outs) == 75 and all(torch.equal(o, first) for o in outs)
+
+
+@gpu
 @pytest.mark.parametrize("head_dim", [64, 96, 256])
 def test_gpu_head_dims(head_dim: int) -> None:
     p = DecodeProblem(2, 28, 4, 1, 4000, head_dim, "bf16", True, page_size=16)
