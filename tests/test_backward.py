@@ -169,6 +169,34 @@ def test_every_sample_variant(index: int) -> None:
 
 
 @interpreter
+@pytest.mark.parametrize(("causal", "nq", "nk", "heads", "layout"), [
+    (False, 70, 45, (4, 2), "bnhd"), (True, 70, 45, (4, 1), "bhnd"),
+    (True, 50, 20, (2, 1), "bhnd"), (False, 1, 33, (2, 2), "bnhd")])
+def test_fused_delta(causal: bool, nq: int, nk: int, heads: tuple[int, int],
+                     layout: str) -> None:
+    """The dQ kernel works out delta for its rows and runs before dK/dV (no preprocessing
+    launch): GQA, MQA, cross lengths, rows that see no key (causal, Nq > Nk), one query."""
+    variant = BwdVariant(16, 32, 4, 1, fused_delta=True)
+    _backward(nq + nk, causal, nq, nk, 40, torch.float32, heads, layout, variant=variant,
+              batch=2, scale=0.3)
+
+
+def test_fused_delta_is_two_kernels_and_only_with_the_triton_dq_kernel() -> None:
+    from flashgen.kernels.bwd_render import bwd_roles
+
+    p = flashgen.Problem(1, 4, 2, 64, 64, 64, "fp16")
+    fused = BwdVariant(32, 64, 4, 2, fused_delta=True)
+    assert bwd_roles(fused) == ("dkdv", "dq")
+    assert "fused-delta" in str(fused)
+    assert "stride_on" in render_bwd("dq", fused, p)
+    assert "stride_on" not in render_bwd("dq", BwdVariant(32, 64, 4, 2), p)
+    assert bwd_kernel_hash(fused, p) != bwd_kernel_hash(BwdVariant(32, 64, 4, 2), p)
+    for bad in (BwdVariant(32, 64, 4, 2, "atomic", fused_delta=True),
+                BwdVariant(32, 64, 4, 2, fa3="dq", fused_delta=True)):
+        assert "fused_delta runs in the Triton dQ kernel" in (why_invalid_bwd(bad, p) or "")
+
+
+@interpreter
 @pytest.mark.parametrize("d", [1, 16, 112, 256])
 def test_head_dim_range(d: int) -> None:
     _backward(d, d == 112, 20, 24, d, torch.float16, (2, 1), "bnhd")

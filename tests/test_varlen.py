@@ -164,6 +164,25 @@ def test_modifiers_on_packed_fp16(name: str, causal: bool) -> None:
            leaves)  # fmt: skip
 
 
+@pytest.mark.parametrize("name", ["none", "all"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_fused_delta_on_packed_fp16(name: str, causal: bool) -> None:
+    """The dQ kernel that works out delta itself (and runs first), on packed sequences with
+    and without every modifier: its delta feeds dK/dV and the sinks' gradient."""
+    dtype = torch.float16
+    mods, extra = _sinks(MODIFIERS[name] if name != "none" else {}, 4, dtype)
+    lk = [9, 3, 20]
+    cq, ck = _cu(LENGTHS), _cu(lk)
+    leaves = [*_packed(LENGTHS, lk, 4, 2, 16, dtype), *extra]
+    bwd = BwdVariant(16, 16, 2, 1, fused_delta=True)
+    _check(lambda q, k, v, *s: flashgen.attention_varlen(
+               q, k, v, cq, ck, 17, 20, causal=causal, sinks=s[0] if s else None,
+               return_lse=True, bwd_variant=bwd, **mods),
+           lambda q, k, v, *s, dtype: reference.attention_varlen(
+               q, k, v, cq, ck, causal, None, dtype, sinks=s[0] if s else None, **mods),
+           leaves)  # fmt: skip
+
+
 @pytest.mark.parametrize("variant", [
     Variant("fa2", 16, 16, 1, 1, split_mask=True),
     Variant("fa2", 16, 16, 1, 1, split_mask=False),
@@ -171,7 +190,8 @@ def test_modifiers_on_packed_fp16(name: str, causal: bool) -> None:
     Variant("fa1", 16, 16, 1, 1),
 ], ids=str)
 @pytest.mark.parametrize("bwd", [BwdVariant(16, 16, 1, 1),
-                                 BwdVariant(16, 32, 1, 1, dq_mode="atomic")], ids=str)
+                                 BwdVariant(16, 32, 1, 1, dq_mode="atomic"),
+                                 BwdVariant(16, 16, 1, 1, fused_delta=True)], ids=str)
 def test_window_tile_ranges(variant: Variant, bwd: BwdVariant) -> None:
     """Each loop shape (masked head, unmasked middle, masked tail; one masked range; a
     persistent grid; the atomic dQ) on windows narrower and wider than a tile, unequal

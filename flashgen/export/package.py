@@ -123,7 +123,7 @@ class _Kernels:
         if twin is not None:
             assert isinstance(twin, BwdVariant)
             kernels.update({f"{r}_plain": self.add(f"bwd_{r}", render_bwd(r, twin, problem))
-                            for r in roles[1:]})
+                            for r in roles if r != "preprocess"})
         return kernels
 
 

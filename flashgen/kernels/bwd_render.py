@@ -70,6 +70,7 @@ def bwd_render_context(kernel: BwdKernel, variant: BwdVariant, problem: Problem)
         # The owned tile is block_n in both kernels (see BwdVariant), so the pair swaps here.
         context["block_m"] = variant.block_owned
         context["block_n"] = variant.block_streamed
+        context["fused_delta"] = variant.fused_delta
     else:
         raise ValueError(f"unknown backward kernel {kernel!r}; use one of {BWD_KERNELS}")
     return context
@@ -91,7 +92,10 @@ def render_bwd_with(templates: Mapping[str, str], kernel: BwdKernel, variant: Bw
 
 
 def bwd_roles(variant: BwdVariant) -> tuple[BwdKernel, ...]:
-    """The kernels `variant` launches: the atomic dq mode has no dQ kernel."""
+    """The kernels `variant` launches: the atomic dq mode has no dQ kernel; with fused_delta
+    the dQ kernel does the preprocessing's work (and runs before the dK/dV kernel)."""
+    if variant.fused_delta:
+        return ("dkdv", "dq")
     return ("preprocess", "dkdv") + (("dq",) if variant.dq_mode == "separate" else ())
 
 

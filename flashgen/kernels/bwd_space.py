@@ -171,7 +171,16 @@ def modifiers_need_triton_kernels(v: BwdVariant, p: Problem, dev: DeviceInfo) ->
     return None
 
 
+def fused_delta_needs_the_triton_dq_kernel(v: BwdVariant, p: Problem,
+                                           dev: DeviceInfo) -> str | None:
+    # delta is worked out where dO is loaded row by row: the Triton dQ kernel's prologue.
+    if v.fused_delta and (v.dq_mode != "separate" or v.fa3 != "none"):
+        return "fused_delta runs in the Triton dQ kernel: dq_mode 'separate' and fa3 'none' only"
+    return None
+
+
 BWD_RULES: tuple[BwdRule, ...] = (
+    fused_delta_needs_the_triton_dq_kernel,
     modifiers_need_triton_kernels,
     dq_tile_unused,
     fa3_unavailable,
@@ -192,6 +201,8 @@ def why_invalid_bwd(
         return f"unknown dq_mode {v.dq_mode!r}; use one of {DQ_MODES}"
     if v.fa3 not in FA3_KERNELS:
         return f"unknown fa3 {v.fa3!r}; use one of {FA3_KERNELS}"
+    if not isinstance(v.fused_delta, bool):
+        return f"fused_delta must be true or false, not {v.fused_delta!r}"
     return (tile_reason(v, (v.block_streamed, v.block_owned), BWD_BLOCK_SIZES, BWD_WARPS)
             or first_broken(BWD_RULES, v, p, dev))
 
@@ -199,10 +210,10 @@ def why_invalid_bwd(
 def all_bwd_points() -> list[BwdVariant]:
     """Every point before the validity rules: the full grid."""
     return [
-        BwdVariant(bm, bn, w, s, mode, fa3, dq_bm)
-        for fa3, mode, bm, bn, w, s, dq_bm in itertools.product(
+        BwdVariant(bm, bn, w, s, mode, fa3, dq_bm, fused)
+        for fa3, mode, bm, bn, w, s, dq_bm, fused in itertools.product(
             FA3_KERNELS, DQ_MODES, BWD_BLOCK_SIZES, BWD_BLOCK_SIZES, BWD_WARPS, BWD_STAGES,
-            DQ_BLOCK_SIZES,
+            DQ_BLOCK_SIZES, (False, True),
         )
     ]
 
@@ -294,13 +305,16 @@ HOPPER_BWD_PORTFOLIO: tuple[Pick[BwdVariant], ...] = (
 
 def bwd_portfolio(problem: Problem, device: DeviceInfo | str | None = None) -> list[BwdVariant]:
     """Points the tuner measures first on Hopper: the portfolio's valid Gluon points, then
-    the all-Triton default, so every key also holds the Triton kernels' time."""
+    the all-Triton default and its fused_delta twin (one launch fewer: short problems are
+    host-bound), so every key also holds the Triton kernels' time."""
     dev = device_info(device)
     if not dev.is_hopper:
         return []
     points = [pick.variant for pick in HOPPER_BWD_PORTFOLIO if pick.serves(problem, dev)
               and why_invalid_bwd(pick.variant, problem, dev) is None]
-    return [*points, default_bwd_variant(problem, dev, fa3=False)]
+    triton = default_bwd_variant(problem, dev, fa3=False)
+    fused = replace(triton, fused_delta=True)
+    return [*points, triton, *([fused] if why_invalid_bwd(fused, problem, dev) is None else [])]
 
 
 def bwd_pointer_twin(variant: BwdVariant, problem: Problem,

@@ -51,6 +51,10 @@ class BwdVariant(Knobs):
         while the Gluon dQ kernel ran 1.06-1.19x the Triton one with 64- or 128-key tiles and
         0.76-0.86x with 32 (H100, each kernel alone). With dQ tied to block_streamed, "dq" won no
         fa-bench key. Only the Gluon dQ kernel reads it (rule-checked).
+    fused_delta: the Triton dQ kernel works out delta = rowsum(dO * O) for its own rows (it
+        loads dO already) and stores it, and runs before the dK/dV kernel, which reads it:
+        two launches instead of three, and O and dO read once less by a separate pass. Only
+        with the separate Triton dQ kernel (rule-checked).
     """
 
     kind = "backward variant"
@@ -63,6 +67,7 @@ class BwdVariant(Knobs):
     dq_mode: DqMode = "separate"
     fa3: Fa3Kernels = "none"
     dq_block_streamed: int = 0
+    fused_delta: bool = False
 
     def __str__(self) -> str:
         # "own128x32": 128 owned rows crossed with 32-row streamed tiles; "dq-x64": the Gluon
@@ -72,6 +77,7 @@ class BwdVariant(Knobs):
             f"bwd-{self.dq_mode} own{self.block_owned}x{self.block_streamed} "
             f"w{self.num_warps} s{self.num_stages}{fa3}"
             + (f" dq-x{self.dq_block_streamed}" if self.dq_block_streamed else "")
+            + (" fused-delta" if self.fused_delta else "")
         )
 
     @property

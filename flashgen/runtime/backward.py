@@ -1,7 +1,8 @@
 """Launching a backward entry: allocation, grids, and the three kernels' calls.
 
 Kernels come by role from the caller: "preprocess", "dkdv" and "dq" (no "dq" in the atomic
-dQ mode), and "dkdv_plain" and "dq_plain" for the all-Triton twin of a variant with Gluon
+dQ mode; no "preprocess" for a fused_delta variant, whose dQ kernel works out delta and runs
+first), and "dkdv_plain" and "dq_plain" for the all-Triton twin of a variant with Gluon
 (fa3) kernels, which runs where TMA cannot address the inputs.
 """
 
@@ -65,6 +66,9 @@ class _Kernels:
         # The atomic dQ mode has no dQ kernel: the dK/dV kernel (Triton or Gluon) adds dQ.
         self.dq = bind(kernel_of("dq" + suffix)) if variant.dq_mode == "separate" else None
         self.launch = {"num_warps": variant.num_warps, "num_stages": variant.num_stages}
+        #: The dQ kernel works out delta (and runs before dK/dV): no preprocessing launch.
+        #: Rows stored before the knob existed lack it.
+        self.fused_delta = getattr(variant, "fused_delta", False)
         #: Each Gluon kernel's TMA tile rows (`fa3_tile_rows`), worked out once.
         self.tile_rows = {role: fa3_tile_rows(role, variant)
                           for role, gluon in self.gluon.items() if gluon}
@@ -82,7 +86,13 @@ def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
     key/value head. Gluon kernels need 16-byte aligned rows (`tma_ready`); on inputs that are
     not, the entry's twin runs, which computes the same gradients.
     """
-    preprocess = bind(kernel_of("preprocess"))
+    pre: list[Any] = []  # the preprocessing kernel, loaded on first need (not fused_delta's)
+
+    def preprocess() -> Any:
+        if not pre:
+            pre.append(bind(kernel_of("preprocess")))
+        return pre[0]
+
     main = _Kernels(knobs(entry["variant"]), kernel_of, "")
     plain: list[_Kernels] = []  # the twin's, loaded on first need
     group = shape.group
@@ -111,7 +121,16 @@ def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
         ks = kernels_for(lse, q, k, v, do, dq, dk, dv)
         var = ks.variant
         delta = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
-        preprocess[(cdiv(nq, preprocess_block_m), b * hq)](
+        if ks.fused_delta:  # dQ first: it stores delta for the dK/dV kernel
+            ks.dq[(cdiv(nq, var.block_owned), b * hq)](
+                q, k, v, do, lse, delta, dq,
+                *q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride(),
+                *delta.stride(), *dq.stride(), scale, nq, nk, hq, group, out, *out.stride(),
+                **ks.launch,
+            )  # fmt: skip
+            _triton_dkdv(ks, q, k, v, do, lse, delta, dq, dk, dv, scale, group)
+            return dq, dk, dv
+        preprocess()[(cdiv(nq, preprocess_block_m), b * hq)](
             out, do, delta, *out.stride(), *do.stride(), *delta.stride(), nq, hq
         )
         rows = (*lse.stride()[:2], *delta.stride()[:2])
@@ -148,6 +167,9 @@ def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
         -sum_i P_sink,i delta_i follows from delta and the LSE: P_sink,i =
         exp(sink_h - LSE_i); the kernels take no sink argument."""
         packed = mods.varlen is not None
+        # A fused_delta variant (never one with Gluon kernels, so never a twin's choice): its
+        # dQ kernel stores delta and runs before dK/dV.
+        fused = main.fused_delta
         if packed:
             assert mods.varlen is not None
             hq, hkv = q.shape[1], k.shape[1]
@@ -155,18 +177,20 @@ def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
             rows = q.shape[0]
             delta = torch.empty((hq, rows), device=q.device, dtype=torch.float32)
             row_strides = (0, *lse.stride(), 0, *delta.stride())
-            preprocess[(cdiv(rows, preprocess_block_m), hq)](
-                out, do, delta, *strides4(out, True), *strides4(do, True), 0,
-                *delta.stride(), rows, hq,
-            )  # fmt: skip
+            if not fused:
+                preprocess()[(cdiv(rows, preprocess_block_m), hq)](
+                    out, do, delta, *strides4(out, True), *strides4(do, True), 0,
+                    *delta.stride(), rows, hq,
+                )  # fmt: skip
         else:
             b, hq, nq, _ = q.shape
             hkv, nk = k.shape[1], k.shape[2]
             delta = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
             row_strides = (*lse.stride(), *delta.stride())
-            preprocess[(cdiv(nq, preprocess_block_m), b * hq)](
-                out, do, delta, *out.stride(), *do.stride(), *delta.stride(), nq, hq
-            )
+            if not fused:
+                preprocess()[(cdiv(nq, preprocess_block_m), b * hq)](
+                    out, do, delta, *out.stride(), *do.stride(), *delta.stride(), nq, hq
+                )
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         extra = mods.kernel_args(shape.causal, nq, nk)
         extra = [a for a in extra if a is not mods.sinks]  # the sinks stay in the launcher
@@ -177,6 +201,13 @@ def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
         acc = _dq_buffer(var, q.shape, q.device)
         dq_target = dq if acc is None else acc
         s4 = lambda t: strides4(t, packed)
+        if fused:  # dQ first: it stores delta for the dK/dV kernel
+            assert ks is main and ks.dq is not None
+            ks.dq[(cdiv(nq, var.block_owned), b * hq)](
+                q, k, v, do, lse, delta, dq,
+                *s4(q), *s4(k), *s4(v), *s4(do), *row_strides, *s4(dq),
+                scale, nq, nk, hq, group, *extra, out, *s4(out), **ks.launch,
+            )  # fmt: skip
         # Gluon: (B, H) strides of LSE and delta (packed: (0, H's)); stores by pointer, packed.
         gluon_rows = (row_strides[0], row_strides[1], row_strides[3], row_strides[4]) if (
             packed) else (*lse.stride()[:2], *delta.stride()[:2])
@@ -200,7 +231,7 @@ def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
             _launch_gluon(ks.tile_rows["dq"], ks.dq, (cdiv(nq, var.block_owned), b * hq),
                           tuple(view(t) for t in (q, k, v, do, dq)), lse, delta, gluon_rows,
                           scale, (nq, nk), hq, group, (*extra, *stores))
-        else:
+        elif not fused:  # (a fused_delta dQ kernel ran first)
             ks.dq[(cdiv(nq, var.block_owned), b * hq)](
                 q, k, v, do, lse, delta, dq,
                 *s4(q), *s4(k), *s4(v), *s4(do), *row_strides, *s4(dq),
