@@ -86,6 +86,32 @@ def test_saves_only_linear_memory() -> None:
         assert list(shape).count(n) <= 1, shape
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("modified", [False, True])
+def test_no_zero_gradient_is_made_for_the_lse(monkeypatch: pytest.MonkeyPatch,
+                                               modified: bool) -> None:
+    """The log-sum-exp takes no gradient, and autograd is told not to make a zero tensor for
+    it in every backward (host time in a training step); the output's gradient still comes,
+    and a graph that uses only the output's sum and the LSE times 0 still gets gradients."""
+    from flashgen.runtime import ops
+
+    cls = ops.ModifiedAttention if modified else ops.EagerAttention
+    seen: list[object] = []
+    real = cls.backward
+
+    def spy(ctx: object, grad_out: torch.Tensor, grad_lse: object) -> tuple:
+        seen.append(grad_lse)
+        return real(ctx, grad_out, grad_lse)
+
+    monkeypatch.setattr(cls, "backward", staticmethod(spy))
+    q, k, v = make_inputs(1, 2, 1, 9, 9, 16, torch.float32, "cpu", seed=2)
+    q.requires_grad_()
+    options = {"softcap": 3.0} if modified else {}
+    out, lse = flashgen.attention(q, k, v, return_lse=True, **options)
+    (out.sum() + 0 * lse.sum()).backward()
+    assert seen == [None] and q.grad is not None and torch.isfinite(q.grad).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("causal", [False, True])

@@ -76,10 +76,15 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.causal, ctx.scale, ctx.bwd_variant = causal, scale, bwd_variant
+    # The log-sum-exp takes no gradient: without this autograd makes a zero tensor for it
+    # in every backward (an allocation and a fill launch of host time).
+    ctx.set_materialize_grads(False)
 
 
-def _backward(ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor | None) -> tuple:
+def _backward(ctx: Any, grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None) -> tuple:
     # The log-sum-exp is an auxiliary output: gradients do not flow back through it.
+    if grad_out is None:  # grads are not materialized: nothing reached the output
+        return None, None, None, None, None, None, None
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = attention_bwd(grad_out, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.bwd_variant)
     return dq, dk, dv, None, None, None, None
@@ -139,10 +144,16 @@ class EagerAttention(torch.autograd.Function):
         ctx.causal, ctx.scale, ctx.bwd_variant, ctx.dispatcher = (causal, scale, bwd_variant,
                                                                   dispatcher)
         ctx.mark_non_differentiable(lse)
+        # No zero tensor made for the log-sum-exp's gradient in every backward (see
+        # `_setup_context`).
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor | None) -> tuple:  # type: ignore[override]
+    def backward(ctx: Any, grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None,  # type: ignore[override]
+                 ) -> tuple:
+        if grad_out is None:
+            return None, None, None, None, None, None, None, None
         dq, dk, dv = ctx.dispatcher.backward(grad_out, Saved(*ctx.saved_tensors), ctx.causal,
                                              ctx.scale, ctx.bwd_variant)
         return dq, dk, dv, None, None, None, None, None
@@ -166,10 +177,14 @@ class ModifiedAttention(torch.autograd.Function):
             causal, scale, mods, bwd_variant, dispatcher)
         ctx.sinks_dtype = None if sinks is None else sinks.dtype
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # as EagerAttention
         return out, lse
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor | None) -> tuple:  # type: ignore[override]
+    def backward(ctx: Any, grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None,  # type: ignore[override]
+                 ) -> tuple:
+        if grad_out is None:
+            return (None,) * 10
         grads = ctx.dispatcher.backward(grad_out.contiguous(), Saved(*ctx.saved_tensors),
                                         ctx.causal, ctx.scale, ctx.bwd_variant, ctx.mods)
         dsinks = grads[3].to(ctx.sinks_dtype) if ctx.sinks_dtype is not None else None
