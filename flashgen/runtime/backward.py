@@ -8,7 +8,7 @@ first), and "dkdv_plain" and "dq_plain" for the all-Triton twin of a variant wit
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -122,12 +122,9 @@ def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
         var = ks.variant
         delta = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
         if ks.fused_delta:  # dQ first: it stores delta for the dK/dV kernel
-            ks.dq[(cdiv(nq, var.block_owned), b * hq)](
-                q, k, v, do, lse, delta, dq,
-                *q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride(),
-                *delta.stride(), *dq.stride(), scale, nq, nk, hq, group, out, *out.stride(),
-                **ks.launch,
-            )  # fmt: skip
+            _triton_dq(ks, (cdiv(nq, var.block_owned), b * hq), (q, k, v, do, lse, delta, dq),
+                       torch.Tensor.stride, (*lse.stride(), *delta.stride()), scale, (nq, nk),
+                       hq, group, (out, *out.stride()))
             _triton_dkdv(ks, q, k, v, do, lse, delta, dq, dk, dv, scale, group)
             return dq, dk, dv
         preprocess()[(cdiv(nq, preprocess_block_m), b * hq)](
@@ -147,13 +144,9 @@ def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
             _launch_gluon(ks.tile_rows["dq"], ks.dq, (cdiv(nq, var.block_owned), b * hq),
                           (q, k, v, do, dq), lse, delta, rows, scale, (nq, nk), hq, group)
         elif ks.dq is not None:
-            # The dQ kernel owns block_n query rows per program (the pair swaps; see
-            # flashgen's BwdVariant).
-            ks.dq[(cdiv(nq, var.block_owned), b * hq)](
-                q, k, v, do, lse, delta, dq,
-                *q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride(),
-                *delta.stride(), *dq.stride(), scale, nq, nk, hq, group, **ks.launch,
-            )  # fmt: skip
+            _triton_dq(ks, (cdiv(nq, var.block_owned), b * hq), (q, k, v, do, lse, delta, dq),
+                       torch.Tensor.stride, (*lse.stride(), *delta.stride()), scale, (nq, nk),
+                       hq, group)
         return dq, dk, dv
 
     def run_modified(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -202,12 +195,9 @@ def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
         dq_target = dq if acc is None else acc
         s4 = lambda t: strides4(t, packed)
         if fused:  # dQ first: it stores delta for the dK/dV kernel
-            assert ks is main and ks.dq is not None
-            ks.dq[(cdiv(nq, var.block_owned), b * hq)](
-                q, k, v, do, lse, delta, dq,
-                *s4(q), *s4(k), *s4(v), *s4(do), *row_strides, *s4(dq),
-                scale, nq, nk, hq, group, *extra, out, *s4(out), **ks.launch,
-            )  # fmt: skip
+            assert ks is main
+            _triton_dq(ks, (cdiv(nq, var.block_owned), b * hq), (q, k, v, do, lse, delta, dq),
+                       s4, row_strides, scale, (nq, nk), hq, group, (*extra, out, *s4(out)))
         # Gluon: (B, H) strides of LSE and delta (packed: (0, H's)); stores by pointer, packed.
         gluon_rows = (row_strides[0], row_strides[1], row_strides[3], row_strides[4]) if (
             packed) else (*lse.stride()[:2], *delta.stride()[:2])
@@ -232,11 +222,8 @@ def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
                           tuple(view(t) for t in (q, k, v, do, dq)), lse, delta, gluon_rows,
                           scale, (nq, nk), hq, group, (*extra, *stores))
         elif not fused:  # (a fused_delta dQ kernel ran first)
-            ks.dq[(cdiv(nq, var.block_owned), b * hq)](
-                q, k, v, do, lse, delta, dq,
-                *s4(q), *s4(k), *s4(v), *s4(do), *row_strides, *s4(dq),
-                scale, nq, nk, hq, group, *extra, **ks.launch,
-            )  # fmt: skip
+            _triton_dq(ks, (cdiv(nq, var.block_owned), b * hq), (q, k, v, do, lse, delta, dq),
+                       s4, row_strides, scale, (nq, nk), hq, group, extra)
         if mods.sinks is None:
             return dq, dk, dv
         # lse and delta: (B, Hq, N) or, packed, (Hq, total_q); heads are dim -2 in both.
@@ -284,6 +271,23 @@ def _launch_gluon(rows: tuple[int, ...], fn: Any, grid: tuple[int, int],
         gluon_descriptor(v, rows[2], cols), gluon_descriptor(do, rows[3], cols),
         *[gluon_descriptor(t, r, cols) for t, r in zip(outs, rows[4:], strict=True)],
         lse, delta, *row_strides, scale, *lengths, heads, group, *extra, num_warps=4,
+    )  # fmt: skip
+
+
+def _triton_dq(ks: _Kernels, grid: tuple[int, int], tensors: tuple[torch.Tensor, ...],
+               stride: Callable[[torch.Tensor], tuple[int, ...]], row_strides: tuple[int, ...],
+               scale: float, lengths: tuple[int, int], heads: int, group: int,
+               extra: Sequence[Any] = ()) -> None:
+    """The Triton dQ kernel on `tensors` (q, k, v, do, lse, delta, dq). Each program owns
+    block_owned query rows (the pair swaps; see flashgen's BwdVariant). `stride`: a tensor's
+    (B, H, N, D) strides (a packed call's: `strides4`); `row_strides`: LSE's and delta's
+    three each; `extra`: the modifiers' arguments, then a fused_delta kernel's O and its
+    strides."""
+    q, k, v, do, lse, delta, dq = tensors
+    assert ks.dq is not None
+    ks.dq[grid](
+        q, k, v, do, lse, delta, dq, *stride(q), *stride(k), *stride(v), *stride(do),
+        *row_strides, *stride(dq), scale, *lengths, heads, group, *extra, **ks.launch,
     )  # fmt: skip
 
 
