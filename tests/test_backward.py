@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import itertools
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -181,7 +182,7 @@ def test_fused_delta(causal: bool, nq: int, nk: int, heads: tuple[int, int],
               batch=2, scale=0.3)
 
 
-def test_fused_delta_is_two_kernels_and_only_with_the_triton_dq_kernel() -> None:
+def test_fused_delta_is_two_kernels_and_only_with_a_dq_kernel() -> None:
     from flashgen.kernels.bwd_render import bwd_roles
 
     p = flashgen.Problem(1, 4, 2, 64, 64, 64, "fp16")
@@ -192,8 +193,17 @@ def test_fused_delta_is_two_kernels_and_only_with_the_triton_dq_kernel() -> None
     assert "stride_on" not in render_bwd("dq", BwdVariant(32, 64, 4, 2), p)
     assert bwd_kernel_hash(fused, p) != bwd_kernel_hash(BwdVariant(32, 64, 4, 2), p)
     for bad in (BwdVariant(32, 64, 4, 2, "atomic", fused_delta=True),
-                BwdVariant(32, 64, 4, 2, fa3="dq", fused_delta=True)):
-        assert "fused_delta runs in the Triton dQ kernel" in (why_invalid_bwd(bad, p) or "")
+                BwdVariant(128, 64, 4, 2, "atomic", fa3="both", fused_delta=True)):
+        assert "fused_delta runs in the dQ kernel" in (why_invalid_bwd(bad, p) or "")
+    # The Gluon dQ kernel takes it too, as a Jinja branch: without it the text is as before.
+    gluon = BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_streamed=64)
+    gluon_fused = replace(gluon, fused_delta=True)
+    longer = flashgen.Problem(1, 4, 2, 1000, 1000, 64, "bf16")
+    assert why_invalid_bwd(gluon_fused, longer, HOPPER) is None
+    assert bwd_roles(gluon_fused) == ("dkdv", "dq")
+    assert "stride_on" in render_bwd("dq", gluon_fused, longer)
+    assert "stride_on" not in render_bwd("dq", gluon, longer)
+    assert bwd_kernel_hash(gluon_fused, longer) != bwd_kernel_hash(gluon, longer)
 
 
 @interpreter
@@ -471,7 +481,11 @@ def test_fa3_backward_renders_gluon_for_its_kernels_only() -> None:
      # Padded head dims: 128-wide tiles, TMA's zero fill.
      ("dkdv", BwdVariant(64, 128, 4, 2, fa3="both"), 96, "bf16", True),
      ("dq", BwdVariant(64, 128, 4, 2, fa3="both"), 80, "fp16", False),
-     ("dkdv", BwdVariant(64, 128, 4, 2, "atomic", "both"), 112, "bf16", False)],
+     ("dkdv", BwdVariant(64, 128, 4, 2, "atomic", "both"), 112, "bf16", False),
+     # delta worked out in the dQ kernel (O read beside dO's tile)
+     ("dq", BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_streamed=64, fused_delta=True), 64,
+      "bf16", True),
+     ("dq", BwdVariant(64, 128, 4, 2, fa3="both", fused_delta=True), 80, "fp16", False)],
 )
 def test_fa3_backward_compiles_for_hopper(kernel: str, variant: BwdVariant, d: int,
                                           dtype: str, causal: bool) -> None:
@@ -489,6 +503,12 @@ def test_fa3_backward_compiles_for_hopper(kernel: str, variant: BwdVariant, d: i
         # kernel spilled 428-952 bytes (sm_90a, Triton 3.6), with S^T alone 8 in fp16 and
         # 84-96 in bf16 (452-496 before bf16's P was rounded by packed conversions).
         assert _spill_store_bytes(found["ptxas"]) <= 128, found["ptxas"]
+    if variant.fused_delta:
+        # delta costs no spills and no shared memory
+        # beyond its layout change (a few hundred bytes; sm_90a, Triton 3.6).
+        assert _spill_store_bytes(found["ptxas"]) == 0, found["ptxas"]
+        plain = report_in_subprocess(replace(variant, fused_delta=False), problem, kernel)
+        assert found["shared"] - plain["shared"] <= 1024
     if variant.dq_mode == "atomic":
         # dQ by TMA reduce, and no fp32 atomics from registers (which ran the backward at
         # about 0.6x). Spills (sm_90a, bf16): 320 bytes at D128 on 64-row steps (the
@@ -500,6 +520,21 @@ def test_fa3_backward_compiles_for_hopper(kernel: str, variant: BwdVariant, d: i
         if variant.block_owned == 64:
             bound = 96  # one consumer: 60 bytes at D128
         assert _spill_store_bytes(found["ptxas"]) <= bound, found["ptxas"]
+
+
+def test_fused_delta_gluon_dq_compiles_packed_with_modifiers() -> None:
+    """The fused Gluon dQ kernel on packed sequences with window and softcap: O's rows
+    counted from the sequence's first (batch stride 0), no spills."""
+    pytest.importorskip("triton.experimental.gluon")
+    from flashgen.tune.gluon_compile import report_in_subprocess
+
+    variant = BwdVariant(64, 128, 4, 2, fa3="both", fused_delta=True)
+    problem = flashgen.Problem(2, 8, 2, 700, 700, 128, "bf16", True, varlen=True,
+                               window=True, softcap=True)
+    assert why_invalid_bwd(variant, problem, HOPPER) is None
+    found = report_in_subprocess(variant, problem, "dq")
+    assert found["wgmma"] and found["tma"]
+    assert _spill_store_bytes(found["ptxas"]) == 0, found["ptxas"]
 
 
 def _spill_store_bytes(ptxas: list[str]) -> int:
@@ -584,7 +619,10 @@ def test_gpu_search_space_sample() -> None:
 FA3_BWD_POINTS = [*(pick.variant for pick in HOPPER_BWD_PORTFOLIO),
                   BwdVariant(32, 64, 4, 2, fa3="both"),
                   BwdVariant(128, 64, 4, 3, fa3="dq"), BwdVariant(32, 128, 4, 4, fa3="dq"),
-                  BwdVariant(64, 128, 4, 2, fa3="both", dq_block_streamed=128)]
+                  BwdVariant(64, 128, 4, 2, fa3="both", dq_block_streamed=128),
+                  # delta worked out in the Gluon dQ kernel, which runs first
+                  BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_streamed=64, fused_delta=True),
+                  BwdVariant(64, 128, 4, 2, fa3="both", fused_delta=True)]
 
 
 @gpu

@@ -278,18 +278,19 @@ FWD_PORTFOLIO_PINNED = {
 BWD_PORTFOLIO_PINNED = {
     64: [
         "bwd-atomic own128x64 w4 s2 fa3", "bwd-atomic own128x128 w4 s2 fa3",
-        "bwd-separate own128x64 w4 s2 fa3", "bwd-separate own128x64 w4 s3 fa3",
-        "bwd-separate own128x32 w4 s3 fa3-dq dq-x64",
+        "bwd-separate own128x64 w4 s2 fa3", "bwd-separate own128x64 w4 s2 fa3 fused-delta",
+        "bwd-separate own128x64 w4 s3 fa3", "bwd-separate own128x32 w4 s3 fa3-dq dq-x64",
+        "bwd-separate own128x32 w4 s3 fa3-dq dq-x64 fused-delta",
         "bwd-separate own128x32 w4 s3 fa3-dq dq-x128",
         "bwd-separate own128x128 w4 s2 fa3", "bwd-separate own128x128 w4 s2 fa3 dq-x64",
         "bwd-separate own128x32 w4 s3", "bwd-separate own128x32 w4 s3 fused-delta",
     ],
     128: ["bwd-atomic own128x64 w4 s2 fa3", "bwd-separate own128x64 w4 s2 fa3",
-          "bwd-separate own128x64 w4 s3 fa3", "bwd-separate own128x64 w8 s2",
-          "bwd-separate own128x64 w8 s2 fused-delta"],
+          "bwd-separate own128x64 w4 s2 fa3 fused-delta", "bwd-separate own128x64 w4 s3 fa3",
+          "bwd-separate own128x64 w8 s2", "bwd-separate own128x64 w8 s2 fused-delta"],
     96: ["bwd-atomic own128x64 w4 s2 fa3", "bwd-separate own128x64 w4 s2 fa3",
-         "bwd-separate own128x64 w4 s3 fa3", "bwd-separate own128x64 w8 s2",
-         "bwd-separate own128x64 w8 s2 fused-delta"],
+         "bwd-separate own128x64 w4 s2 fa3 fused-delta", "bwd-separate own128x64 w4 s3 fa3",
+         "bwd-separate own128x64 w8 s2", "bwd-separate own128x64 w8 s2 fused-delta"],
     256: ["bwd-separate own64x32 w8 s2", "bwd-separate own64x32 w8 s2 fused-delta"],
 }
 

@@ -908,7 +908,9 @@ _LK = [3, 650, 63, 200, 5, 512, 1, 17, 700, 2, 300, 70]
 _FA3_BWD_POINTS = [BwdVariant(64, 128, 4, 2, fa3="both"), BwdVariant(128, 128, 4, 2, fa3="both"),
                    BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_streamed=64),
                    BwdVariant(64, 128, 4, 2, fa3="both", dq_block_streamed=128),
-                   BwdVariant(64, 128, 4, 2, "atomic", "both")]
+                   BwdVariant(64, 128, 4, 2, "atomic", "both"),
+                   BwdVariant(64, 128, 4, 2, fa3="both", fused_delta=True),
+                   BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_streamed=64, fused_delta=True)]
 
 
 def _gluon_bwd_or_skip(bwd: BwdVariant, problem: Problem) -> None:

@@ -57,7 +57,9 @@ def bwd_render_context(kernel: BwdKernel, variant: BwdVariant, problem: Problem)
             context.update(block_n=owned, block_m=streamed,
                            atomic_dq=variant.dq_mode == "atomic")
         else:
-            context.update(block_m=owned, block_n=streamed)
+            # fused_delta renders nothing when false: the Gluon dQ rows stored before it keep
+            # their kernel hashes.
+            context.update(block_m=owned, block_n=streamed, fused_delta=variant.fused_delta)
         context["stages"] = variant.num_stages
         return context
     # fp32 inputs get true fp32 products: tf32 would lose ~3 decimal digits.

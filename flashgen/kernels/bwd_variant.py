@@ -51,10 +51,11 @@ class BwdVariant(Knobs):
         while the Gluon dQ kernel ran 1.06-1.19x the Triton one with 64- or 128-key tiles and
         0.76-0.86x with 32 (H100, each kernel alone). With dQ tied to block_streamed, "dq" won no
         fa-bench key. Only the Gluon dQ kernel reads it (rule-checked).
-    fused_delta: the Triton dQ kernel works out delta = rowsum(dO * O) for its own rows (it
-        loads dO already) and stores it, and runs before the dK/dV kernel, which reads it:
-        two launches instead of three, and O and dO read once less by a separate pass. Only
-        with the separate Triton dQ kernel (rule-checked).
+    fused_delta: the dQ kernel (Triton's or Gluon's) works out delta = rowsum(dO * O) for
+        its own rows (it has dO on chip already) and stores it, and runs before the dK/dV
+        kernel, which reads it: two launches instead of three, and O and dO read once less
+        by a separate pass. Only where there is a dQ kernel, dq_mode 'separate'
+        (rule-checked).
     """
 
     kind = "backward variant"

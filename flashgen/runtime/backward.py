@@ -121,16 +121,24 @@ def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
         ks = kernels_for(lse, q, k, v, do, dq, dk, dv)
         var = ks.variant
         delta = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
-        if ks.fused_delta:  # dQ first: it stores delta for the dK/dV kernel
-            _triton_dq(ks, (cdiv(nq, var.block_owned), b * hq), (q, k, v, do, lse, delta, dq),
-                       torch.Tensor.stride, (*lse.stride(), *delta.stride()), scale, (nq, nk),
-                       hq, group, (out, *out.stride()))
-            _triton_dkdv(ks, q, k, v, do, lse, delta, dq, dk, dv, scale, group)
-            return dq, dk, dv
-        preprocess()[(cdiv(nq, preprocess_block_m), b * hq)](
-            out, do, delta, *out.stride(), *do.stride(), *delta.stride(), nq, hq
-        )
         rows = (*lse.stride()[:2], *delta.stride()[:2])
+
+        def dq_kernel(extra: tuple[Any, ...] = ()) -> None:
+            if ks.gluon["dq"]:
+                _launch_gluon(ks.tile_rows["dq"], ks.dq, (cdiv(nq, var.block_owned), b * hq),
+                              (q, k, v, do, dq), lse, delta, rows, scale, (nq, nk), hq, group,
+                              extra)
+            elif ks.dq is not None:
+                _triton_dq(ks, (cdiv(nq, var.block_owned), b * hq),
+                           (q, k, v, do, lse, delta, dq), torch.Tensor.stride,
+                           (*lse.stride(), *delta.stride()), scale, (nq, nk), hq, group, extra)
+
+        if ks.fused_delta:  # dQ first: it stores delta for the dK/dV kernel
+            dq_kernel((out, *out.stride()))
+        else:
+            preprocess()[(cdiv(nq, preprocess_block_m), b * hq)](
+                out, do, delta, *out.stride(), *do.stride(), *delta.stride(), nq, hq
+            )
         if ks.gluon["dkdv"]:
             acc = _dq_buffer(var, q.shape, q.device)
             _launch_gluon(ks.tile_rows["dkdv"], ks.dkdv, (cdiv(nk, var.block_owned), b * hkv),
@@ -140,13 +148,8 @@ def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
                 dq.copy_(acc)
         else:
             _triton_dkdv(ks, q, k, v, do, lse, delta, dq, dk, dv, scale, group)
-        if ks.gluon["dq"]:
-            _launch_gluon(ks.tile_rows["dq"], ks.dq, (cdiv(nq, var.block_owned), b * hq),
-                          (q, k, v, do, dq), lse, delta, rows, scale, (nq, nk), hq, group)
-        elif ks.dq is not None:
-            _triton_dq(ks, (cdiv(nq, var.block_owned), b * hq), (q, k, v, do, lse, delta, dq),
-                       torch.Tensor.stride, (*lse.stride(), *delta.stride()), scale, (nq, nk),
-                       hq, group)
+        if not ks.fused_delta:
+            dq_kernel()
         return dq, dk, dv
 
     def run_modified(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -160,9 +163,6 @@ def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
         -sum_i P_sink,i delta_i follows from delta and the LSE: P_sink,i =
         exp(sink_h - LSE_i); the kernels take no sink argument."""
         packed = mods.varlen is not None
-        # A fused_delta variant (never one with Gluon kernels, so never a twin's choice): its
-        # dQ kernel stores delta and runs before dK/dV.
-        fused = main.fused_delta
         if packed:
             assert mods.varlen is not None
             hq, hkv = q.shape[1], k.shape[1]
@@ -170,20 +170,11 @@ def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
             rows = q.shape[0]
             delta = torch.empty((hq, rows), device=q.device, dtype=torch.float32)
             row_strides = (0, *lse.stride(), 0, *delta.stride())
-            if not fused:
-                preprocess()[(cdiv(rows, preprocess_block_m), hq)](
-                    out, do, delta, *strides4(out, True), *strides4(do, True), 0,
-                    *delta.stride(), rows, hq,
-                )  # fmt: skip
         else:
             b, hq, nq, _ = q.shape
             hkv, nk = k.shape[1], k.shape[2]
             delta = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
             row_strides = (*lse.stride(), *delta.stride())
-            if not fused:
-                preprocess()[(cdiv(nq, preprocess_block_m), b * hq)](
-                    out, do, delta, *out.stride(), *do.stride(), *delta.stride(), nq, hq
-                )
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         extra = mods.kernel_args(shape.causal, nq, nk)
         extra = [a for a in extra if a is not mods.sinks]  # the sinks stay in the launcher
@@ -191,16 +182,36 @@ def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
         view = (lambda t: t.unsqueeze(0).transpose(1, 2)) if packed else (lambda t: t)
         ks = kernels_for(lse, *(view(t) for t in (q, k, v, do, dq, dk, dv)))
         var = ks.variant
-        acc = _dq_buffer(var, q.shape, q.device)
-        dq_target = dq if acc is None else acc
         s4 = lambda t: strides4(t, packed)
-        if fused:  # dQ first: it stores delta for the dK/dV kernel
-            assert ks is main
-            _triton_dq(ks, (cdiv(nq, var.block_owned), b * hq), (q, k, v, do, lse, delta, dq),
-                       s4, row_strides, scale, (nq, nk), hq, group, (*extra, out, *s4(out)))
         # Gluon: (B, H) strides of LSE and delta (packed: (0, H's)); stores by pointer, packed.
         gluon_rows = (row_strides[0], row_strides[1], row_strides[3], row_strides[4]) if (
             packed) else (*lse.stride()[:2], *delta.stride()[:2])
+
+        def dq_kernel(fused_args: tuple[Any, ...] = ()) -> None:
+            if ks.gluon["dq"]:
+                stores = (dq, *dq.stride()[:2]) if packed else ()
+                _launch_gluon(ks.tile_rows["dq"], ks.dq, (cdiv(nq, var.block_owned), b * hq),
+                              tuple(view(t) for t in (q, k, v, do, dq)), lse, delta,
+                              gluon_rows, scale, (nq, nk), hq, group,
+                              (*extra, *stores, *fused_args))
+            else:
+                _triton_dq(ks, (cdiv(nq, var.block_owned), b * hq),
+                           (q, k, v, do, lse, delta, dq), s4, row_strides, scale, (nq, nk), hq,
+                           group, (*extra, *fused_args))
+
+        if ks.fused_delta:  # dQ first: it stores delta for the dK/dV kernel
+            dq_kernel((out, *s4(out)))
+        elif packed:  # one batch to the preprocessing kernel: its rows are independent
+            preprocess()[(cdiv(rows, preprocess_block_m), hq)](
+                out, do, delta, *strides4(out, True), *strides4(do, True), 0,
+                *delta.stride(), rows, hq,
+            )  # fmt: skip
+        else:
+            preprocess()[(cdiv(nq, preprocess_block_m), b * hq)](
+                out, do, delta, *out.stride(), *do.stride(), *delta.stride(), nq, hq
+            )
+        acc = _dq_buffer(var, q.shape, q.device)
+        dq_target = dq if acc is None else acc
         if ks.gluon["dkdv"]:
             stores = (dk, dv, *dk.stride()[:2], *dv.stride()[:2]) if packed else ()
             # The fp32 dQ buffer the kernel adds into by TMA reduce, over the same view.
@@ -216,14 +227,8 @@ def prepare_backward(entry: Entry, shape: Shape, kernel_of: KernelOf,
             )  # fmt: skip
         if acc is not None:
             dq.copy_(acc)
-        elif ks.gluon["dq"]:
-            stores = (dq, *dq.stride()[:2]) if packed else ()
-            _launch_gluon(ks.tile_rows["dq"], ks.dq, (cdiv(nq, var.block_owned), b * hq),
-                          tuple(view(t) for t in (q, k, v, do, dq)), lse, delta, gluon_rows,
-                          scale, (nq, nk), hq, group, (*extra, *stores))
-        elif not fused:  # (a fused_delta dQ kernel ran first)
-            _triton_dq(ks, (cdiv(nq, var.block_owned), b * hq), (q, k, v, do, lse, delta, dq),
-                       s4, row_strides, scale, (nq, nk), hq, group, extra)
+        elif not ks.fused_delta:  # (a fused_delta dQ kernel ran first)
+            dq_kernel()
         if mods.sinks is None:
             return dq, dk, dv
         # lse and delta: (B, Hq, N) or, packed, (Hq, total_q); heads are dim -2 in both.

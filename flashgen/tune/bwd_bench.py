@@ -100,6 +100,11 @@ class BwdKernelBench(KernelBench):
 
     def _warm(self, variant: AnyVariant) -> None:
         assert isinstance(variant, BwdVariant)
+        # As the forward bench's: bind the device's primary context in this compile thread
+        # before Gluon kernels make TMA descriptors through the driver ("invalid device
+        # context" failed a fused-delta Gluon point this way, H100).
+        torch.cuda.set_device(self.device)
+        torch.cuda.synchronize(self.device)
         with torch.cuda.device(self.device):
             self.saved.run(variant, self.problem)
             if self._gate_warm is not None:

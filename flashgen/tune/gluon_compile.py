@@ -159,6 +159,8 @@ def compile_fa3_bwd(kernel: str, variant: BwdVariant, problem: Problem,
     if kernel == "dkdv":  # the atomic mode's fp32 dQ buffer, as the launcher describes it
         acc = torch.empty(1 if problem.varlen else 2, 4, 256, problem.head_dim)
         args += dq_reduce_args(variant, acc if variant.dq_mode == "atomic" else None)
+    elif variant.fused_delta:  # O and its (B, H, N, D) strides (packed: batch stride 0)
+        args += [t, 0, *t.stride()[1::-1], t.stride(2)] if problem.varlen else [t, *t.stride()]
     return compile_gluon(load_bwd_kernel(kernel, variant, problem), args, {}, 4, capability)
 
 
