@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import flashgen
-from flashgen.kernels.bwd_render import BWD_KERNELS, bwd_kernel_hash, render_bwd
+from flashgen.kernels.bwd_render import BWD_KERNELS, bwd_kernel_hash, bwd_roles, render_bwd
 from flashgen.kernels.bwd_space import (
     HOPPER_BWD_PORTFOLIO,
     all_bwd_points,
@@ -183,8 +183,6 @@ def test_fused_delta(causal: bool, nq: int, nk: int, heads: tuple[int, int],
 
 
 def test_fused_delta_is_two_kernels_and_only_with_a_dq_kernel() -> None:
-    from flashgen.kernels.bwd_render import bwd_roles
-
     p = flashgen.Problem(1, 4, 2, 64, 64, 64, "fp16")
     fused = BwdVariant(32, 64, 4, 2, fused_delta=True)
     assert bwd_roles(fused) == ("dkdv", "dq")
@@ -409,6 +407,18 @@ def test_fa3_backward_defaults_and_twins() -> None:
                 twin = bwd_pointer_twin(variant, problem, HOPPER)
                 assert twin.fa3 == "none"
                 assert why_invalid_bwd(twin, problem, HOPPER) is None
+    # A twin launches the kernels its variant does (an exported package ships those only):
+    # a fused_delta point's twin is fused too, whichever Triton tiles it falls back to.
+    for d in (64, 96, 128, 256):
+        for n in (40, 1000):
+            problem = flashgen.Problem(2, 8, 2, n, n, d, "bf16", True)
+            for variant in [*bwd_search_space(problem, HOPPER), *bwd_portfolio(problem, HOPPER)]:
+                twin = bwd_pointer_twin(variant, problem, HOPPER)
+                assert bwd_roles(twin) == bwd_roles(variant), (variant, twin)
+    # Tiles no Triton kernel takes at D256 fall back to the Triton default, fused as well.
+    too_big = BwdVariant(128, 128, 4, 2, fused_delta=True)
+    assert bwd_pointer_twin(too_big, _fa3_problem(256), HOPPER) == BwdVariant(
+        32, 64, 8, 2, fused_delta=True)
     same = BwdVariant(32, 128, 4, 3, fa3="dq")
     assert bwd_pointer_twin(same, _fa3_problem(64), HOPPER) == BwdVariant(32, 128, 4, 3)
     own_dq = BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_streamed=128)
