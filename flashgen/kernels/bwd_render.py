@@ -49,6 +49,10 @@ def bwd_render_context(kernel: BwdKernel, variant: BwdVariant, problem: Problem)
     # Sinks take no part in these kernels (their gradient is a row sum, left to the
     # launcher), so only the packed layout, window and softcap add arguments.
     context.update(modifier_context(problem.with_(sinks=False)))
+    if kernel == "dq":
+        # Both dQ templates render nothing for it when false: rows stored before it keep
+        # their kernel hashes.
+        context["fused_delta"] = variant.fused_delta
     if variant.gluon(kernel):
         # Gluon kernels (Hopper, fp16/bf16 only): no precision switch; both keep the owned
         # tile as block_n's and the streamed one as block_m's in their own terms.
@@ -57,9 +61,7 @@ def bwd_render_context(kernel: BwdKernel, variant: BwdVariant, problem: Problem)
             context.update(block_n=owned, block_m=streamed,
                            atomic_dq=variant.dq_mode == "atomic")
         else:
-            # fused_delta renders nothing when false: the Gluon dQ rows stored before it keep
-            # their kernel hashes.
-            context.update(block_m=owned, block_n=streamed, fused_delta=variant.fused_delta)
+            context.update(block_m=owned, block_n=streamed)
         context["stages"] = variant.num_stages
         return context
     # fp32 inputs get true fp32 products: tf32 would lose ~3 decimal digits.
@@ -72,7 +74,6 @@ def bwd_render_context(kernel: BwdKernel, variant: BwdVariant, problem: Problem)
         # The owned tile is block_n in both kernels (see BwdVariant), so the pair swaps here.
         context["block_m"] = variant.block_owned
         context["block_n"] = variant.block_streamed
-        context["fused_delta"] = variant.fused_delta
     else:
         raise ValueError(f"unknown backward kernel {kernel!r}; use one of {BWD_KERNELS}")
     return context

@@ -327,11 +327,11 @@ def bwd_pointer_twin(variant: BwdVariant, problem: Problem,
     (inputs TMA cannot address), computing the same gradients. The same tiles where the
     Triton kernels take them, else 8 warps, else the Triton default."""
     twin = replace(variant, fa3="none", dq_block_streamed=0)
-    fallback = default_bwd_variant(problem, device, fa3=False)
-    # The same kernel roles as the variant's (fused_delta: no preprocessing kernel), which
-    # an exported package ships and nothing more.
-    for candidate in (twin, replace(twin, num_warps=8),
-                      replace(fallback, fused_delta=variant.fused_delta)):
+    for candidate in (twin, replace(twin, num_warps=8)):
         if why_invalid_bwd(candidate, problem, device) is None:
             return candidate
-    return fallback
+    # The default keeps the variant's kernel roles (fused_delta: no preprocessing kernel),
+    # which are all an exported package ships.
+    fallback = default_bwd_variant(problem, device, fa3=False)
+    fused = replace(fallback, fused_delta=variant.fused_delta)
+    return fused if why_invalid_bwd(fused, problem, device) is None else fallback
