@@ -289,6 +289,78 @@ def test_gpu_fused_combine_repeats_bitwise() -> None:
 
 
 @gpu
+def test_gpu_split_scratch_serves_back_to_back_calls() -> None:
+    """The partial rows go to one scratch buffer per stream, reused by every call on it: two
+    problems alternating 20 times on the default stream, 10 on a side stream and in 3
+    replays of a CUDA graph (which gets its own buffer) all equal their first call bitwise,
+    and the first calls match the reference."""
+    from flashgen.runtime.kvcache import split_scratch
+
+    dev = torch.device("cuda")
+    kept = split_scratch(1000, dev)
+    assert split_scratch(900, dev) is kept
+    grown = split_scratch(kept.numel() + 1, dev)
+    assert grown is not kept and split_scratch(10, dev) is grown  # the grown one is kept
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert split_scratch(10, dev) is not grown  # each stream its own
+    caches = [make_kvcache(DecodeProblem(b, 32, 8, 1, 8192, 128, "bf16", True), "cuda", b,
+                           seqlens=lengths)
+              for b, lengths in ((4, [8192, 4097, 777, 6]), (2, [5000, 8192]))]
+    calls = [lambda c=c: flashgen.attention_with_kvcache(c.q, c.k, c.v, c.seqlens,
+                                                         variant=GPU_FIXED_SPLITS)
+             for c in caches]
+    firsts = [call() for call in calls]
+    for first, c in zip(firsts, caches, strict=True):
+        got = compare_kvcache(first, c, True)
+        assert got.ok, got.reason
+    outs: list[list[torch.Tensor]] = [[], []]
+    for _ in range(20):
+        for i, call in enumerate(calls):
+            outs[i].append(call())
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(10):
+            for i, call in enumerate(calls):
+                outs[i].append(call())
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        assert split_scratch(10, dev) is not split_scratch(10, dev)  # fresh while capturing
+        captured = [call() for call in calls]
+    for _ in range(3):
+        graph.replay()
+        for i in range(2):
+            outs[i].append(captured[i].clone())
+        calls[0]()  # an eager call between replays, on the kept buffer
+    torch.cuda.synchronize()
+    for first, got in zip(firsts, outs, strict=True):
+        assert len(got) == 33 and all(torch.equal(o, first) for o in got)
+
+
+@interpreter
+@pytest.mark.parametrize("splits", [1, 3])
+def test_output_without_the_lse_is_the_same(splits: int) -> None:
+    """return_lse=False puts the LSE in scratch: the output is the one with it."""
+    p = DecodeProblem(2, 4, 2, 1, 40, 16, "fp32", True)
+    c = make_kvcache(p, "cpu", 3, seqlens=[40, 9])
+    variant = DecodeVariant(16, 16, splits, 1, 1)
+    out, _ = flashgen.attention_with_kvcache(c.q, c.k, c.v, c.seqlens, return_lse=True,
+                                             variant=variant)
+    alone = flashgen.attention_with_kvcache(c.q, c.k, c.v, c.seqlens, variant=variant)
+    assert isinstance(alone, torch.Tensor) and torch.equal(alone, out)
+
+
+def test_split_scratch_is_not_kept_on_the_cpu() -> None:
+    """The interpreter's calls each get their own scratch (no stream orders them)."""
+    from flashgen.runtime.kvcache import split_scratch
+
+    cpu = torch.device("cpu")
+    assert split_scratch(64, cpu) is not split_scratch(64, cpu)
+    assert split_scratch(64, cpu).dtype == torch.float32
+
+
+@gpu
 @pytest.mark.parametrize("head_dim", [64, 96, 256])
 def test_gpu_head_dims(head_dim: int) -> None:
     p = DecodeProblem(2, 28, 4, 1, 4000, head_dim, "bf16", True, page_size=16)

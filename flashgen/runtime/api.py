@@ -272,7 +272,7 @@ def attention_with_kvcache(
     args = (q, k_cache, v_cache, cache_seqlens, block_table, causal, scale)
     if not torch.compiler.is_compiling():
         out, lse = (dispatcher or default_dispatcher()).kvcache(*args, variant, mods,
-                                                                cache_leftpad)
+                                                                cache_leftpad, return_lse)
     elif dispatcher is None:
         # The registered op, opaque to the compiler as the forward's is; modifiers as its
         # plain arguments.

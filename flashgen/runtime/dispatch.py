@@ -432,14 +432,16 @@ class Dispatcher:
                 cache_seqlens: torch.Tensor, block_table: torch.Tensor | None = None,
                 causal: bool = True, scale: float | None = None,
                 variant: Any = None, mods: Mods | None = None,
-                leftpad: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                leftpad: torch.Tensor | None = None,
+                keep_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """(output, log-sum-exp) of the decode family on a KV cache (`attention_with_kvcache`);
         `mods`: its window, softcap and sinks (checked), None for none; `leftpad`: the
-        call's `cache_leftpad`."""
+        call's `cache_leftpad`; `keep_lse` False: the caller drops the log-sum-exp, which
+        then lives in a scratch buffer the next call on the stream overwrites."""
         plan = self._decode_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal,
                                  variant, mods, leftpad)
         return plan.launch(q, k_cache, v_cache, cache_seqlens, block_table,
-                           plan.scale if scale is None else scale, mods, leftpad)
+                           plan.scale if scale is None else scale, mods, leftpad, keep_lse)
 
     def explain_kvcache(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         cache_seqlens: torch.Tensor, block_table: torch.Tensor | None = None,

@@ -29,7 +29,8 @@ from .modifiers import Mods
 from .table import Entry, knobs
 
 #: (q, k_cache, v_cache, cache_seqlens or None (every sequence full), block_table or None,
-#: scale) -> (out, lse)
+#: scale[, mods, cache_leftpad, keep_lse]) -> (out, lse); with keep_lse False the LSE is in
+#: the stream's scratch buffer (`split_scratch`), for a caller that drops it
 DecodeLauncher = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 KernelOf = Callable[[str], Any]
 
@@ -226,23 +227,58 @@ _COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
 MIN_COUNTERS = 1024
 
 
+#: Scratch buffers for the split pass's partial rows by (device, stream); see `split_scratch`.
+_SCRATCH: dict[tuple[int, int], torch.Tensor] = {}
+#: The largest scratch (fp32 values) kept between launches, 16 MiB: a call that needs more
+#: does enough GPU work that one allocation of its own costs it nothing that shows.
+MAX_SCRATCH = 1 << 22
+
+
+def _stream_key(device: torch.device) -> tuple[int, int] | None:
+    """(device index, current raw stream) for a buffer kept between launches, or None where
+    none may be: the CPU (the interpreter) and CUDA graph capture (a replay may run on
+    another stream, beside another replay)."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return index, torch._C._cuda_getCurrentRawStream(index)
+
+
 def split_counters(tiles: int, device: torch.device) -> torch.Tensor:
     """`tiles` zeroed int32 arrival counters for a fused-combine launch on the current stream.
 
     The kernel's merging program sets each counter back to zero, and launches on one stream
     never overlap, so one buffer per stream serves every launch on it without a fill. Under
-    CUDA graph capture (a replay may run on another stream, beside another replay) and on
-    the CPU (the interpreter) each call gets its own zeroed buffer.
+    CUDA graph capture and on the CPU each call gets its own zeroed buffer.
     """
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    key = _stream_key(device)
+    if key is None:
         return torch.zeros(tiles, dtype=torch.int32, device=device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, torch._C._cuda_getCurrentRawStream(index))
     counters = _COUNTERS.get(key)
     if counters is None or counters.numel() < tiles:
         counters = torch.zeros(max(tiles, MIN_COUNTERS), dtype=torch.int32, device=device)
         _COUNTERS[key] = counters
     return counters
+
+
+def split_scratch(values: int, device: torch.device) -> torch.Tensor:
+    """At least `values` fp32 values for the split pass's partial outputs and log-sum-exps,
+    read back only by the combine of the same call.
+
+    Launches on one stream run in order, so a call's split pass cannot start before the
+    previous call's combine has read the buffer: one buffer per stream serves them all and
+    a decode step pays no allocation for it (a few microseconds of host time a call, which a
+    short decode step's time is made of). Under CUDA graph capture, on the CPU and beyond
+    MAX_SCRATCH each call gets its own.
+    """
+    key = _stream_key(device) if values <= MAX_SCRATCH else None
+    if key is None:
+        return torch.empty(values, dtype=torch.float32, device=device)
+    scratch = _SCRATCH.get(key)
+    if scratch is None or scratch.numel() < values:
+        scratch = torch.empty(values, dtype=torch.float32, device=device)
+        _SCRATCH[key] = scratch
+    return scratch
 
 
 #: See `merge_width`.
@@ -254,6 +290,11 @@ def merge_width(block_d: int, num_warps: int) -> int:
     MERGE_VALUES fp32 values a thread, 4 to 64 (a power of two)."""
     fit = MERGE_VALUES * 32 * num_warps // block_d
     return 1 << (max(4, min(64, fit)).bit_length() - 1)
+
+
+def _aligned(values: int) -> int:
+    """`values` fp32 values rounded up to a multiple of four (16 bytes)."""
+    return -(-values // 4) * 4
 
 
 def _pow2(n: int) -> int:
@@ -280,7 +321,8 @@ def prepare_decode(entry: Entry, shape: DecodeShape, kernel: KernelOf) -> Decode
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: torch.Tensor | None,
             block_table: torch.Tensor | None, scale: float, mods: Mods | None = None,
-            leftpad: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            leftpad: torch.Tensor | None = None,
+            keep_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         b, hq, nq, d = q.shape
         if paged:
             assert block_table is not None
@@ -298,18 +340,27 @@ def prepare_decode(entry: Entry, shape: DecodeShape, kernel: KernelOf) -> Decode
         splits = variant.num_splits or auto_splits(b * hkv * row_tiles, n_max, variant.block_n,
                                                    q.device)
         out = torch.empty_like(q)
-        lse = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
+        # Scratch (`split_scratch`, no allocation a call): the partial outputs and their
+        # log-sum-exps where the keys are split, and the LSE where the caller drops it. Each
+        # part starts 16-byte aligned, as an allocation of its own would.
+        rows = b * hq * nq * splits if splits > 1 else 0
+        at_lse = _aligned(rows * d)
+        at_out_lse = _aligned(at_lse + rows)
+        lse_shape, lse_strides = (b, hq, nq), (hq * nq, nq, 1)
+        used = at_out_lse if keep_lse else at_out_lse + b * hq * nq
+        work = split_scratch(used, q.device) if used else None
+        lse = (torch.empty(lse_shape, device=q.device, dtype=torch.float32) if keep_lse
+               else work.as_strided(lse_shape, lse_strides, at_out_lse))  # type: ignore[union-attr]
         if splits == 1:
             part, part_lse = out, lse
             part_strides = (*out.stride()[:3], 0, out.stride(3))
-            lse_strides = (*lse.stride(), 0)
-        else:  # partial outputs and their log-sum-exps in one allocation (host time)
-            rows = b * hq * nq * splits
-            start = -(-rows * d // 4) * 4  # the log-sum-exps 16-byte aligned, as alone
-            work = torch.empty(start + rows, device=q.device, dtype=torch.float32)
-            part = work[:rows * d].view(b, hq, nq, splits, d)
-            part_lse = work[start:].view(b, hq, nq, splits)
-            part_strides, lse_strides = part.stride(), part_lse.stride()
+            lse_strides = (*lse_strides, 0)
+        else:
+            assert work is not None
+            part_strides = (hq * nq * splits * d, nq * splits * d, splits * d, d, 1)
+            lse_strides = (hq * nq * splits, nq * splits, splits, 1)
+            part = work.as_strided((b, hq, nq, splits, d), part_strides)
+            part_lse = work.as_strided((b, hq, nq, splits), lse_strides, at_lse)
         extra = [] if mods is None else mods.kernel_args(shape.causal, nq, n_max)
         if shape.leftpad:
             assert leftpad is not None
