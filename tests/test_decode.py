@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -304,6 +305,11 @@ def test_gpu_split_scratch_serves_back_to_back_calls() -> None:
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         assert split_scratch(10, dev) is not grown  # each stream its own
+    other: list[torch.Tensor] = []
+    worker = threading.Thread(target=lambda: other.append(split_scratch(10, dev)))
+    worker.start()
+    worker.join()
+    assert other[0] is not grown  # and each thread
     caches = [make_kvcache(DecodeProblem(b, 32, 8, 1, 8192, 128, "bf16", True), "cuda", b,
                            seqlens=lengths)
               for b, lengths in ((4, [8192, 4097, 777, 6]), (2, [5000, 8192]))]

@@ -17,6 +17,7 @@ decode step is a few microseconds of kernel). Without it the kernel clamps each 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -227,8 +228,9 @@ _COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
 MIN_COUNTERS = 1024
 
 
-#: Scratch buffers for the split pass's partial rows by (device, stream); see `split_scratch`.
-_SCRATCH: dict[tuple[int, int], torch.Tensor] = {}
+#: Each thread's scratch buffers for the split pass's partial rows, by (device, stream);
+#: see `split_scratch`. Freed with the thread.
+_SCRATCH = threading.local()
 #: The largest scratch (fp32 values) kept between launches, 16 MiB: a call that needs more
 #: does enough GPU work that one allocation of its own costs it nothing that shows.
 MAX_SCRATCH = 1 << 22
@@ -266,18 +268,23 @@ def split_scratch(values: int, device: torch.device) -> torch.Tensor:
     read back only by the combine of the same call.
 
     Launches on one stream run in order, so a call's split pass cannot start before the
-    previous call's combine has read the buffer: one buffer per stream serves them all and
-    a decode step pays no allocation for it (a few microseconds of host time a call, which a
-    short decode step's time is made of). Under CUDA graph capture, on the CPU and beyond
-    MAX_SCRATCH each call gets its own.
+    previous call's combine has read the buffer: one buffer per stream serves every call a
+    thread makes on it, and a decode step pays no allocation for it (a few microseconds of
+    host time a call, which a short decode step's time is made of). Per thread, because two
+    threads calling on one stream (the default stream, say) may queue their launches
+    between each other's split pass and combine. Under CUDA graph capture, on the CPU and
+    beyond MAX_SCRATCH each call gets its own.
     """
     key = _stream_key(device) if values <= MAX_SCRATCH else None
     if key is None:
         return torch.empty(values, dtype=torch.float32, device=device)
-    scratch = _SCRATCH.get(key)
+    kept: dict[tuple[int, int], torch.Tensor] | None = getattr(_SCRATCH, "buffers", None)
+    if kept is None:
+        kept = _SCRATCH.buffers = {}
+    scratch = kept.get(key)
     if scratch is None or scratch.numel() < values:
         scratch = torch.empty(values, dtype=torch.float32, device=device)
-        _SCRATCH[key] = scratch
+        kept[key] = scratch
     return scratch
 
 
