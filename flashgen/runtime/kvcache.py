@@ -353,21 +353,22 @@ def prepare_decode(entry: Entry, shape: DecodeShape, kernel: KernelOf) -> Decode
         rows = b * hq * nq * splits if splits > 1 else 0
         at_lse = _aligned(rows * d)
         at_out_lse = _aligned(at_lse + rows)
-        lse_shape, lse_strides = (b, hq, nq), (hq * nq, nq, 1)
+        # The kernels take the partial rows' strides as arguments, so they get the buffer and
+        # a slice of it (one tensor op, not a view of each shape).
+        out_lse_strides = (hq * nq, nq, 1)
         used = at_out_lse if keep_lse else at_out_lse + b * hq * nq
         work = split_scratch(used, q.device) if used else None
-        lse = (torch.empty(lse_shape, device=q.device, dtype=torch.float32) if keep_lse
-               else work.as_strided(lse_shape, lse_strides, at_out_lse))  # type: ignore[union-attr]
+        lse = (torch.empty((b, hq, nq), device=q.device, dtype=torch.float32) if keep_lse
+               else work.as_strided((b, hq, nq), out_lse_strides, at_out_lse))  # type: ignore[union-attr]
         if splits == 1:
             part, part_lse = out, lse
             part_strides = (*out.stride()[:3], 0, out.stride(3))
-            lse_strides = (*lse_strides, 0)
+            lse_strides = (*out_lse_strides, 0)
         else:
             assert work is not None
+            part, part_lse = work, work[at_lse:]
             part_strides = (hq * nq * splits * d, nq * splits * d, splits * d, d, 1)
             lse_strides = (hq * nq * splits, nq * splits, splits, 1)
-            part = work.as_strided((b, hq, nq, splits, d), part_strides)
-            part_lse = work.as_strided((b, hq, nq, splits), lse_strides, at_lse)
         extra = [] if mods is None else mods.kernel_args(shape.causal, nq, n_max)
         if shape.leftpad:
             assert leftpad is not None
@@ -376,7 +377,7 @@ def prepare_decode(entry: Entry, shape: DecodeShape, kernel: KernelOf) -> Decode
             seqlens = seqlens.contiguous()
         if fused:
             extra += [split_counters(b * hkv * row_tiles, q.device), out, lse, *out.stride(),
-                      *lse.stride()]
+                      *out_lse_strides]
         split_kernel[(splits, b * hkv, row_tiles)](
             q, k, v, seqlens, table, part, part_lse,
             *q.stride(), *k_strides, *v_strides, table_stride, *part_strides, *lse_strides,
@@ -387,8 +388,8 @@ def prepare_decode(entry: Entry, shape: DecodeShape, kernel: KernelOf) -> Decode
                 combine.append(bind(kernel("decode_combine")))
             width = _pow2(splits)
             combine[0][(b * hq * nq,)](
-                part, part_lse, out, lse, *part.stride(), *part_lse.stride(), *out.stride(),
-                *lse.stride(), nq, hq, splits,
+                part, part_lse, out, lse, *part_strides, *lse_strides, *out.stride(),
+                *out_lse_strides, nq, hq, splits,
                 *([] if mods is None or mods.sinks is None else [mods.sinks]), SPLITS=width,
                 num_warps=4 if width * padded <= 4096 else 8,
             )  # fmt: skip
