@@ -357,6 +357,29 @@ def test_output_without_the_lse_is_the_same(splits: int) -> None:
     assert isinstance(alone, torch.Tensor) and torch.equal(alone, out)
 
 
+@gpu
+def test_gpu_growing_cache_hits_its_bucket_and_keeps_its_checks() -> None:
+    """GPU lengths skip the checks on a plan hit, and a contiguous cache's plan is looked up
+    by its Nmax bucket: lengths 600 and 601 share a plan and both answer right, while k and
+    v of different lengths, or an empty cache, in the same bucket still raise."""
+    from flashgen.serve import Dispatcher
+
+    dispatcher = Dispatcher([])
+    for n in (600, 601):
+        p = DecodeProblem(2, 32, 8, 1, n, 128, "bf16", True)
+        c = make_kvcache(p, "cuda", n, seqlens=[n, n - 50])
+        out = flashgen.attention_with_kvcache(c.q, c.k, c.v, c.seqlens, dispatcher=dispatcher)
+        got = compare_kvcache(out, c, True)
+        assert got.ok, f"Nk {n}: {got.reason}"
+    assert len(dispatcher._decode_plans) == 1
+    with pytest.raises(ValueError, match="shapes differ"):
+        flashgen.attention_with_kvcache(c.q, c.k, c.v[:, :, :600], c.seqlens,
+                                        dispatcher=dispatcher)
+    with pytest.raises(ValueError, match="empty input"):
+        flashgen.attention_with_kvcache(c.q, c.k[:, :, :0], c.v[:, :, :0], c.seqlens * 0,
+                                        dispatcher=dispatcher)
+
+
 def test_split_scratch_is_not_kept_on_the_cpu() -> None:
     """The interpreter's calls each get their own scratch (no stream orders them)."""
     from flashgen.runtime.kvcache import split_scratch
@@ -586,6 +609,17 @@ def test_growing_cache_reuses_its_buckets_plan(monkeypatch: pytest.MonkeyPatch) 
         got = compare_kvcache(out, c, True)
         assert got.ok, f"Nk {n}: {got.reason}"
     assert [s.seq_k for s in prepared] == [64, 128]
+    # Looked up by bucket too: the five lengths are two entries, so a token pays no checks.
+    assert len(dispatcher._decode_plans) == 2
+    # Still checked where a bucket's plan cannot answer: an empty cache, k and v apart.
+    p = DecodeProblem(2, 8, 2, 1, 40, 16, "fp32", True)
+    c = make_kvcache(p, "cpu", 2, seqlens=[40, 30])
+    with pytest.raises(ValueError, match="empty input"):
+        flashgen.attention_with_kvcache(c.q, c.k[:, :, :0], c.v[:, :, :0], c.seqlens * 0,
+                                        dispatcher=dispatcher)
+    with pytest.raises(ValueError, match="shapes differ"):
+        flashgen.attention_with_kvcache(c.q, c.k, c.v[:, :, :39], c.seqlens,
+                                        dispatcher=dispatcher)
     p = DecodeProblem(2, 8, 2, 1, 64, 16, "fp32", True)
     four = DecodeVariant(16, 16, 4, 1, 1)  # 4 splits: valid for 64 keys, not for 40
     c = make_kvcache(p, "cpu", 1, seqlens=[64, 30])

@@ -385,17 +385,27 @@ class Dispatcher:
                      variant: Any, mods: Mods | None = None,
                      leftpad: torch.Tensor | None = None) -> _Plan:
         """The decode plan of a call's shape (`runtime.kvcache`), checked and chosen on the
-        first call of its shape; later calls of the shape are a dict lookup (the value checks
-        run again where they need no GPU sync: CPU tensors, or FLASHGEN_DEBUG=1)."""
+        first call of its shape (a contiguous cache's: of its Nmax bucket); later calls are a
+        dict lookup (the value checks run again where they need no GPU sync: CPU tensors, or
+        FLASHGEN_DEBUG=1)."""
         try:
             table_kind = (None if block_table is None
                           else (block_table.shape, block_table.dtype, block_table.device))
             pads = None if leftpad is None else (leftpad.shape, leftpad.dtype, leftpad.device)
-            key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device,
-                   v.device, seqlens.shape, seqlens.dtype, seqlens.device, table_kind, causal,
-                   variant, None if mods is None else mods.plan_key, pads)  # fmt: skip
+            if block_table is None and variant is None:
+                # A dynamic cache grows Nmax a step. Every check passes alike for any Nmax of
+                # one bucket (0, an empty cache, apart), and the plan is the bucket's: so the
+                # key holds the bucket, and a generated token pays neither checks nor miss.
+                n = k.shape[2]
+                caches: tuple = (k.shape[:2], k.shape[3], bucket(n) if n else 0,
+                                 k.shape == v.shape)
+            else:
+                caches = (k.shape, v.shape)
+            key = (q.shape, caches, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+                   seqlens.shape, seqlens.dtype, seqlens.device, table_kind, causal, variant,
+                   None if mods is None else mods.plan_key, pads)  # fmt: skip
             plan = self._decode_plans.get(key)
-        except (AttributeError, TypeError):  # not tensors, or an unhashable variant
+        except (AttributeError, TypeError, IndexError):  # not 4-D tensors, unhashable variant
             key, plan = None, None
         if plan is not None:
             if seqlens.device.type == "cpu" or debug_checks():
