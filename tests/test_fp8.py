@@ -18,6 +18,7 @@ from flashgen.fp8 import (
     FP8_DTYPE,
     FP8_MAX,
     QUANT_BLOCK,
+    Quantized,
     dequantize,
     hadamard,
     padded_dim,
@@ -486,3 +487,109 @@ def test_the_fa3_fp8_kernel_compiles_to_8bit_warpgroup_products(variant: Any, d:
         assert found["exp_under_pv"] and all(found["exp_under_pv"]), found["exp_under_pv"]
     assert found["shared"] <= hopper.shared_memory
     assert any("0 bytes spill stores" in line for line in found["ptxas"]), found["ptxas"]
+
+
+
+@pytest.mark.parametrize("variant", [
+    flashgen.Variant("fa3", 128, 128, 4, 2, programs_per_sm=1, pingpong=True),
+    flashgen.Variant("fa3", 128, 64, 8, 2, programs_per_sm=1),
+], ids=str)
+def test_the_p_regs_override_reads_k_in_row_groups_and_hands_p_over_in_registers(
+        variant: Any) -> None:
+    """The persistent fp8 kernel with `p_regs` (off by default; an A/B override): K arrives
+    by 5-D TMA, P V takes P from registers (no 8-bit shared-memory stores), at most one byte
+    permute a 32-bit operand register at each of a consumer's two P V sites (P carried in
+    fp8 across the loop took ~450), and nothing spills under the causal mask."""
+    from flashgen.kernels.problem import Problem
+    from flashgen.tune.gluon_compile import report_in_subprocess
+
+    found = report_in_subprocess(variant, Problem(2, 16, 16, 4096, 4096, 128, "fp8", True),
+                                 overrides={"p_regs": True})
+    ops = found["opcodes"]
+    assert ops.get("UTMALDG.5D") and found["wgmma_e4m3"] == found["wgmma"]
+    assert not any(op.startswith("STS.U") for op in ops), ops
+    consumers = variant.block_m // (16 * variant.num_warps)
+    assert 0 < found["byte_permutes"] <= 2 * consumers * variant.block_n // 8
+    assert any("0 bytes spill stores" in line for line in found["ptxas"]), found["ptxas"]
+
+
+def _key_of(n: int) -> int:
+    """The persistent fp8 kernel's `_key_of`: the key its score column n holds."""
+    return (n & -16) | ((n & 6) << 1) | ((n >> 2) & 2) | (n & 1)
+
+
+@pytest.mark.parametrize("n", [48, 150, 256])
+def test_k_row_groups_land_keys_where_the_8bit_operand_wants_them(n: int) -> None:
+    """The 5-D descriptor's tile, read as TMA reads it (box order, inner dims first), holds
+    at shared-memory row r the key `_key_of(r)` of its batch and head, for every tile; the
+    column -> key map is a permutation of each 16 keys; and a layout whose batches or heads
+    do not start on a 16-row boundary, or whose memory ends inside a group, gets None."""
+    from flashgen.runtime.forward import k_groups_descriptor
+
+    b, h, d, block_n = 2, 3, 32, 32
+    rows = torch.randint(0, 120, (b, h, -(-n // 16) * 16, d), dtype=torch.uint8)
+    k = rows.view(torch.float8_e4m3fn)[:, :, :n]  # heads' rows padded to 16, as a caller may
+    keys = k.view(torch.uint8)  # compared as bytes
+    found = k_groups_descriptor(k, block_n, 64)
+    assert found is not None
+    desc, group_b, group_h = found
+    assert desc.block_shape == [block_n // 16, 2, 4, 2, 64]  # TMA zero-fills past D
+    view = desc.base
+    assert sorted(_key_of(c) for c in range(16)) == list(range(16))
+    for bi in range(b):
+        for hi in range(h):
+            for j in range(-(-n // block_n)):
+                g0 = bi * group_b + hi * group_h + j * (block_n // 16)
+                # Groups past the last one TMA reads as zeros (the kernel masks those keys).
+                tile = view.view(torch.uint8)[g0:g0 + block_n // 16].reshape(-1, d)
+                for r in range(tile.shape[0]):
+                    key = j * block_n + _key_of(r)
+                    if key < n:
+                        assert torch.equal(tile[r], keys[bi, hi, key]), (bi, hi, j, r)
+    raw = torch.zeros(b, h, 150, d).to(torch.float8_e4m3fn)  # heads of 150 rows
+    assert k_groups_descriptor(raw, block_n, d) is None
+    alone = torch.zeros(1, 1, 150, d).to(torch.float8_e4m3fn)
+    assert k_groups_descriptor(alone, block_n, d) is None  # memory ends inside a group
+    assert k_groups_descriptor(torch.zeros(1, 1, 160, d).to(torch.float8_e4m3fn)[:, :, :150],
+                               block_n, d) is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", FP8_CASES)
+def test_gpu_the_p_regs_override_passes_the_fp8_gate(case: tuple) -> None:
+    """The persistent fp8 kernel with `p_regs` (K in 16-row groups, P V from registers) on
+    every fp8 case, K's heads padded to 16 rows; the same K contiguous, where a head starts
+    off a 16-row boundary: an explicit (strict) launch is a named error, the runtime's
+    non-strict launch runs the pointer twin, and both pass the gate."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the fa3 fp8 kernels are Hopper's")
+    from flashgen.kernels.render import _load_module, _templates, render_with, source_hash
+    from flashgen.runtime.modifiers import Fp8, Mods
+    from flashgen.serve import prepare_forward
+
+    b, hq, hkv, nq, nk, d, causal, block = case
+    variant = flashgen.Variant("fa3", 128, 128, 4, 2, programs_per_sm=1)
+    problem = flashgen.Problem(b, hq, hkv, nq, nk, d, "fp8", causal)
+    if flashgen.why_invalid(variant, problem, "cuda"):
+        pytest.skip(flashgen.why_invalid(variant, problem, "cuda"))
+    source = render_with(_templates(), variant, problem, {"p_regs": True})
+    kernel = _load_module(source_hash(source), source).attn_fwd
+    q, k, v = (t.cuda() for t in blocky_inputs(b, hq, hkv, nq, nk, d))
+    qz = quantize(q, k, v, block=block, incoherent=block is not None)
+    kd = qz.k.shape[-1]
+    rows = torch.zeros(b, hkv, -(-nk // 16) * 16, kd, dtype=qz.k.dtype, device="cuda")
+    rows[:, :, :nk] = qz.k
+    scale = d ** -0.5
+    for k8, grouped in ((rows[:, :, :nk], True), (qz.k.contiguous(), nk % 16 == 0)):
+        given = Quantized(qz.q, k8, *qz[2:])
+        mods = Mods(fp8=Fp8.of(given.q, given.k, given[3:], None, QUANT_BLOCK))
+        strict = prepare_forward(variant, problem, kernel=kernel)
+        if grouped:
+            out, _ = strict(given.q, given.k, given.v, scale, mods)
+        else:
+            with pytest.raises(ValueError, match="16-row boundary"):
+                strict(given.q, given.k, given.v, scale, mods)
+            out, _ = prepare_forward(variant, problem, strict=False, kernel=kernel)(
+                given.q, given.k, given.v, scale, mods)
+        result = compare_fp8(out, given, causal=causal, block=block)
+        assert result.ok, (grouped, result.reason)

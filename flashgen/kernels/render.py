@@ -151,6 +151,12 @@ def render_context(variant: Variant, problem: Problem) -> dict[str, Any]:
         # fa3 with softcap, 16-bit inputs: the cap's scales folded into tanh's argument and
         # the softmax's FMA, one multiply a score instead of three (+6-12% capped).
         "cap_fold": problem.softcap and problem.dtype in ("fp16", "bf16"),
+        # fp8 on the persistent fa3 kernel: P V reads P from registers, K's rows arriving
+        # permuted (a 5-D descriptor) so that turning the scores into that operand moves no
+        # data between threads; the launcher asks the kernel (`K_ROW_GROUPS`). Off: 1.5-5%
+        # slower than P through shared memory at the winning points on an H200
+        # (docs/fp8.md); kept for A/Bs through `render_with` overrides.
+        "p_regs": False,
         **modifier_context(problem),
     }
 

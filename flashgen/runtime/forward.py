@@ -147,6 +147,54 @@ def gluon_descriptor(t: torch.Tensor, rows: int, cols: int | None = None) -> obj
                       True)
 
 
+def k_row_groups(kernel: Any) -> bool:
+    """Whether `kernel` (a rendered fa3 kernel) reads K as `k_groups_descriptor`'s 16-row
+    groups (the persistent fp8 kernel, whose P V takes P from registers): its module says so."""
+    fn = getattr(kernel, "fn", None)
+    return bool(getattr(fn, "__globals__", {}).get("K_ROW_GROUPS", False))
+
+
+def k_groups_descriptor(k: torch.Tensor, block_n: int,
+                        cols: int) -> tuple[object, int, int] | None:
+    """K (B, H, N, D) as the 5-D Gluon descriptor of the persistent fp8 kernel with `p_regs`:
+    16-row groups (G, h, q, e, D), strides (16, 2, 4, 1) rows, so a [block_n / 16, 2, 4, 2,
+    cols] tile (cols >= D: TMA zero-fills the columns past D) lands in
+    shared memory with row 16G + 8h + 2q + e holding key 16G + 4q + 2h + e (the kernel's
+    `_key_of`); with the groups a batch and a head start at (KG_B, KG_H). None where K's rows
+    cannot be taken so: a batch or head not starting on a 16-row boundary (a contiguous K
+    whose N is not a multiple of 16), or memory that ends inside the last group."""
+    b, h, n, d = k.shape
+    sb, sh, sn, sd = k.stride()
+    group = 16 * sn
+    sb, sh = (sb if b > 1 else 0), (sh if h > 1 else 0)
+    if not n or sd != 1 or sb % group or sh % group:
+        return None
+    groups = ((b - 1) * sb + (h - 1) * sh) // group + cdiv(n, 16)
+    available = k.untyped_storage().nbytes() // k.element_size() - k.storage_offset()
+    if (groups * 16 - 1) * sn + d > available:
+        return None
+    view = k.as_strided((groups, 2, 4, 2, d), (group, 2 * sn, 4 * sn, sn, 1))
+    made = object.__new__(_gluon_descriptor_type())
+    made.__dict__.update(_group_fields(tuple(view.shape), tuple(view.stride()), block_n, cols,
+                                       k.dtype))
+    made.__dict__["base"] = view
+    return made, sb // group, sh // group
+
+
+@functools.lru_cache(maxsize=1024)
+def _group_fields(shape: tuple[int, ...], strides: tuple[int, ...], block_n: int, cols: int,
+                  dtype: torch.dtype) -> dict[str, object]:
+    """`k_groups_descriptor`'s fields but its base (as `_fields`)."""
+    from triton.experimental.gluon import language as gl
+
+    block = [block_n // 16, 2, 4, 2, cols]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
+    return {"shape": list(shape), "strides": list(strides), "block_shape": block,
+            "padding": "zero", "layout": layout,
+            SPEC_ATTR: descriptor_spec(_gluon_descriptor_type(), dtype, tuple(block), layout,
+                                       "zero")}
+
+
 def fa2_grid(variant: Any, nq: int, heads: int, device: torch.device) -> tuple[int, int]:
     """The fa2 launch grid (Q-tile programs per head, B * H_Q).
 
@@ -294,7 +342,9 @@ def _prepare_pointers(variant: Any, shape: Shape, kernel: Any) -> Launcher:
 
 def _prepare_tma(entry: Entry, shape: Shape, kernel_of: KernelOf, strict: bool) -> Launcher:
     variant = knobs(entry["variant"])
-    kernel = bind(kernel_of("fwd"))  # descriptors are keyed too (`runtime.launch`)
+    raw = kernel_of("fwd")
+    kernel = bind(raw)  # descriptors are keyed too (`runtime.launch`)
+    k_groups = k_row_groups(raw)
     launch = {"num_warps": variant.num_warps, "num_stages": variant.num_stages}
     bm, bn = variant.block_m, variant.block_n
     d = padded_head_dim(shape.head_dim, shape.dtype)
@@ -375,8 +425,17 @@ def _prepare_tma(entry: Entry, shape: Shape, kernel_of: KernelOf, strict: bool) 
             v_tiles = gluon_descriptor(vt, d, bn) if fp8 else gluon_descriptor(v, bn, d)
             if mods is not None:
                 extra = (*extra, *mods.kernel_args(shape.causal, nq, k.shape[2]))
+            if k_groups:
+                grouped = k_groups_descriptor(k, bn, d)
+                if grouped is None:
+                    return twin(q, k, v, scale, mods, " (fp8 with P V from registers: each "
+                                "batch and head of k starting on a 16-row boundary)")
+                k_tiles, group_b, group_h = grouped
+                extra = (*extra, group_b, group_h)
+            else:
+                k_tiles = gluon_descriptor(k, bn, d)
             kernel[grid](
-                gluon_descriptor(q, rows, d), gluon_descriptor(k, bn, d), v_tiles,
+                gluon_descriptor(q, rows, d), k_tiles, v_tiles,
                 gluon_descriptor(out, rows, d), lse, *lse.stride()[:2],
                 scale, nq, k.shape[2], hq, group, *extra, num_warps=variant.num_warps,
             )  # fmt: skip

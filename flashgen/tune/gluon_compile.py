@@ -104,6 +104,7 @@ def compile_fa3(variant: Variant, problem: Problem, capability: int = 90,
     """Triton's compiled kernel for fa3 `variant` on `problem` (see `compile_gluon`);
     `overrides` replace entries of the render context (`render_with`)."""
     from flashgen.kernels.render import _load_module, _templates, render_with, source_hash
+    from flashgen.runtime.forward import k_groups_descriptor, k_row_groups
 
     if variant.loop_order != "fa3":
         raise ValueError(f"{variant} is not an fa3 variant")
@@ -124,6 +125,10 @@ def compile_fa3(variant: Variant, problem: Problem, capability: int = 90,
         args[12:12] = [8, torch.zeros(8, 3, dtype=torch.int32)] if problem.varlen else [8]
     source = render_with(_templates(), variant, problem, overrides)
     kernel = _load_module(source_hash(source), source).attn_fwd
+    if k_row_groups(kernel):  # K as 16-row groups, then their batch and head strides
+        k = torch.empty(2, 4, 256, d, dtype=torch.float8_e4m3fn)
+        args[1], group_b, group_h = k_groups_descriptor(k, variant.block_n, d)
+        args += [group_b, group_h]
     return compile_gluon(kernel, args, {}, variant.num_warps, capability)
 
 
