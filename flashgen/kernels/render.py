@@ -153,8 +153,8 @@ def render_context(variant: Variant, problem: Problem) -> dict[str, Any]:
         "cap_fold": problem.softcap and problem.dtype in ("fp16", "bf16"),
         # fp8 on the persistent fa3 kernel: P V reads P from registers, K's rows arriving
         # permuted (a 5-D descriptor) so that turning the scores into that operand moves no
-        # data between threads; the launcher asks the kernel (`K_ROW_GROUPS`). Off: 1.5-5%
-        # slower than P through shared memory at the winning points on an H200
+        # data between threads; the launcher asks the kernel (`K_ROW_GROUPS`). Off: 0-5% slower
+        # than P through shared memory at the winning points on an H200, 1-10% with ping-pong
         # (docs/fp8.md); kept for A/Bs through `render_with` overrides.
         "p_regs": False,
         **modifier_context(problem),
