@@ -6,6 +6,11 @@ added where their ids are new (a winner of a key already there is kept as it is:
 rather than merge two winners of one key). All databases must be at the same schema as the
 first, or older by whole migrations that only deleted rows; the first should be the newest.
 
+`--rechoose` then makes each key's winner the fastest correct trial whose kernel is current,
+over every trial the merged file holds (the tuner's own rule, `TuningDB.update_winner`):
+for runs that could not see each other's trials, such as a tune whose template was edited
+while it ran and whose rows were later found to be of the same kernels.
+
     python scripts/merge_db.py new.db tuning_db/flashgen.db other.db --out merged.db
     python scripts/slim_db.py merged.db --out tuning_db/flashgen.db --force --provenance ...
 """
@@ -58,16 +63,33 @@ def merge(first: Path, others: list[Path], out: Path) -> dict[str, int]:
     return counts
 
 
+def rechoose(path: Path) -> int:
+    """Choose every key's winner again by the tuner's rule (`TuningDB.update_winner`);
+    returns how many keys now have another winning trial."""
+    from flashgen.store.db import TuningDB
+
+    with TuningDB(path) as db:
+        before = {w.key.id: w.trial_id for w in db.all_winners()}
+        after = {key: new.trial_id for key, new in
+                 ((w.key.id, db.update_winner(w.key)) for w in db.all_winners())
+                 if new is not None}
+    return sum(after[key] != trial for key, trial in before.items() if key in after)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("first", type=Path, help="the newest database (its schema is kept)")
     parser.add_argument("others", type=Path, nargs="+")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--rechoose", action="store_true",
+                        help="then choose each key's winner again over all its trials")
     args = parser.parse_args()
     if args.out.exists():
         parser.error(f"{args.out} exists")
     counts = merge(args.first, args.others, args.out)
     print(f"{args.out}: " + ", ".join(f"{n} {t}" for t, n in counts.items()))
+    if args.rechoose:
+        print(f"{rechoose(args.out)} keys have another winner")
 
 
 if __name__ == "__main__":

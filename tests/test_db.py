@@ -565,3 +565,34 @@ def test_slim_keeps_current_winners_their_trials_and_provenance(tmp_path: Path) 
         slim(path, out, provenance="x")
     slim(path, in_place=True, provenance="x")
     assert check_current(path) == [] and path.stat().st_size < len(before)
+
+
+def test_merge_rechoose_makes_the_fastest_current_trial_of_all_files_the_winner(
+        tmp_path: Path) -> None:
+    """scripts/merge_db.py keeps the first file's winner of a key both files tuned; with
+    `rechoose` the key's winner is its fastest correct current trial over both files, as
+    `update_winner` chooses, and a stale faster trial does not win."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "merge_db", Path(__file__).resolve().parent.parent / "scripts" / "merge_db.py")
+    assert spec is not None and spec.loader is not None
+    merge_db = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(merge_db)
+    key = key_of()
+    first, second = tmp_path / "first.db", tmp_path / "second.db"
+    with TuningDB(first) as db:
+        record_ok(db, key, Variant(block_m=64), 2.0)
+        db.update_winner(key)
+    with TuningDB(second) as db:
+        record_ok(db, key, Variant(block_m=128), 1.0)
+        record_ok(db, key, Variant(block_m=32), 0.5)  # faster, but its kernel is not current
+        _change_kernel(db, "trials", "block_m = 32", [])
+        db.update_winner(key)
+    for again, winner in ((False, 64), (True, 128)):
+        out = tmp_path / f"merged-{again}.db"
+        merge_db.merge(first, [second], out)
+        if again:
+            assert merge_db.rechoose(out) == 1
+        with TuningDB.open_readonly(out) as db:
+            assert db.winner(key).variant == Variant(block_m=winner)
