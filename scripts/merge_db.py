@@ -68,12 +68,12 @@ def rechoose(path: Path) -> int:
     returns how many keys now have another winning trial."""
     from flashgen.store.db import TuningDB
 
+    changed = 0
     with TuningDB(path) as db:
-        before = {w.key.id: w.trial_id for w in db.all_winners()}
-        after = {key: new.trial_id for key, new in
-                 ((w.key.id, db.update_winner(w.key)) for w in db.all_winners())
-                 if new is not None}
-    return sum(after[key] != trial for key, trial in before.items() if key in after)
+        for winner in db.all_winners():
+            new = db.update_winner(winner.key)
+            changed += new is not None and new.trial_id != winner.trial_id
+    return changed
 
 
 def main() -> None:

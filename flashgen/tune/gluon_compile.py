@@ -126,8 +126,7 @@ def compile_fa3(variant: Variant, problem: Problem, capability: int = 90,
     source = render_with(_templates(), variant, problem, overrides)
     kernel = _load_module(source_hash(source), source).attn_fwd
     if k_row_groups(kernel):  # K as 16-row groups, then their batch and head strides
-        k = torch.empty(2, 4, 256, d, dtype=torch.float8_e4m3fn)
-        args[1], group_b, group_h = k_groups_descriptor(k, variant.block_n, d)
+        args[1], group_b, group_h = k_groups_descriptor(args[1].base, variant.block_n, d)
         args += [group_b, group_h]
     return compile_gluon(kernel, args, {}, variant.num_warps, capability)
 
