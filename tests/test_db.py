@@ -516,7 +516,9 @@ def test_shipped_database_is_small_and_every_winner_is_current() -> None:
     # A template edit that changes a shipped kernel must come with a re-tune of its rows,
     # or dispatch passes them over; prose edits keep them (tests/test_kernel_hash.py).
     path = Path(str(data_dir("tuning_db") / "flashgen.db"))
-    assert path.stat().st_size <= 2 * 1024 * 1024
+    # About 2.4 KB a winner with its trial and baseline: ~950 winners (two GPUs' decode
+    # presets included) fit 4 MiB; a file past it carries more than winners.
+    assert path.stat().st_size <= 4 * 1024 * 1024
     assert check_current(path) == []
     with TuningDB.open_readonly(path) as db:
         winners, runs = db.all_winners(), db.runs()
