@@ -355,11 +355,21 @@ def test_fa3_backward_points_exist_only_where_the_gluon_kernels_run() -> None:
         assert not bwd_portfolio(_fa3_problem(d), AMPERE)
     for point in (pick.variant for pick in HOPPER_BWD_PORTFOLIO):  # each serves some problem
         assert any(why_invalid_bwd(point, _fa3_problem(d, t, c), HOPPER) is None
-                   for d in (64, 128) for t in ("fp16", "bf16") for c in (False, True)), point
+                   for d in (64, 128, 256) for t in ("fp16", "bf16") for c in (False, True)
+                   ), point
     # Head dims below a tile are padded by TMA (rows of 16-byte multiples); D100's rows are
-    # 200 bytes, D256 has no Gluon backward, fp32 no fa3 at all.
+    # 200 bytes, fp32 has no fa3 at all. Above D128 both Gluon kernels run (the wide dK/dV
+    # kernel); the Triton dK/dV kernel's accumulators need 8 warps there, so no "dq".
     assert {v.fa3 for v in bwd_search_space(_fa3_problem(96), HOPPER)} == {"none", "dq", "both"}
-    for problem in (_fa3_problem(100), _fa3_problem(256), _fa3_problem(64, "fp32")):
+    for d in (192, 256):
+        assert {v.fa3 for v in bwd_search_space(_fa3_problem(d), HOPPER)} == {"none", "both"}
+    assert "own 64 rows" in (why_invalid_bwd(BwdVariant(64, 128, 4, 2, fa3="both"),
+                                             _fa3_problem(256), HOPPER) or "")
+    assert "32 or 64 query rows" in (why_invalid_bwd(BwdVariant(128, 64, 4, 1, fa3="both"),
+                                                     _fa3_problem(256), HOPPER) or "")
+    assert "no window" in (why_invalid_bwd(BwdVariant(64, 64, 4, 2, fa3="both"),
+                                           _fa3_problem(256).with_(window=True), HOPPER) or "")
+    for problem in (_fa3_problem(100), _fa3_problem(64, "fp32")):
         assert {v.fa3 for v in bwd_search_space(problem, HOPPER)} == {"none"}
     assert "16-byte rows" in (why_invalid_bwd(BwdVariant(64, 128, 4, 2, fa3="both"),
                                               _fa3_problem(100), HOPPER) or "")
@@ -495,7 +505,11 @@ def test_fa3_backward_renders_gluon_for_its_kernels_only() -> None:
      # delta worked out in the dQ kernel (O read beside dO's tile)
      ("dq", BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_streamed=64, fused_delta=True), 64,
       "bf16", True),
-     ("dq", BwdVariant(64, 128, 4, 2, fa3="both", fused_delta=True), 80, "fp16", False)],
+     ("dq", BwdVariant(64, 128, 4, 2, fa3="both", fused_delta=True), 80, "fp16", False),
+     # Above D128: the wide dK/dV kernel (two consumers split the head dim), the dQ kernel
+     ("dkdv", BwdVariant(64, 64, 4, 2, fa3="both"), 256, "bf16", True),
+     ("dkdv", BwdVariant(32, 64, 4, 3, fa3="both", dq_block_streamed=64), 192, "fp16", False),
+     ("dq", BwdVariant(64, 64, 4, 2, fa3="both", fused_delta=True), 256, "bf16", True)],
 )
 def test_fa3_backward_compiles_for_hopper(kernel: str, variant: BwdVariant, d: int,
                                           dtype: str, causal: bool) -> None:
@@ -513,6 +527,10 @@ def test_fa3_backward_compiles_for_hopper(kernel: str, variant: BwdVariant, d: i
         # kernel spilled 428-952 bytes (sm_90a, Triton 3.6), with S^T alone 8 in fp16 and
         # 84-96 in bf16 (452-496 before bf16's P was rounded by packed conversions).
         assert _spill_store_bytes(found["ptxas"]) <= 128, found["ptxas"]
+    if kernel == "dkdv" and padded_head_dim(d) > 128:
+        # Each consumer holds 64 x 128 of dK and dV: 84 bytes spilled on 64-query steps,
+        # none on 32 (sm_90a, Triton 3.6).
+        assert _spill_store_bytes(found["ptxas"]) <= 96, found["ptxas"]
     if variant.fused_delta:
         # delta costs no spills and no shared memory
         # beyond its layout change (a few hundred bytes; sm_90a, Triton 3.6).
@@ -640,7 +658,8 @@ FA3_BWD_POINTS = [*(pick.variant for pick in HOPPER_BWD_PORTFOLIO),
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_fa3_backward(variant: BwdVariant, causal: bool) -> None:
     """The Gluon kernels against the float64 reference: ragged and cross lengths (N_Q above
-    and below N_K), GQA, both memory layouts, both 16-bit dtypes, D64 and D128."""
+    and below N_K), GQA, both memory layouts, both 16-bit dtypes, D64, D128 and D256 (and
+    head dims padded up to them)."""
     from flashgen.kernels.hardware import device_info
 
     if not device_info("cuda").is_hopper:
@@ -650,6 +669,8 @@ def test_gpu_fa3_backward(variant: BwdVariant, causal: bool) -> None:
         (64, torch.float16, 333, 517, "bnhd"), (64, torch.bfloat16, 517, 333, "bhnd"),
         (128, torch.bfloat16, 333, 517, "bhnd"), (128, torch.float16, 1000, 1000, "bnhd"),
         (96, torch.bfloat16, 517, 333, "bnhd"), (40, torch.float16, 333, 517, "bhnd"),
+        (256, torch.bfloat16, 333, 517, "bhnd"), (256, torch.float16, 517, 333, "bnhd"),
+        (192, torch.bfloat16, 1000, 1000, "bhnd"),
     ]):
         problem = flashgen.Problem(2, 8, 2, nq, nk, d, DTYPE_NAMES[dtype], causal)
         if why_invalid_bwd(variant, problem, "cuda") is None:

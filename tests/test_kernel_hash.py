@@ -34,7 +34,8 @@ HOPPER = DeviceInfo("H-test", (9, 0), 132, 232448)
 #: Gluon (fa3) kernels need fp16/bf16 and D 64 or 128; fp32 and an unpadded D take others.
 PROBLEMS = (Problem(2, 8, 2, 1024, 1024, 64, "bf16", True),
             Problem(2, 8, 8, 1024, 1024, 128, "fp16", False),
-            Problem(1, 2, 1, 256, 256, 40, "fp32", True))
+            Problem(1, 2, 1, 256, 256, 40, "fp32", True),
+            Problem(1, 4, 2, 512, 512, 256, "bf16", True))
 #: The decode family's branches: paged or contiguous, padded D or not, fp32 or 16-bit.
 DECODE_PROBLEMS = (DecodeProblem(2, 8, 2, 1, 1024, 64, "bf16", True, page_size=16),
                    DecodeProblem(1, 2, 1, 3, 256, 40, "fp32", False))
@@ -115,7 +116,7 @@ def test_prose_added_to_every_template_keeps_every_kernel_hash(tmp_path: Path) -
             seen.add(render.template_name(v) if role == "fwd"
                      else decode_render.decode_template_name(role)  # type: ignore[arg-type]
                      if isinstance(v, DecodeVariant)
-                     else bwd_render.bwd_template_name(role, v))  # type: ignore[arg-type]
+                     else bwd_render.bwd_template_name(role, v, p))  # type: ignore[arg-type]
         assert [s for _, s in edited] != [s for _, s in _sources(render._templates(), v, p)]
         kernel = (render.kernel_hash if isinstance(v, Variant)
                   else decode_render.decode_kernel_hash if isinstance(v, DecodeVariant)

@@ -291,7 +291,9 @@ BWD_PORTFOLIO_PINNED = {
     96: ["bwd-atomic own128x64 w4 s2 fa3", "bwd-separate own128x64 w4 s2 fa3",
          "bwd-separate own128x64 w4 s2 fa3 fused-delta", "bwd-separate own128x64 w4 s3 fa3",
          "bwd-separate own128x64 w8 s2", "bwd-separate own128x64 w8 s2 fused-delta"],
-    256: ["bwd-separate own64x32 w8 s2", "bwd-separate own64x32 w8 s2 fused-delta"],
+    256: ["bwd-separate own64x64 w4 s2 fa3 fused-delta", "bwd-separate own64x64 w4 s2 fa3",
+          "bwd-separate own64x32 w4 s3 fa3", "bwd-separate own64x32 w8 s2",
+          "bwd-separate own64x32 w8 s2 fused-delta"],
 }
 
 #: (device, head dim, dtype, causal, keys) -> (forward default, backward default, backward
@@ -319,7 +321,8 @@ DEFAULTS_PINNED = {
         "fa2 m128 n64 w8 s3", "bwd-separate own128x64 w8 s2",
         "bwd-separate own128x64 w8 s2"),
     ("H-test", 256, "fp16", False, 512): (
-        "fa3 m128 n64 w4 s2", "bwd-separate own64x32 w8 s2", "bwd-separate own64x32 w8 s2"),
+        "fa3 m128 n64 w4 s2", "bwd-separate own64x64 w4 s2 fa3 fused-delta",
+        "bwd-separate own64x32 w8 s2"),
     ("H-test", 40, "fp32", False, 512): (
         "fa2 m128 n64 w4 s3", "bwd-separate own64x32 w4 s1", "bwd-separate own64x32 w4 s1"),
     ("H-test", 96, "fp32", False, 512): (

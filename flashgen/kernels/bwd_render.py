@@ -30,8 +30,13 @@ BWD_KERNELS: tuple[str, ...] = ("preprocess", "dkdv", "dq")
 PREPROCESS_BLOCK_M = 64
 
 
-def bwd_template_name(kernel: BwdKernel, variant: BwdVariant | None = None) -> str:
+def bwd_template_name(kernel: BwdKernel, variant: BwdVariant | None = None,
+                      problem: Problem | None = None) -> str:
     fa3 = "_fa3" if variant is not None and variant.gluon(kernel) else ""
+    # Above D128 a consumer cannot hold 64 keys' dK and dV: the wide kernel splits the head
+    # dim between two consumers.
+    if fa3 and kernel == "dkdv" and problem is not None and problem.padded_head_dim > 128:
+        fa3 += "_wide"
     return f"attn_bwd_{kernel}{fa3}.py.jinja"
 
 
@@ -82,7 +87,7 @@ def bwd_render_context(kernel: BwdKernel, variant: BwdVariant, problem: Problem)
 def render_bwd(kernel: BwdKernel, variant: BwdVariant, problem: Problem) -> str:
     """The Triton source of one backward kernel (cached on what its template reads)."""
     context = tuple(sorted(bwd_render_context(kernel, variant, problem).items()))
-    return _render(bwd_template_name(kernel, variant), context)
+    return _render(bwd_template_name(kernel, variant, problem), context)
 
 
 def render_bwd_with(templates: Mapping[str, str], kernel: BwdKernel, variant: BwdVariant,
@@ -90,7 +95,7 @@ def render_bwd_with(templates: Mapping[str, str], kernel: BwdKernel, variant: Bw
     """What `render_bwd` gives with other template texts (say an earlier revision's): lets a
     tool or test see which kernels (so which rows' kernel hashes) a template change alters."""
     env = _make_environment(templates.get)
-    return env.get_template(bwd_template_name(kernel, variant)).render(
+    return env.get_template(bwd_template_name(kernel, variant, problem)).render(
         **bwd_render_context(kernel, variant, problem))
 
 
@@ -107,7 +112,7 @@ def bwd_kernel_hash(variant: BwdVariant, problem: Problem) -> str:
     (`bwd_roles`), each normalised (`flashgen.kernels.render.normalised`). As in the forward,
     the Triton twin that runs on inputs TMA cannot address is not part of it."""
     return rendered_hash(
-        (role, bwd_template_name(role, variant),
+        (role, bwd_template_name(role, variant, problem),
          tuple(sorted(bwd_render_context(role, variant, problem).items())))
         for role in bwd_roles(variant))
 

@@ -49,6 +49,10 @@ def bwd_shared_memory_bytes(v: BwdVariant, p: Problem) -> int:
         # The Gluon dK/dV kernel's dQ share, staged in fp32 for its TMA reduce, and dS^T
         # for both consumers' products, double-buffered (the estimate's P tile is one).
         staged = 4 * v.block_streamed * d + elem * v.block_owned * v.block_streamed
+    elif v.gluon("dkdv") and d > 128:
+        # The wide dK/dV kernel's P^T and dS^T, double-buffered: four owned x streamed tiles
+        # where the estimate counts one.
+        staged = 3 * elem * v.block_owned * v.block_streamed
     return staged + elem * (d * (2 * v.block_owned + 2 * streamed * stages)
                             + v.block_owned * streamed)
 
@@ -101,9 +105,11 @@ def fa3_unavailable(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:
         return "fa3 backward kernels are Gluon kernels for Hopper (sm_90)"
     if p.dtype not in ("fp16", "bf16"):
         return f"fa3 backward kernels take fp16 or bf16, not {p.dtype}"
-    if p.padded_head_dim not in (64, 128):
-        return (f"fa3 backward kernels tile head dims 64 and 128 (or pad up to one), not "
+    if p.padded_head_dim not in (64, 128, 256):
+        return (f"fa3 backward kernels tile head dims 64, 128 and 256 (or pad up to one), not "
                 f"{p.head_dim}")
+    if p.padded_head_dim == 256 and (reason := wide_fa3_unavailable(v, p)):
+        return reason
     if reason := rows_not_16_bytes("fa3 backward", p):
         # Below its tile a head dim (80, 96, 112) is padded by TMA: zero fill on load,
         # clipped on store; its rows need only be 16-byte multiples.
@@ -126,6 +132,25 @@ def fa3_unavailable(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:
         # dK and dV of a consumer's 64 keys take 128 of its 240 registers at D128.
         return (f"fa3 dK/dV at head_dim 128 spills with block_streamed {v.block_streamed} "
                 "(at most 64)")
+    return None
+
+
+def wide_fa3_unavailable(v: BwdVariant, p: Problem) -> str | None:
+    """Above D128 (padded to 256): the wide dK/dV kernel (two consumers split the head dim of
+    one program's 64 keys) and the dQ kernel with one consumer of 64 rows, whose 64 x 256
+    fp32 accumulator leaves room for score tiles of 64 keys at most."""
+    if v.block_owned != 64:
+        return f"fa3 backward kernels above head dim 128 own 64 rows, not {v.block_owned}"
+    if v.dq_mode != "separate":
+        return "fa3 backward kernels above head dim 128 take dq_mode 'separate' only"
+    if v.gluon("dkdv") and v.block_streamed > 64:
+        return ("the wide fa3 dK/dV kernel streams 32 or 64 query rows, not "
+                f"{v.block_streamed}")
+    if v.gluon("dkdv") and (mods := sorted(set(p.modifiers) - {"sinks"})):
+        return f"the wide fa3 dK/dV kernel takes no {', '.join(mods)}: use fa3 'dq' or 'none'"
+    if v.gluon("dq") and v.streamed("dq") > 64:
+        return ("the fa3 dQ kernel above head dim 128 streams 64 keys at most, not "
+                f"{v.streamed('dq')}")
     return None
 
 
@@ -240,6 +265,9 @@ BWD_DEFAULTS: tuple[Pick[BwdVariant], ...] = (
          "key on H100 and H200", min_d=128, exact_d=True),
     Pick(BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_streamed=64), "Triton dK/dV, Gluon "
          "dQ on 64-key tiles: won most D64 keys", max_d=64, hopper=True, exact_d=True),
+    Pick(BwdVariant(64, 64, 4, 2, fa3="both", fused_delta=True), "D256: the wide Gluon dK/dV "
+         "kernel and the Gluon dQ with delta: won 7 of the 8 gemma2-9b bf16 keys (H100)",
+         min_d=256, exact_d=True),
     # fp32 dots run exactly on CUDA cores, unrolled per thread: big tiles compile for
     # minutes, and fp32 is the exactness path, so compile time decides.
     Pick(BwdVariant(16, 32, 4, 1), "fp32 at D >= 128: seconds to compile, not half a minute",
@@ -304,6 +332,13 @@ HOPPER_BWD_PORTFOLIO: tuple[Pick[BwdVariant], ...] = (
          "issued alone (it spilled with S^T and dP^T together)"),
     Pick(BwdVariant(128, 128, 4, 2, fa3="both", dq_block_streamed=64), "the same, dQ on 64-key "
          "tiles"),
+    Pick(BwdVariant(64, 64, 4, 2, fa3="both", fused_delta=True), "D256: the wide dK/dV kernel "
+         "(two consumers split the head dim) and the dQ kernel with delta, 64-row steps: "
+         "won 7 of the 8 gemma2-9b bf16 keys (H100)", min_d=256),
+    Pick(BwdVariant(64, 64, 4, 2, fa3="both"), "the same with the preprocessing kernel",
+         min_d=256),
+    Pick(BwdVariant(32, 64, 4, 3, fa3="both"), "D256: 32-query steps on a 3-stage ring",
+         min_d=256),
 )
 
 
