@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Re-tune the shipped database's problem set on the GPU this runs on: the fa-bench and
-# llama3-8b presets, fp16 and bf16, causal and not, forward then backward, into --db.
+# Re-tune the shipped database's problem set on the GPU this runs on: the fa-bench,
+# llama3-8b and gemma2-9b presets, fp16 and bf16, causal and not, forward then backward,
+# into --db.
 #
-#   bash scripts/retune.sh --db tuning_db/flashgen.db            # both modes, both presets
+#   bash scripts/retune.sh --db tuning_db/flashgen.db            # both modes, every preset
 #   bash scripts/retune.sh --db my.db --mode bwd --preset fa-bench --dry-run
 #   bash scripts/retune.sh --db my.db -- --remeasure             # after --: passed to tune
 #
@@ -17,12 +18,12 @@
 # the file that ships (winners, their trials, provenance).
 set -euo pipefail
 
-usage() { sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'; cat <<'EOF'
+usage() { sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; cat <<'EOF'
 Options:
   --db FILE             tuning database to write (required)
   --gpu N               CUDA GPU index (default 0)
   --mode fwd|bwd|both   what to tune (default both: forward, then backward)
-  --preset NAME         fa-bench or llama3-8b; repeatable (default both)
+  --preset NAME         fa-bench, llama3-8b or gemma2-9b; repeatable (default all three)
   --fwd-trials N        new forward measurements per problem (default 4)
   --fwd-timeout S       seconds of forward tuning per problem (default 15)
   --bwd-trials N        new backward measurements per problem (default 6)
@@ -52,8 +53,8 @@ while (($#)); do
       shift 2 ;;
     --preset)
       case "${2:-}" in
-        fa-bench|llama3-8b) presets+=("$2") ;;
-        *) die "--preset is fa-bench or llama3-8b (the shipped problem set)" ;;
+        fa-bench|llama3-8b|gemma2-9b) presets+=("$2") ;;
+        *) die "--preset is fa-bench, llama3-8b or gemma2-9b (the shipped problem set)" ;;
       esac
       shift 2 ;;
     --fwd-trials) fwd_trials=${2:?}; shift 2 ;;
@@ -69,7 +70,7 @@ while (($#)); do
   esac
 done
 [[ -n "$db" ]] || die "--db FILE is required"
-((${#presets[@]})) || presets=(fa-bench llama3-8b)
+((${#presets[@]})) || presets=(fa-bench llama3-8b gemma2-9b)
 
 preset_args=()
 for p in "${presets[@]}"; do preset_args+=(--preset "$p"); done

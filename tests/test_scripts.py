@@ -35,7 +35,7 @@ def test_retune_runs_tune_with_options_it_has() -> None:
         options = [word for word in command[4:] if word.startswith("--")]
         assert set(options) <= known, set(options) - known
         presets = [command[i + 1] for i, word in enumerate(command) if word == "--preset"]
-        assert presets == ["fa-bench", "llama3-8b"] and set(presets) <= set(PRESETS)
+        assert presets == ["fa-bench", "llama3-8b", "gemma2-9b"] and set(presets) <= set(PRESETS)
         assert command[command.index("--db") + 1] == "x.db"
 
 
