@@ -367,8 +367,11 @@ def test_fa3_backward_points_exist_only_where_the_gluon_kernels_run() -> None:
                                              _fa3_problem(256), HOPPER) or "")
     assert "32 or 64 query rows" in (why_invalid_bwd(BwdVariant(128, 64, 4, 1, fa3="both"),
                                                      _fa3_problem(256), HOPPER) or "")
-    assert "no window" in (why_invalid_bwd(BwdVariant(64, 64, 4, 2, fa3="both"),
-                                           _fa3_problem(256).with_(window=True), HOPPER) or "")
+    assert "no packed layout" in (why_invalid_bwd(BwdVariant(64, 64, 4, 2, fa3="both"),
+                                                  _fa3_problem(256).with_(varlen=True), HOPPER)
+                                  or "")
+    assert why_invalid_bwd(BwdVariant(64, 64, 4, 2, fa3="both"),
+                           _fa3_problem(256).with_(window=True, softcap=True), HOPPER) is None
     for problem in (_fa3_problem(100), _fa3_problem(64, "fp32")):
         assert {v.fa3 for v in bwd_search_space(problem, HOPPER)} == {"none"}
     assert "16-byte rows" in (why_invalid_bwd(BwdVariant(64, 128, 4, 2, fa3="both"),
@@ -548,6 +551,25 @@ def test_fa3_backward_compiles_for_hopper(kernel: str, variant: BwdVariant, d: i
         if variant.block_owned == 64:
             bound = 96  # one consumer: 60 bytes at D128
         assert _spill_store_bytes(found["ptxas"]) <= bound, found["ptxas"]
+
+
+@pytest.mark.parametrize("mods", [{"window": True}, {"window": True, "softcap": True,
+                                                    "sinks": True}], ids=["window", "all"])
+def test_wide_fa3_dkdv_compiles_with_window_and_softcap(mods: dict[str, bool]) -> None:
+    """The wide D256 dK/dV kernel with a window and softcap (packed sequences take the
+    Triton kernels), compiled for sm90a: warpgroup products, tanh as one special-function op
+    a score where capped, spills as the plain kernel's (92 bytes with everything)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from flashgen.tune.gluon_compile import report_in_subprocess
+
+    variant = BwdVariant(64, 64, 4, 2, fa3="both")
+    problem = flashgen.Problem(2, 16, 8, 2048, 2048, 256, "bf16", True, **mods)
+    assert why_invalid_bwd(variant, problem, HOPPER) is None
+    found = report_in_subprocess(variant, problem, "dkdv")
+    assert found["wgmma"] and found["tma"] and found["wait_one"]
+    assert found["shared"] <= HOPPER.shared_memory
+    assert _spill_store_bytes(found["ptxas"]) <= 96, found["ptxas"]
+    assert bool(found["opcodes"].get("MUFU.TANH")) == mods.get("softcap", False)
 
 
 def test_fused_delta_gluon_dq_compiles_packed_with_modifiers() -> None:

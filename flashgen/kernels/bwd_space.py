@@ -137,8 +137,9 @@ def fa3_unavailable(v: BwdVariant, p: Problem, dev: DeviceInfo) -> str | None:
 
 def wide_fa3_unavailable(v: BwdVariant, p: Problem) -> str | None:
     """Above D128 (padded to 256): the wide dK/dV kernel (two consumers split the head dim of
-    one program's 64 keys) and the dQ kernel with one consumer of 64 rows, whose 64 x 256
-    fp32 accumulator leaves room for score tiles of 64 keys at most."""
+    one program's 64 keys; window and softcap, not the packed layout) and the dQ kernel with
+    one consumer of 64 rows, whose 64 x 256 fp32 accumulator leaves room for score tiles of
+    64 keys at most."""
     if v.block_owned != 64:
         return f"fa3 backward kernels above head dim 128 own 64 rows, not {v.block_owned}"
     if v.dq_mode != "separate":
@@ -146,8 +147,10 @@ def wide_fa3_unavailable(v: BwdVariant, p: Problem) -> str | None:
     if v.gluon("dkdv") and v.block_streamed > 64:
         return ("the wide fa3 dK/dV kernel streams 32 or 64 query rows, not "
                 f"{v.block_streamed}")
-    if v.gluon("dkdv") and (mods := sorted(set(p.modifiers) - {"sinks"})):
-        return f"the wide fa3 dK/dV kernel takes no {', '.join(mods)}: use fa3 'dq' or 'none'"
+    if v.gluon("dkdv") and p.varlen:
+        # Its dK and dV leave by TMA store, which would write a packed tile's rows of the
+        # next sequence.
+        return "the wide fa3 dK/dV kernel takes no packed layout: use fa3 'none'"
     if v.gluon("dq") and v.streamed("dq") > 64:
         return ("the fa3 dQ kernel above head dim 128 streams 64 keys at most, not "
                 f"{v.streamed('dq')}")
@@ -266,8 +269,8 @@ BWD_DEFAULTS: tuple[Pick[BwdVariant], ...] = (
     Pick(BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_streamed=64), "Triton dK/dV, Gluon "
          "dQ on 64-key tiles: won most D64 keys", max_d=64, hopper=True, exact_d=True),
     Pick(BwdVariant(64, 64, 4, 2, fa3="both", fused_delta=True), "D256: the wide Gluon dK/dV "
-         "kernel and the Gluon dQ with delta: won 7 of the 8 gemma2-9b bf16 keys (H100)",
-         min_d=256, exact_d=True),
+         "kernel and the Gluon dQ with delta: won 7 of the 8 gemma2-9b bf16 keys (H100); "
+         "with window or softcap only where tuned", min_d=256, plain=True),
     # fp32 dots run exactly on CUDA cores, unrolled per thread: big tiles compile for
     # minutes, and fp32 is the exactness path, so compile time decides.
     Pick(BwdVariant(16, 32, 4, 1), "fp32 at D >= 128: seconds to compile, not half a minute",
