@@ -649,6 +649,11 @@ class TuningDB:
                 return None
             problem = Problem.from_dict(json.loads(trial["problem_json"]))
             sdpa = self.baseline(key.device_key, key.torch_version, problem, key.mode)
+            if sdpa is None:  # a slim file has no baselines: the old row's, if same problem
+                sdpa = next((
+                    (w["sdpa_backend"], w["sdpa_ms"]) for w in self.db["winners"].rows_where(
+                        "key_id = ? and problem_json = ? and sdpa_ms is not null",
+                        [key.id, trial["problem_json"]])), None)
             row = {
                 "key_id": key.id, **key.to_columns(),
                 **{c: trial[c] for c in (*PROBLEM_COLUMNS, "problem_json", "variant_json",

@@ -4,9 +4,10 @@ A user's own database keeps every trial (history, and what a resumed run skips).
 one only has to serve dispatch and say where its rows came from, so `slim` keeps the winners
 whose kernel is current, the trial each came from (and, for a winner that is not
 deterministic, its key's fastest deterministic trial, which dispatch serves under
-`torch.use_deterministic_algorithms`), the latest SDPA baseline of their problems and
-the file's provenance (`runs`), and nothing else. The source file is only read: the result
-goes to another path, or replaces the source only when asked (`in_place`).
+`torch.use_deterministic_algorithms`) and the file's provenance (`runs`), and nothing else.
+SDPA baselines are left out: each winner row carries its problem's SDPA time already. The
+source file is only read: the result goes to another path, or replaces the source only when
+asked (`in_place`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def _copy(source: Path, target: Path) -> None:
 
 
 def _cut(db: TuningDB, provenance: str) -> int:
-    """Delete all but the current winners, their trials, baselines and runs; give each GPU
+    """Delete all but the current winners, their trials and runs; give each GPU
     whose kept trials no run row describes a row saying where they came from (`provenance`),
     spanning its trials' times in the source. Returns how many winners were stale."""
     conn = db.db.conn
@@ -59,11 +60,7 @@ def _cut(db: TuningDB, provenance: str) -> int:
                   if a is not None]
     conn.execute("DELETE FROM trials WHERE id NOT IN (SELECT trial_id FROM winners) AND id "
                  f"NOT IN ({', '.join('?' * len(alternates))})", alternates)
-    conn.execute(  # the latest of each, as `TuningDB.baseline` reads them
-        "DELETE FROM baselines WHERE id NOT IN (SELECT max(b.id) FROM baselines b JOIN winners "
-        "w ON w.device_key = b.device_key AND w.torch_version = b.torch_version AND "
-        "w.problem_json = b.problem_json AND w.mode = b.mode "
-        "GROUP BY b.device_key, b.torch_version, b.problem_json, b.mode)")
+    conn.execute("DELETE FROM baselines")  # the winners' sdpa_backend and sdpa_ms keep them
     conn.execute("DELETE FROM runs WHERE id NOT IN (SELECT run_id FROM trials "
                  "WHERE run_id IS NOT NULL)")
     undescribed = conn.execute(
