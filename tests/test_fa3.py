@@ -8,6 +8,7 @@ the numbers are checked on the GPU machine (`gpu` tests).
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from types import FunctionType, SimpleNamespace
 
@@ -15,7 +16,12 @@ import pytest
 import torch
 
 import flashgen
-from flashgen.kernels.fwd_space import FA3_TILES, default_variant, portfolio
+from flashgen.kernels.fwd_space import (
+    FA3_TILES,
+    default_variant,
+    portfolio,
+    shared_memory_bytes,
+)
 from flashgen.kernels.hardware import INTERPRETER, DeviceInfo, device_info
 from flashgen.kernels.render import _load_module, normalised, render, source_hash
 from flashgen.kernels.render import template_name as render_template_name
@@ -315,14 +321,24 @@ def test_fa3_matches_the_reference_on_gpu(
     assert check.ok, check.reason
 
 
-def test_fa3_runs_d256_on_the_one_tile_grid_with_64_key_tiles() -> None:
+def test_fa3_runs_d256_on_64_key_tiles_both_grids() -> None:
     problem = _problem(256, "bf16", True)
     points = [v for v in flashgen.search_space(problem, HOPPER) if v.loop_order == "fa3"]
-    assert points and all(v.block_n == 64 and not v.programs_per_sm for v in points)
-    assert "persistent grid" in flashgen.why_invalid(
-        flashgen.Variant("fa3", 64, 64, 4, 2, programs_per_sm=1), problem, HOPPER)
+    assert points and all(v.block_n == 64 for v in points)
+    # The persistent kernel has one Q buffer there and no O buffer: Q 64 KB, K/V 128 KB.
+    persistent = flashgen.Variant("fa3", 128, 64, 4, 2, programs_per_sm=1, pingpong=True)
+    assert persistent in points
+    assert shared_memory_bytes(persistent, problem) == 2 * 256 * (128 + 2 * 64 * 2)
+    assert "shared memory" in flashgen.why_invalid(
+        flashgen.Variant("fa3", 128, 64, 4, 3, programs_per_sm=1), problem, HOPPER)
     assert "shared memory" in flashgen.why_invalid(
         flashgen.Variant("fa3", 128, 128, 4, 2), problem, HOPPER)
+    # Three consumers have 160 registers a thread: a 64 x 256 fp32 O is 128 of them.
+    assert "three consumers" in flashgen.why_invalid(
+        flashgen.Variant("fa3", 192, 64, 4, 2, programs_per_sm=1), problem, HOPPER)
+    assert "up to 128" in flashgen.why_invalid(
+        flashgen.Variant("fa3", 128, 64, 4, 2, programs_per_sm=1), _problem(256, "fp8", True),
+        HOPPER)
 
 
 @pytest.mark.parametrize("variant", [flashgen.Variant("fa3", 64, 64, 4, 2),
@@ -335,11 +351,31 @@ def test_fa3_d256_compiles_for_hopper_without_spills(variant: flashgen.Variant) 
     assert any("0 bytes spill stores" in line for line in found["ptxas"]), found["ptxas"]
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fa3_d256_persistent_compiles_for_hopper(causal: bool) -> None:
+    """The one-buffer D256 persistent kernel: its shared memory is Q and the K/V ring alone
+    (O leaves from registers), and the causal mask's row bounds spill a few bytes at most."""
+    variant = flashgen.Variant("fa3", 128, 64, 4, 2, programs_per_sm=1, pingpong=True)
+    problem = _problem(256, "bf16", causal)
+    found = report_in_subprocess(variant, problem)
+    assert found["wgmma"] and found["tma"] and found["setmaxnreg"]
+    assert shared_memory_bytes(variant, problem) <= found["shared"] <= HOPPER.shared_memory
+    assert found["shared"] < shared_memory_bytes(variant, problem) + 1024
+    spilled = [int(m[1]) for line in found["ptxas"]
+               if (m := re.search(r"(\d+) bytes spill stores", line))]
+    assert spilled and max(spilled) <= 64, found["ptxas"]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", [flashgen.Variant("fa3", 64, 64, 4, 2),
                                      flashgen.Variant("fa3", 64, 64, 4, 3),
                                      flashgen.Variant("fa3", 128, 64, 4, 2),
-                                     flashgen.Variant("fa3", 128, 64, 8, 2)], ids=str)
+                                     flashgen.Variant("fa3", 128, 64, 8, 2),
+                                     flashgen.Variant("fa3", 128, 64, 4, 2, programs_per_sm=1),
+                                     flashgen.Variant("fa3", 128, 64, 4, 2, programs_per_sm=1,
+                                                      pingpong=True),
+                                     flashgen.Variant("fa3", 64, 64, 4, 2, programs_per_sm=1)],
+                         ids=str)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_fa3_d256_matches_the_reference_on_gpu(variant: flashgen.Variant,
                                                causal: bool) -> None:
@@ -352,7 +388,7 @@ def test_fa3_d256_matches_the_reference_on_gpu(variant: flashgen.Variant,
 
 
 def test_fa3_pads_head_dims_with_16_byte_rows_but_serves_them_only_tuned() -> None:
-    # 80, 96, 112 tile as 128, 40 and 48 as 64 (and 192 as 256, one-tile only): TMA
+    # 80, 96, 112 tile as 128, 40 and 48 as 64 (and 192 as 256, on 64-key tiles): TMA
     # zero-fills the columns past D.
     assert any(v.loop_order == "fa3" for v in flashgen.search_space(_problem(192, "bf16"),
                                                                      HOPPER))
@@ -367,9 +403,9 @@ def test_fa3_pads_head_dims_with_16_byte_rows_but_serves_them_only_tuned() -> No
     # A row TMA cannot address: 36 x 2 bytes is no multiple of 16.
     assert "16-byte rows" in flashgen.why_invalid(
         flashgen.Variant("fa3", 128, 128, 4, 2), _problem(36, "fp16", False), HOPPER)
-    assert "persistent grid" in flashgen.why_invalid(
-        flashgen.Variant("fa3", 64, 64, 4, 2, programs_per_sm=1), _problem(192, "bf16", False),
-        HOPPER)
+    assert "shared memory" in flashgen.why_invalid(
+        flashgen.Variant("fa3", 128, 128, 4, 2, programs_per_sm=1),
+        _problem(192, "bf16", False), HOPPER)
 
 
 @pytest.mark.parametrize("variant", [flashgen.Variant("fa3", 128, 128, 4, 2),
@@ -389,7 +425,9 @@ def test_fa3_padded_head_dim_compiles_for_hopper(variant: flashgen.Variant) -> N
                                      flashgen.Variant("fa3", 128, 64, 4, 3),
                                      flashgen.Variant("fa3", 128, 128, 4, 2, programs_per_sm=1,
                                                       pingpong=True),
-                                     flashgen.Variant("fa3", 128, 64, 4, 3, programs_per_sm=1)],
+                                     flashgen.Variant("fa3", 128, 64, 4, 3, programs_per_sm=1),
+                                     flashgen.Variant("fa3", 128, 64, 4, 2, programs_per_sm=1,
+                                                      pingpong=True)],
                          ids=str)
 @pytest.mark.parametrize("d", [40, 80, 96, 112, 192])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -399,7 +437,7 @@ def test_fa3_padded_head_dims_match_the_reference_on_gpu(variant: flashgen.Varia
         pytest.skip("needs a Hopper GPU")
     q, k, v = make_inputs(2, 4, 2, 700, 530, d, torch.bfloat16, "cuda", seed=d + causal)
     reason = flashgen.why_invalid(variant, flashgen.Problem.from_tensors(q, k, v, causal=causal))
-    if reason:  # D192 pads to 256: one-tile kernels with 64-key tiles only
+    if reason:  # D192 pads to 256: 64-key tiles, 2 stages
         pytest.skip(reason)
     out, lse = flashgen.attention(q, k, v, causal=causal, variant=variant, return_lse=True)
     check = compare(out, q, k, v, causal, None, lse)

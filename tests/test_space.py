@@ -271,8 +271,8 @@ FWD_PORTFOLIO_PINNED = {
         "fa2 m128 n128 w8 s3 ws tma", "fa2 m128 n128 w8 s3 tma", "fa2 m256 n64 w8 s4 ws tma",
         "fa2 m128 n64 w4 s2 tma", "fa2 m64 n64 w4 s3 tma", "fa2 m256 n64 w8 s3 tma",
     ],
-    (256, True): ["fa3 m128 n64 w4 s2", "fa3 m128 n64 w8 s2", "fa3 m64 n64 w4 s2",
-                  "fa2 m64 n64 w4 s3 tma"],
+    (256, True): ["fa3 m128 n64 w4 s2", "fa3 m128 n64 w4 s2 p1 pp", "fa3 m128 n64 w4 s2 p1",
+                  "fa3 m128 n64 w8 s2", "fa3 m64 n64 w4 s2", "fa2 m64 n64 w4 s3 tma"],
 }
 
 BWD_PORTFOLIO_PINNED = {

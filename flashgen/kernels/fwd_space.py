@@ -39,8 +39,10 @@ def shared_memory_bytes(v: Variant, p: Problem) -> int:
     d = p.padded_head_dim
     stages = max(1, v.num_stages)
     # fa3 stages O through Q's buffer, except on a persistent grid: there Q is double-buffered
-    # (the next tile's loads during this one) and O, written while both are in use, has its own.
-    q_and_o = 3 * v.block_m if v.loop_order == "fa3" and v.programs_per_sm else v.block_m
+    # (the next tile's loads during this one) and O, written while both are in use, has its own;
+    # above D128 Q has one buffer and O leaves from registers (the template's `one_q`).
+    persistent_fa3 = v.loop_order == "fa3" and v.programs_per_sm and d <= 128
+    q_and_o = 3 * v.block_m if persistent_fa3 else v.block_m
     # fa2 on a persistent grid with TMA stages O for its TMA store while the next tile's K/V
     # loads hold their buffers, and fa1 pipelines its inner loop's Q and running-output
     # loads: each a block_m x D tile more. Fitted to an H100 sweep of every valid variant
@@ -170,9 +172,9 @@ FA3_TILES = ((64, 4), (128, 4), (128, 8), (192, 4))
 #: registers a thread each. The persistent template alone has the third consumer.
 FA3_EXTRA_BLOCK_M = tuple(m for m, _ in FA3_TILES if m not in BLOCK_SIZES)
 FA3_HEAD_DIMS = (64, 128, 256)
-#: Head dims the persistent fa3 kernel takes: at D256 its double-buffered Q and own O leave
-#: no room for a K/V ring (shared memory); the one-tile kernel runs D256 with 64-key tiles.
-FA3_PERSISTENT_HEAD_DIMS = (64, 128)
+#: Head dims the persistent fa3 kernel takes. At D256 (16-bit only) Q has one buffer and O
+#: leaves from registers, or there would be no room for a K/V ring (shared memory).
+FA3_PERSISTENT_HEAD_DIMS = (64, 128, 256)
 
 
 def fa3_needs_hopper_and_16bit(v: Variant, p: Problem, dev: DeviceInfo) -> str | None:
@@ -193,6 +195,12 @@ def fa3_needs_hopper_and_16bit(v: Variant, p: Problem, dev: DeviceInfo) -> str |
     if v.programs_per_sm and d not in FA3_PERSISTENT_HEAD_DIMS:
         return (f"fa3 on the persistent grid tiles head dims {FA3_PERSISTENT_HEAD_DIMS}, not "
                 f"{d} (the one-tile kernel does)")
+    if d > 128 and v.programs_per_sm and p.dtype == "fp8":
+        # fp8 stages O and P in shared memory, which the one-buffer D256 kernel has no room for.
+        return "fp8 fa3 on the persistent grid tiles head dims up to 128"
+    if d > 128 and v.block_m in FA3_EXTRA_BLOCK_M:
+        # Three consumers get 160 registers a thread; a 64 x 256 fp32 O takes 128 of them.
+        return f"fa3 block_m {v.block_m} (three consumers) tiles head dims up to 128, not {d}"
     return rows_not_16_bytes("fa3", p)
 
 
@@ -472,10 +480,14 @@ HOPPER_PORTFOLIO: tuple[Pick[Variant], ...] = (
          max_d=64),
     Pick(_fa2(128, 64, 8, 4, tma=False), "fa2 sweep: fastest at D64 N16k causal", max_d=64),
     Pick(_fa2(64, 64, 4, 3, tma=False), "the last fa2 winner (D64 N512 causal)", max_d=64),
-    # Head dim 256 (192 pads to it): the one-tile kernel on 64-key tiles, 2 stages (the
-    # persistent kernel has no room for a ring there; 3 stages do not fit either).
+    # Head dim 256 (192 pads to it): 64-key tiles on a 2-stage ring (3 stages do not fit);
+    # the persistent kernel there has one Q buffer and stores O from registers.
     Pick(_fa3(128, 64, 4, 2), "one-tile fa3, two 64-row consumers: 0.93-1.01x cuDNN at "
          "gemma2-9b shapes, where fa2's best reached 0.74-0.77x", min_d=256),
+    Pick(_fa3(128, 64, 4, 2, programs_per_sm=1, pingpong=True), "persistent D256, two "
+         "consumers taking turns: the next tile's Q and K/V load under this one's end",
+         min_d=256),
+    Pick(_fa3(128, 64, 4, 2, programs_per_sm=1), "persistent D256 without turns", min_d=256),
     Pick(_fa3(128, 64, 8, 2), "one 128-row consumer at D256 (0.83-0.90x cuDNN)", min_d=256),
     Pick(_fa3(64, 64, 4, 2), "one 64-row consumer at D256 (0.74-0.83x cuDNN)", min_d=256),
     # Padded head dim 128 and above (80 and 96 pad to 128; fa3 rules drop them there).

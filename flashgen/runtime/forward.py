@@ -147,11 +147,24 @@ def gluon_descriptor(t: torch.Tensor, rows: int, cols: int | None = None) -> obj
                       True)
 
 
+def module_flag(kernel: Any, name: str) -> bool:
+    """Whether the module of `kernel` (a rendered kernel) sets `name` true: how a template
+    tells its launcher of a structure that changes the arguments."""
+    fn = getattr(kernel, "fn", None)
+    return bool(getattr(fn, "__globals__", {}).get(name, False))
+
+
 def k_row_groups(kernel: Any) -> bool:
     """Whether `kernel` (a rendered fa3 kernel) reads K as `k_groups_descriptor`'s 16-row
     groups (the persistent fp8 kernel, whose P V takes P from registers): its module says so."""
-    fn = getattr(kernel, "fn", None)
-    return bool(getattr(fn, "__globals__", {}).get("K_ROW_GROUPS", False))
+    return module_flag(kernel, "K_ROW_GROUPS")
+
+
+def o_pointer(kernel: Any) -> bool:
+    """Whether `kernel` (a rendered fa3 kernel) stores O through a pointer passed after its
+    other arguments, with O's (B, H, N) strides (the persistent kernel above D128, which has
+    no O buffer for a TMA store): its module says so."""
+    return module_flag(kernel, "O_POINTER")
 
 
 def k_groups_descriptor(k: torch.Tensor, block_n: int,
@@ -345,6 +358,7 @@ def _prepare_tma(entry: Entry, shape: Shape, kernel_of: KernelOf, strict: bool) 
     raw = kernel_of("fwd")
     kernel = bind(raw)  # descriptors are keyed too (`runtime.launch`)
     k_groups = k_row_groups(raw)
+    o_ptr = o_pointer(raw)
     launch = {"num_warps": variant.num_warps, "num_stages": variant.num_stages}
     bm, bn = variant.block_m, variant.block_n
     d = padded_head_dim(shape.head_dim, shape.dtype)
@@ -434,6 +448,8 @@ def _prepare_tma(entry: Entry, shape: Shape, kernel_of: KernelOf, strict: bool) 
                 extra = (*extra, group_b, group_h)
             else:
                 k_tiles = gluon_descriptor(k, bn, d)
+            if o_ptr:
+                extra = (*extra, out, *out.stride()[:3])
             kernel[grid](
                 gluon_descriptor(q, rows, d), k_tiles, v_tiles,
                 gluon_descriptor(out, rows, d), lse, *lse.stride()[:2],

@@ -104,7 +104,7 @@ def compile_fa3(variant: Variant, problem: Problem, capability: int = 90,
     """Triton's compiled kernel for fa3 `variant` on `problem` (see `compile_gluon`);
     `overrides` replace entries of the render context (`render_with`)."""
     from flashgen.kernels.render import _load_module, _templates, render_with, source_hash
-    from flashgen.runtime.forward import k_groups_descriptor, k_row_groups
+    from flashgen.runtime.forward import k_groups_descriptor, k_row_groups, o_pointer
 
     if variant.loop_order != "fa3":
         raise ValueError(f"{variant} is not an fa3 variant")
@@ -128,6 +128,9 @@ def compile_fa3(variant: Variant, problem: Problem, capability: int = 90,
     if k_row_groups(kernel):  # K as 16-row groups, then their batch and head strides
         args[1], group_b, group_h = k_groups_descriptor(args[1].base, variant.block_n, d)
         args += [group_b, group_h]
+    if o_pointer(kernel):  # O as a pointer and its (B, H, N) strides
+        out = args[3].base
+        args += [out, *out.stride()[:3]]
     return compile_gluon(kernel, args, {}, variant.num_warps, capability)
 
 
