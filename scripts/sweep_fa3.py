@@ -43,7 +43,10 @@ POINTS = [Variant("fa3", 128, 128, 4, 3), Variant("fa3", 128, 128, 4, 2),
           *(Variant("fa3", m, n, 4, s, programs_per_sm=1, pingpong=True)
             for m, n, s in ((128, 128, 2), (128, 64, 3), (192, 128, 3), (192, 64, 3))),
           # whole heads per program under the causal mask (head_units)
-          *(Variant("fa3", 128, 128, 4, s, programs_per_sm=1, head_units=True) for s in (3, 2))]
+          *(Variant("fa3", 128, 128, 4, s, programs_per_sm=1, head_units=True) for s in (3, 2)),
+          # head dim 256: 64-key tiles on a 2-stage ring, one-tile and persistent
+          Variant("fa3", 128, 64, 4, 2),
+          Variant("fa3", 128, 64, 4, 2, programs_per_sm=1, pingpong=True)]
 
 
 def cudnn_ms(problem: Problem, bench: KernelBench) -> float:

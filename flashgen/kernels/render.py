@@ -157,6 +157,10 @@ def render_context(variant: Variant, problem: Problem) -> dict[str, Any]:
         # than P through shared memory at the winning points on an H200, 1-10% with ping-pong
         # (docs/fp8.md); kept for A/Bs through `render_with` overrides.
         "p_regs": False,
+        # The persistent fa3 kernel above D128 (one Q buffer): its producer prefetches the
+        # next tile's Q rows into L2 (`Q_POINTER`), so that load, which waits for this tile's
+        # last Q K^T, reads L2. An A/B switch until measured.
+        "q_prefetch": False,
         **modifier_context(problem),
     }
 
