@@ -157,10 +157,11 @@ def render_context(variant: Variant, problem: Problem) -> dict[str, Any]:
         # than P through shared memory at the winning points on an H200, 1-10% with ping-pong
         # (docs/fp8.md); kept for A/Bs through `render_with` overrides.
         "p_regs": False,
-        # The persistent fa3 kernel above D128 (one Q buffer): its producer prefetches the
-        # next tile's Q rows into L2 (`Q_POINTER`), so that load, which waits for this tile's
-        # last Q K^T, reads L2. An A/B switch until measured.
-        "q_prefetch": False,
+        # The persistent fa3 kernel above D128 (one Q buffer) stages O in Q's buffer and
+        # loads the next tile's Q once O has left. Off: O leaves from registers (the launcher
+        # passes O's pointer, `O_POINTER`) and Q is refilled after the last P V; 4-29% slower
+        # on an H100 at N512-2k (docs/fa3-hopper.md), kept for A/Bs.
+        "o_through_q": True,
         **modifier_context(problem),
     }
 

@@ -167,12 +167,6 @@ def o_pointer(kernel: Any) -> bool:
     return module_flag(kernel, "O_POINTER")
 
 
-def q_pointer(kernel: Any) -> bool:
-    """Whether `kernel` also takes Q as a pointer with its (B, H, N) strides, after O's (the
-    persistent kernel above D128 that prefetches the next tile's Q into L2)."""
-    return module_flag(kernel, "Q_POINTER")
-
-
 def k_groups_descriptor(k: torch.Tensor, block_n: int,
                         cols: int) -> tuple[object, int, int] | None:
     """K (B, H, N, D) as the 5-D Gluon descriptor of the persistent fp8 kernel with `p_regs`:
@@ -364,7 +358,7 @@ def _prepare_tma(entry: Entry, shape: Shape, kernel_of: KernelOf, strict: bool) 
     raw = kernel_of("fwd")
     kernel = bind(raw)  # descriptors are keyed too (`runtime.launch`)
     k_groups = k_row_groups(raw)
-    o_ptr, q_ptr = o_pointer(raw), q_pointer(raw)
+    o_ptr = o_pointer(raw)
     launch = {"num_warps": variant.num_warps, "num_stages": variant.num_stages}
     bm, bn = variant.block_m, variant.block_n
     d = padded_head_dim(shape.head_dim, shape.dtype)
@@ -456,8 +450,6 @@ def _prepare_tma(entry: Entry, shape: Shape, kernel_of: KernelOf, strict: bool) 
                 k_tiles = gluon_descriptor(k, bn, d)
             if o_ptr:
                 extra = (*extra, out, *out.stride()[:3])
-            if q_ptr:
-                extra = (*extra, q, *q.stride()[:3])
             kernel[grid](
                 gluon_descriptor(q, rows, d), k_tiles, v_tiles,
                 gluon_descriptor(out, rows, d), lse, *lse.stride()[:2],

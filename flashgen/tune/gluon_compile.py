@@ -104,7 +104,7 @@ def compile_fa3(variant: Variant, problem: Problem, capability: int = 90,
     """Triton's compiled kernel for fa3 `variant` on `problem` (see `compile_gluon`);
     `overrides` replace entries of the render context (`render_with`)."""
     from flashgen.kernels.render import _load_module, _templates, render_with, source_hash
-    from flashgen.runtime.forward import k_groups_descriptor, k_row_groups, o_pointer, q_pointer
+    from flashgen.runtime.forward import k_groups_descriptor, k_row_groups, o_pointer
 
     if variant.loop_order != "fa3":
         raise ValueError(f"{variant} is not an fa3 variant")
@@ -131,9 +131,6 @@ def compile_fa3(variant: Variant, problem: Problem, capability: int = 90,
     if o_pointer(kernel):  # O as a pointer and its (B, H, N) strides
         out = args[3].base
         args += [out, *out.stride()[:3]]
-    if q_pointer(kernel):  # then Q's (its L2 prefetch)
-        q = args[0].base
-        args += [q, *q.stride()[:3]]
     return compile_gluon(kernel, args, {}, variant.num_warps, capability)
 
 
