@@ -23,7 +23,14 @@ from flashgen.kernels.fwd_space import (
     shared_memory_bytes,
 )
 from flashgen.kernels.hardware import INTERPRETER, DeviceInfo, device_info
-from flashgen.kernels.render import _load_module, normalised, render, source_hash
+from flashgen.kernels.render import (
+    _load_module,
+    _templates,
+    normalised,
+    render,
+    render_with,
+    source_hash,
+)
 from flashgen.kernels.render import template_name as render_template_name
 from flashgen.runtime.forward import fa3_grid
 from flashgen.runtime.table import head_units_leave_programs_idle
@@ -353,8 +360,9 @@ def test_fa3_d256_compiles_for_hopper_without_spills(variant: flashgen.Variant) 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_fa3_d256_persistent_compiles_for_hopper(causal: bool) -> None:
-    """The one-buffer D256 persistent kernel: its shared memory is Q and the K/V ring alone
-    (O leaves from registers), and the causal mask's row bounds spill a few bytes at most."""
+    """The one-buffer D256 persistent kernel: its shared memory is Q (which stages O too) and
+    the K/V ring alone, and the causal mask's row bounds spill a few bytes at most. With
+    `o_through_q` off, O leaves from registers and the launcher passes its pointer."""
     variant = flashgen.Variant("fa3", 128, 64, 4, 2, programs_per_sm=1, pingpong=True)
     problem = _problem(256, "bf16", causal)
     found = report_in_subprocess(variant, problem)
@@ -364,6 +372,9 @@ def test_fa3_d256_persistent_compiles_for_hopper(causal: bool) -> None:
     spilled = [int(m[1]) for line in found["ptxas"]
                if (m := re.search(r"(\d+) bytes spill stores", line))]
     assert spilled and max(spilled) <= 64, found["ptxas"]
+    assert "O_POINTER" not in render(variant, problem)
+    assert "O_POINTER = True" in render_with(_templates(), variant, problem,
+                                             {"o_through_q": False})
 
 
 @pytest.mark.gpu

@@ -271,7 +271,7 @@ FWD_PORTFOLIO_PINNED = {
         "fa2 m128 n128 w8 s3 ws tma", "fa2 m128 n128 w8 s3 tma", "fa2 m256 n64 w8 s4 ws tma",
         "fa2 m128 n64 w4 s2 tma", "fa2 m64 n64 w4 s3 tma", "fa2 m256 n64 w8 s3 tma",
     ],
-    (256, True): ["fa3 m128 n64 w4 s2", "fa3 m128 n64 w4 s2 p1 pp", "fa3 m128 n64 w4 s2 p1",
+    (256, True): ["fa3 m128 n64 w4 s2 p1 pp", "fa3 m128 n64 w4 s2", "fa3 m128 n64 w4 s2 p1",
                   "fa3 m128 n64 w8 s2", "fa3 m64 n64 w4 s2", "fa2 m64 n64 w4 s3 tma"],
 }
 
@@ -321,7 +321,7 @@ DEFAULTS_PINNED = {
         "fa2 m128 n64 w8 s3", "bwd-separate own128x64 w8 s2",
         "bwd-separate own128x64 w8 s2"),
     ("H-test", 256, "fp16", False, 512): (
-        "fa3 m128 n64 w4 s2", "bwd-separate own64x64 w4 s2 fa3 fused-delta",
+        "fa3 m128 n64 w4 s2 p1 pp", "bwd-separate own64x64 w4 s2 fa3 fused-delta",
         "bwd-separate own64x32 w8 s2"),
     ("H-test", 40, "fp32", False, 512): (
         "fa2 m128 n64 w4 s3", "bwd-separate own64x32 w4 s1", "bwd-separate own64x32 w4 s1"),

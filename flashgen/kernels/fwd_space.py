@@ -481,11 +481,12 @@ HOPPER_PORTFOLIO: tuple[Pick[Variant], ...] = (
     Pick(_fa2(128, 64, 8, 4, tma=False), "fa2 sweep: fastest at D64 N16k causal", max_d=64),
     Pick(_fa2(64, 64, 4, 3, tma=False), "the last fa2 winner (D64 N512 causal)", max_d=64),
     # Head dim 256 (192 pads to it): 64-key tiles on a 2-stage ring (3 stages do not fit);
-    # the persistent kernel there has one Q buffer and stores O from registers.
-    Pick(_fa3(128, 64, 4, 2), "one-tile fa3, two 64-row consumers: 0.93-1.01x cuDNN at "
-         "gemma2-9b shapes, where fa2's best reached 0.74-0.77x", min_d=256),
+    # the persistent kernel there has one Q buffer, which also stages O.
     Pick(_fa3(128, 64, 4, 2, programs_per_sm=1, pingpong=True), "persistent D256, two "
-         "consumers taking turns: the next tile's Q and K/V load under this one's end",
+         "consumers taking turns: 0.97-1.11x cuDNN at N512-4k but N512 causal (0.89)",
+         min_d=256),
+    Pick(_fa3(128, 64, 4, 2), "one-tile fa3, two 64-row consumers: 0.92-1.01x cuDNN at "
+         "gemma2-9b shapes (the N512 causal winner), where fa2's best reached 0.74-0.77x",
          min_d=256),
     Pick(_fa3(128, 64, 4, 2, programs_per_sm=1), "persistent D256 without turns", min_d=256),
     Pick(_fa3(128, 64, 8, 2), "one 128-row consumer at D256 (0.83-0.90x cuDNN)", min_d=256),
@@ -531,8 +532,9 @@ DEFAULTS: tuple[Pick[Variant], ...] = (
     Pick(Variant("fa3", 128, 128, 4, 2, programs_per_sm=1), "D64: fa3 pays from 4k keys; shorter "
          "programs leave its TMA prologue exposed", max_d=64, min_keys=FA3_DEFAULT_MIN_KEYS_D64,
          dtypes=FA3_DEFAULT_DTYPES, plain=True),
-    Pick(Variant("fa3", 128, 64, 4, 2), "D256: the one-tile kernel, two consumers on 64-key "
-         "tiles", min_d=256, dtypes=FA3_DEFAULT_DTYPES, plain=True),
+    Pick(Variant("fa3", 128, 64, 4, 2, programs_per_sm=1, pingpong=True), "D256: persistent, "
+         "two consumers taking turns on 64-key tiles", min_d=256, dtypes=FA3_DEFAULT_DTYPES,
+         plain=True),
     Pick(Variant("fa2", 128, 64, 8, 3), "fa2's tuned D128 tile", min_d=128, hopper=True),
     Pick(Variant("fa2", 128, 64, 8, 2), "fa2's D128 tile, 2 stages off Hopper", min_d=128,
          hopper=False),
