@@ -162,6 +162,10 @@ def render_context(variant: Variant, problem: Problem) -> dict[str, Any]:
         # passes O's pointer, `O_POINTER`) and Q is refilled after the last P V; 4-29% slower
         # on an H100 at N512-2k (docs/fa3-hopper.md), kept for A/Bs.
         "o_through_q": True,
+        # The persistent fa3 kernel on packed sequences stages O in Q's buffer and stores it
+        # 16 bytes a lane (whole rows a warp) under its per-row mask. Off: the masked store
+        # straight from the accumulator's registers (4 bytes a lane); kept for A/Bs.
+        "o_staged_varlen": True,
         **modifier_context(problem),
     }
 
