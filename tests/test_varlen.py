@@ -688,19 +688,20 @@ def test_persistent_packed_fa3_compiles_for_hopper(variant: Variant, d: int,
     assert packed["wgmma"] == dense["wgmma"] and packed["tma"] and packed["wait_one"]
     assert packed["setmaxnreg"]
     assert packed["exp_under_pv"] == dense["exp_under_pv"], packed["exp_under_pv"]
-    # The packed O store writes from registers; with no alignment hints (this compile has
-    # none, a launch has) it stores 16-bit elements and unpacks bf16 pairs with byte
-    # permutes, at most one an element. P repacked before every P V product would add about
-    # one per P element pair, product site and consumer (64 and more a consumer).
+    # The packed O store reads O back from shared memory; with no alignment hints (this
+    # compile has none, a launch has) it stores 16-bit elements and unpacks bf16 pairs with
+    # byte permutes, at most one an element. P repacked before every P V product would add
+    # about one per P element pair, product site and consumer (64 and more a consumer).
     o_elements = variant.fa3_consumers * variant.fa3_rows * d // (32 * variant.num_warps)
     assert packed["byte_permutes"] - dense["byte_permutes"] <= o_elements, (
         packed["byte_permutes"], dense["byte_permutes"])
     # No O staging buffer: less shared memory than the dense kernel.
     assert packed["shared"] < dense["shared"]
     # The walk that reads each entry's offsets on the device (and may take more than one
-    # tile) costs two consumers at D128 under the mask up to 32 bytes a thread of spill
-    # stores (measured 28-32; the tuner weighs it); nothing elsewhere.
-    assert _spilled(packed) <= (48 if d == 128 and causal else 0), packed["ptxas"]
+    # tile) and the Q buffer held until O has been read back from it cost consumers at D128
+    # up to 32 bytes a thread of spill stores (measured 20; the tuner weighs it); nothing at
+    # D64.
+    assert _spilled(packed) <= (48 if d == 128 else 0), packed["ptxas"]
 
 
 @pytest.mark.parametrize(("variant", "d"), [(PERSISTENT_PACKED[0], 128), (THREE_CONSUMERS, 64)],
