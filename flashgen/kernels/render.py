@@ -159,8 +159,8 @@ def render_context(variant: Variant, problem: Problem) -> dict[str, Any]:
         "p_regs": False,
         # The persistent fa3 kernel above D128 (one Q buffer) stages O in Q's buffer and
         # loads the next tile's Q once O has left. Off: O leaves from registers (the launcher
-        # passes O's pointer, `O_POINTER`) and Q is refilled after the last P V; 4-29% slower
-        # on an H100 at N512-2k (docs/fa3-hopper.md), kept for A/Bs.
+        # passes O's pointer, `O_POINTER`) and Q is refilled after the last P V; 3-16% slower
+        # on an H100 at N512-4k (docs/fa3-hopper.md), kept for A/Bs.
         "o_through_q": True,
         # The persistent fa3 kernel on packed sequences stages O in Q's buffer and stores it
         # 16 bytes a lane (whole rows a warp) under its per-row mask. Off: the masked store
