@@ -236,8 +236,12 @@ def test_modifiers_keep_to_triton_kernels_and_the_one_tile_fa3() -> None:
                 persistent, fa3_ok, hopper)
         else:
             assert why_invalid(persistent, fa3_ok, hopper) is None
-            # Tuned, not served untuned: the default stays fa2 until measured.
-            assert default_variant(fa3_ok, hopper).loop_order == "fa2"
+            # Tuned, not served untuned: the default stays fa2 until measured, but packed
+            # D128 problems get the persistent kernel (measured on both GPUs).
+            if fa3_ok.varlen:
+                assert default_variant(fa3_ok, hopper) == persistent
+            else:
+                assert default_variant(fa3_ok, hopper).loop_order == "fa2"
     assert "fa1 and fa2 without use_tma" in why_invalid(Variant("fa3", 128, 128, 8, 2),
                                                         p.with_(dtype="fp8"), hopper)
     assert "fa1 and fa2 without use_tma" in why_invalid(
@@ -724,7 +728,8 @@ def test_persistent_packed_fa3_with_softcap_and_sinks_compiles_for_hopper(varian
 def test_persistent_fa3_takes_packed_sequences() -> None:
     """The rules: the persistent fa3 kernel takes packed sequences (with softcap and sinks,
     two or three consumers), not with whole heads (the tile schedule balances the work),
-    windows or fp8; the tuner's space and portfolio hold it, the untuned default stays fa2."""
+    windows or fp8; the tuner's space and portfolio hold it, and at D128 it is the untuned
+    default."""
     from flashgen.kernels.fwd_space import portfolio, search_space
 
     hopper = flashgen.DeviceInfo("H-test", (9, 0), 132, 232448)
@@ -746,7 +751,9 @@ def test_persistent_fa3_takes_packed_sequences() -> None:
     assert any(v.loop_order == "fa3" and v.programs_per_sm for v in space)
     assert not any(v.head_units for v in space)
     assert PERSISTENT_PACKED[0] in portfolio(packed, hopper)
-    assert default_variant(packed, hopper).loop_order == "fa2"  # tuned, not a default
+    # The packed default is a D128 one; D64 packed problems run fa3 when tuned.
+    assert default_variant(packed, hopper).loop_order == "fa3"
+    assert default_variant(d64, hopper).loop_order == "fa2"
 
 
 def test_an_explicit_fa3_variant_names_a_packing_without_keys() -> None:

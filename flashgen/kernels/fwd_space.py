@@ -426,6 +426,8 @@ class Pick(Generic[V]):
     plain: bool = False
     #: Only head dims the kernels tile exactly (64, not 40; 128, not 96), modifiers or not.
     exact_d: bool = False
+    #: Only packed (True) or only unpacked (False) problems; None: either.
+    packed: bool | None = None
 
     def serves(self, problem: Problem, dev: DeviceInfo) -> bool:
         """Whether this row is meant for `problem` on `dev` (before the validity rules)."""
@@ -435,6 +437,7 @@ class Pick(Generic[V]):
         return (self.min_d <= problem.padded_head_dim <= self.max_d
                 and problem.seq_k >= self.min_keys and problem.dtype in self.dtypes
                 and self.causal in (None, problem.causal)
+                and self.packed in (None, problem.varlen)
                 and self.hopper in (None, dev.is_hopper))
 
 
@@ -522,13 +525,19 @@ HOPPER_PORTFOLIO: tuple[Pick[Variant], ...] = (
 #: fastest general choice on recent GPUs down to the smallest tile, which every problem
 #: admits. Measurements: docs/forward-portfolio.md.
 DEFAULTS: tuple[Pick[Variant], ...] = (
-    # fa3 is the untuned default for the plain 16-bit problems it was measured on; fp8, padded
-    # head dims (80, 96, ...) and modified problems run fa3 when tuned, not untuned.
+    # fa3 is the untuned default for the plain 16-bit problems it was measured on, and for
+    # packed sequences at D128; fp8, padded head dims (80, 96, ...) and other modified
+    # problems run fa3 when tuned, not untuned.
     Pick(Variant("fa3", 192, 128, 4, 3, programs_per_sm=1, pingpong=True), "D64 without the "
          "mask: three consumers taking turns", max_d=64, min_keys=FA3_THREE_CONSUMERS_MIN_KEYS,
          causal=False, dtypes=FA3_DEFAULT_DTYPES, plain=True),
     Pick(Variant("fa3", 128, 128, 4, 2, programs_per_sm=1, pingpong=True), "D128: two consumers "
          "taking turns, persistent", min_d=128, dtypes=FA3_DEFAULT_DTYPES, plain=True),
+    # Packed sequences at D128 (with softcap or sinks too; a window's rules refuse it): the
+    # H200's tuned winner, causal and not, and ahead of the H100's on its own A/B.
+    Pick(Variant("fa3", 128, 128, 4, 2, programs_per_sm=1, pingpong=True), "D128 packed "
+         "sequences: the persistent kernel's tile schedule, taking turns", min_d=128,
+         max_d=128, dtypes=FA3_DEFAULT_DTYPES, exact_d=True, packed=True),
     Pick(Variant("fa3", 128, 128, 4, 2, programs_per_sm=1), "D64: fa3 pays from 4k keys; shorter "
          "programs leave its TMA prologue exposed", max_d=64, min_keys=FA3_DEFAULT_MIN_KEYS_D64,
          dtypes=FA3_DEFAULT_DTYPES, plain=True),
