@@ -40,7 +40,7 @@ def shared_memory_bytes(v: Variant, p: Problem) -> int:
     stages = max(1, v.num_stages)
     # fa3 stages O through Q's buffer, except on a persistent grid: there Q is double-buffered
     # (the next tile's loads during this one) and O, written while both are in use, has its own;
-    # above D128 Q has one buffer and O leaves from registers (the template's `one_q`).
+    # above D128 Q has one buffer, which also stages O (the template's `one_q`).
     persistent_fa3 = v.loop_order == "fa3" and v.programs_per_sm and d <= 128
     q_and_o = 3 * v.block_m if persistent_fa3 else v.block_m
     # fa2 on a persistent grid with TMA stages O for its TMA store while the next tile's K/V
@@ -172,8 +172,8 @@ FA3_TILES = ((64, 4), (128, 4), (128, 8), (192, 4))
 #: registers a thread each. The persistent template alone has the third consumer.
 FA3_EXTRA_BLOCK_M = tuple(m for m, _ in FA3_TILES if m not in BLOCK_SIZES)
 FA3_HEAD_DIMS = (64, 128, 256)
-#: Head dims the persistent fa3 kernel takes. At D256 (16-bit only) Q has one buffer and O
-#: leaves from registers, or there would be no room for a K/V ring (shared memory).
+#: Head dims the persistent fa3 kernel takes. At D256 (16-bit only) Q has one buffer, which
+#: also stages O, or there would be no room for a K/V ring (shared memory).
 FA3_PERSISTENT_HEAD_DIMS = (64, 128, 256)
 
 

@@ -162,8 +162,8 @@ def k_row_groups(kernel: Any) -> bool:
 
 def o_pointer(kernel: Any) -> bool:
     """Whether `kernel` (a rendered fa3 kernel) stores O through a pointer passed after its
-    other arguments, with O's (B, H, N) strides (the persistent kernel above D128, which has
-    no O buffer for a TMA store): its module says so."""
+    other arguments, with O's (B, H, N) strides (the persistent kernel above D128 rendered
+    with `o_through_q` off, an A/B switch): its module says so."""
     return module_flag(kernel, "O_POINTER")
 
 
