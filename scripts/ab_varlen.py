@@ -8,6 +8,9 @@ with flashgen's dense call on B16 sequences of the packing's root-mean-square le
 kernel's output is first checked against each sequence's dense flashgen output.
 
     python3 scripts/ab_varlen.py --alt 'regs=@{"o_staged_varlen": false}' --timer wall
+    python3 scripts/ab_varlen.py --alt 'staged=@{"o_staged_one_tile": true}'  (one-tile)
+
+A variant whose kernel an alternate leaves unchanged is timed once ("current").
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ from flashgen.tune.timing import time_cuda
 
 POINTS = [Variant("fa3", 192, 64, 4, 2, programs_per_sm=1, pingpong=True),
           Variant("fa3", 128, 128, 4, 2, programs_per_sm=1, pingpong=True),
-          Variant("fa3", 128, 128, 4, 2, programs_per_sm=1)]
+          Variant("fa3", 128, 128, 4, 2, programs_per_sm=1),
+          # one-tile: what a packed call runs from a persistent plain winner's tiles
+          Variant("fa3", 128, 128, 4, 2), Variant("fa3", 128, 128, 4, 3)]
 
 
 def lengths(total: int, count: int, seed: int) -> list[int]:
@@ -74,9 +79,13 @@ def main() -> None:
             if flashgen.why_invalid(variant, problem):
                 continue
             runs = {"current": prepare_forward(variant, problem)}
+            seen = {source_hash(render_with(_templates(), variant, problem, {}))}
             for alt in a.alt:
                 name, _, spec = alt.partition("=")
                 source = render_with(_templates(), variant, problem, json.loads(spec[1:]))
+                if source_hash(source) in seen:
+                    continue
+                seen.add(source_hash(source))
                 kernel = _load_module(source_hash(source), source).attn_fwd
                 runs[name] = prepare_forward(variant, problem, kernel=kernel)
             scale = default_scale(a.dim)

@@ -7,6 +7,7 @@ times the same-dtype eager reference's error, plus one rounding step of the larg
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -657,6 +658,54 @@ def test_packed_fa3_compiles_for_hopper(variant: Variant, d: int) -> None:
     assert found["byte_permutes"] <= consumers * d // 4, found["byte_permutes"]
     assert found["shared"] <= hopper.shared_memory
     assert any("0 bytes spill stores" in line for line in found["ptxas"]), found["ptxas"]
+
+
+@pytest.mark.parametrize("d", [96, 128])
+def test_packed_one_tile_staged_o_store_compiles_for_hopper(d: int) -> None:
+    """`o_staged_one_tile` (off: an A/B switch until measured): the one-tile kernel's packed O
+    staged in Q's buffer and read back 16 bytes a lane compiles as the register store does,
+    no spills and the same shared memory; off, the render is the shipped one."""
+    from flashgen.kernels.render import _templates, render_with
+    from flashgen.tune.gluon_compile import report_in_subprocess
+
+    variant = Variant("fa3", 128, 128, 4, 2)
+    problem = Problem(2, 16, 16, 4096, 4096, d, "bf16", True, varlen=True)
+    assert render(variant, problem) == render_with(_templates(), variant, problem,
+                                                   {"o_staged_one_tile": False})
+    staged = report_in_subprocess(variant, problem, overrides={"o_staged_one_tile": True})
+    plain = report_in_subprocess(variant, problem)
+    assert staged["shared"] == plain["shared"]
+    assert staged["exp_under_pv"] == plain["exp_under_pv"]
+    assert any("0 bytes spill stores" in line for line in staged["ptxas"]), staged["ptxas"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [96, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_one_tile_staged_o_store_on_the_gpu(d: int, causal: bool) -> None:
+    """The staged O store computes what the register store does, bit for bit: only the way
+    O leaves differs (sequences that end inside a tile, an empty one, D96's padded columns)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("fa3 runs on Hopper")
+    from flashgen.kernels.problem import mix_bucket
+    from flashgen.kernels.render import _load_module, _templates, render_with, source_hash
+    from flashgen.runtime.modifiers import Mods, Varlen
+    from flashgen.serve import prepare_forward
+
+    lens = [1, 700, 63, 0, 129, 300]
+    offsets = (0, *itertools.accumulate(lens))
+    cu = torch.tensor(offsets, dtype=torch.int32, device="cuda")
+    total = offsets[-1]
+    q, k, v = (torch.randn(total, 8, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    variant = Variant("fa3", 128, 128, 4, 2)
+    problem = Problem(len(lens), 8, 8, max(lens), max(lens), d, "bf16", causal, varlen=True,
+                      mix=mix_bucket(len(lens), max(lens), total))
+    source = render_with(_templates(), variant, problem, {"o_staged_one_tile": True})
+    staged = prepare_forward(variant, problem,
+                             kernel=_load_module(source_hash(source), source).attn_fwd)
+    mods = Mods(varlen=Varlen(cu, cu, max(lens), max(lens), offsets, offsets))
+    want = prepare_forward(variant, problem)(q, k, v, d ** -0.5, mods)[0]
+    assert torch.equal(staged(q, k, v, d ** -0.5, mods)[0], want)
 
 
 def _spilled(report: dict) -> int:

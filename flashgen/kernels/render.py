@@ -166,6 +166,10 @@ def render_context(variant: Variant, problem: Problem) -> dict[str, Any]:
         # 16 bytes a lane (whole rows a warp) under its per-row mask. Off: the masked store
         # straight from the accumulator's registers (4 bytes a lane); kept for A/Bs.
         "o_staged_varlen": True,
+        # The same staged store in the one-tile fa3 kernel's packed path (O through Q's
+        # buffer). Off until measured: compiled for sm_90a only (docs/varlen-and-modifiers.md);
+        # `scripts/ab_varlen.py` times it.
+        "o_staged_one_tile": False,
         **modifier_context(problem),
     }
 
