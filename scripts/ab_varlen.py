@@ -20,6 +20,8 @@ import itertools
 import json
 import math
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 
@@ -32,18 +34,15 @@ from flashgen.runtime.modifiers import Mods, Varlen
 from flashgen.serve import prepare_forward
 from flashgen.tune.timing import time_cuda
 
+# The packing and pair counts of the benchmark this A/B mirrors, from the benchmark itself.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from varlen_modifiers import causal_pairs, lengths
+
 POINTS = [Variant("fa3", 192, 64, 4, 2, programs_per_sm=1, pingpong=True),
           Variant("fa3", 128, 128, 4, 2, programs_per_sm=1, pingpong=True),
           Variant("fa3", 128, 128, 4, 2, programs_per_sm=1),
           # one-tile: what a packed call runs from a persistent plain winner's tiles
           Variant("fa3", 128, 128, 4, 2), Variant("fa3", 128, 128, 4, 3)]
-
-
-def lengths(total: int, count: int, seed: int) -> list[int]:
-    """`count` positive lengths summing to `total`, seeded (uniform cut points)."""
-    gen = torch.Generator().manual_seed(seed)
-    cuts = sorted(torch.randperm(total - 1, generator=gen)[: count - 1].add(1).tolist())
-    return [b - a for a, b in itertools.pairwise([0, *cuts, total])]
 
 
 def main() -> None:
@@ -67,10 +66,10 @@ def main() -> None:
     for causal in (True, False):
         problem = Problem(len(lens), a.heads, a.heads, max(lens), max(lens), a.dim, a.dtype,
                           causal, varlen=True, mix=mix_bucket(len(lens), max(lens), 16384))
-        pairs = sum(n * (n + 1) // 2 if causal else n * n for n in lens)
+        pairs = sum(causal_pairs(n, n) if causal else n * n for n in lens)
         dense_in = [torch.randn(16, a.heads, rms, a.dim, device=dev, dtype=dtype)
                     for _ in range(3)]
-        dense_pairs = 16 * (rms * (rms + 1) // 2 if causal else rms * rms)
+        dense_pairs = 16 * (causal_pairs(rms, rms) if causal else rms * rms)
         want = torch.cat([flashgen.attention(
             q[s:e].transpose(0, 1)[None], k[s:e].transpose(0, 1)[None],
             v[s:e].transpose(0, 1)[None], causal=causal)[0].transpose(0, 1)

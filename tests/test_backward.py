@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ast
 import itertools
-import re
 from dataclasses import replace
 
 import pytest
@@ -589,9 +588,9 @@ def test_fused_delta_gluon_dq_compiles_packed_with_modifiers() -> None:
 
 def _spill_store_bytes(ptxas: list[str]) -> int:
     """The largest spill-store count in ptxas's -v lines (0 where none is reported)."""
-    counts = [int(m.group(1)) for line in ptxas
-              for m in [re.search(r"(\d+) bytes spill stores", line)] if m]
-    return max(counts, default=0)
+    from flashgen.tune.gluon_compile import spill_store_bytes
+
+    return spill_store_bytes(ptxas)
 
 
 @interpreter

@@ -191,6 +191,13 @@ def ptxas_report(ptx: str) -> list[str]:
             if "registers" in line or "spill" in line]
 
 
+def spill_store_bytes(ptxas: list[str]) -> int:
+    """The largest spill-store count (bytes a thread) in `ptxas_report`'s lines; 0 where
+    none is reported."""
+    return max((int(n) for line in ptxas for n in re.findall(r"(\d+) bytes spill stores", line)),
+               default=0)
+
+
 def sass(cubin: bytes) -> str:
     """The machine code of `cubin`, disassembled by the cuobjdump that Triton ships."""
     with tempfile.TemporaryDirectory() as tmp:
