@@ -8,7 +8,7 @@ with flashgen's dense call on B16 sequences of the packing's root-mean-square le
 kernel's output is first checked against each sequence's dense flashgen output.
 
     python3 scripts/ab_varlen.py --alt 'regs=@{"o_staged_varlen": false}' --timer wall
-    python3 scripts/ab_varlen.py --alt 'staged=@{"o_staged_one_tile": true}'  (one-tile)
+    python3 scripts/ab_varlen.py --alt 'registers=@{"o_staged_one_tile": false}'  (one-tile)
 
 A variant whose kernel an alternate leaves unchanged is timed once ("current").
 """

@@ -662,18 +662,18 @@ def test_packed_fa3_compiles_for_hopper(variant: Variant, d: int) -> None:
 
 @pytest.mark.parametrize("d", [96, 128])
 def test_packed_one_tile_staged_o_store_compiles_for_hopper(d: int) -> None:
-    """`o_staged_one_tile` (off: an A/B switch until measured): the one-tile kernel's packed O
-    staged in Q's buffer and read back 16 bytes a lane compiles as the register store does,
-    no spills and the same shared memory; off, the render is the shipped one."""
+    """`o_staged_one_tile` (on; off is the register store, kept for A/Bs): the one-tile
+    kernel's packed O staged in Q's buffer and read back 16 bytes a lane compiles as the
+    register store does, no spills and the same shared memory."""
     from flashgen.kernels.render import _templates, render_with
     from flashgen.tune.gluon_compile import report_in_subprocess
 
     variant = Variant("fa3", 128, 128, 4, 2)
     problem = Problem(2, 16, 16, 4096, 4096, d, "bf16", True, varlen=True)
     assert render(variant, problem) == render_with(_templates(), variant, problem,
-                                                   {"o_staged_one_tile": False})
-    staged = report_in_subprocess(variant, problem, overrides={"o_staged_one_tile": True})
-    plain = report_in_subprocess(variant, problem)
+                                                   {"o_staged_one_tile": True})
+    staged = report_in_subprocess(variant, problem)
+    plain = report_in_subprocess(variant, problem, overrides={"o_staged_one_tile": False})
     assert staged["shared"] == plain["shared"]
     assert staged["exp_under_pv"] == plain["exp_under_pv"]
     assert any("0 bytes spill stores" in line for line in staged["ptxas"]), staged["ptxas"]
@@ -700,12 +700,12 @@ def test_packed_one_tile_staged_o_store_on_the_gpu(d: int, causal: bool) -> None
     variant = Variant("fa3", 128, 128, 4, 2)
     problem = Problem(len(lens), 8, 8, max(lens), max(lens), d, "bf16", causal, varlen=True,
                       mix=mix_bucket(len(lens), max(lens), total))
-    source = render_with(_templates(), variant, problem, {"o_staged_one_tile": True})
-    staged = prepare_forward(variant, problem,
-                             kernel=_load_module(source_hash(source), source).attn_fwd)
+    source = render_with(_templates(), variant, problem, {"o_staged_one_tile": False})
+    registers = prepare_forward(variant, problem,
+                                kernel=_load_module(source_hash(source), source).attn_fwd)
     mods = Mods(varlen=Varlen(cu, cu, max(lens), max(lens), offsets, offsets))
-    want = prepare_forward(variant, problem)(q, k, v, d ** -0.5, mods)[0]
-    assert torch.equal(staged(q, k, v, d ** -0.5, mods)[0], want)
+    want = registers(q, k, v, d ** -0.5, mods)[0]
+    assert torch.equal(prepare_forward(variant, problem)(q, k, v, d ** -0.5, mods)[0], want)
 
 
 def _spilled(report: dict) -> int:
@@ -966,6 +966,8 @@ _FA3_BWD_POINTS = [BwdVariant(64, 128, 4, 2, fa3="both"), BwdVariant(128, 128, 4
                    BwdVariant(64, 128, 4, 2, "atomic", "both"),
                    BwdVariant(64, 128, 4, 2, fa3="both", fused_delta=True),
                    BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_streamed=64, fused_delta=True),
+                   BwdVariant(64, 128, 4, 2, "atomic", "both", smem_stats=True),
+                   BwdVariant(128, 128, 4, 2, fa3="both", smem_stats=True),
                    # D256 in the modifier test: the wide dK/dV kernel (not packed)
                    BwdVariant(64, 64, 4, 2, fa3="both", fused_delta=True)]
 

@@ -64,7 +64,8 @@ def bwd_render_context(kernel: BwdKernel, variant: BwdVariant, problem: Problem)
         owned, streamed = variant.block_owned, variant.streamed(kernel)
         if kernel == "dkdv":
             context.update(block_n=owned, block_m=streamed,
-                           atomic_dq=variant.dq_mode == "atomic")
+                           atomic_dq=variant.dq_mode == "atomic",
+                           smem_stats=variant.smem_stats)
         else:
             context.update(block_m=owned, block_n=streamed)
         context["stages"] = variant.num_stages

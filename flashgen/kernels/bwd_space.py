@@ -53,6 +53,8 @@ def bwd_shared_memory_bytes(v: BwdVariant, p: Problem) -> int:
         # The wide dK/dV kernel's P^T and dS^T, double-buffered: four owned x streamed tiles
         # where the estimate counts one.
         staged = 3 * elem * v.block_owned * v.block_streamed
+    if v.smem_stats:
+        staged += 4 * 2 * v.block_streamed * stages  # the LSE and delta ring, fp32
     return staged + elem * (d * (2 * v.block_owned + 2 * streamed * stages)
                             + v.block_owned * streamed)
 
@@ -207,8 +209,17 @@ def fused_delta_needs_a_dq_kernel(v: BwdVariant, p: Problem, dev: DeviceInfo) ->
     return None
 
 
+def smem_stats_needs_the_gluon_dkdv_kernel(v: BwdVariant, p: Problem,
+                                           dev: DeviceInfo) -> str | None:
+    # Only the Gluon dK/dV kernel of head dims up to 128 has the staging warp.
+    if v.smem_stats and not (v.gluon("dkdv") and p.padded_head_dim <= 128):
+        return "smem_stats is the Gluon dK/dV kernel's (fa3 'both', head dims up to 128)"
+    return None
+
+
 BWD_RULES: tuple[BwdRule, ...] = (
     fused_delta_needs_a_dq_kernel,
+    smem_stats_needs_the_gluon_dkdv_kernel,
     modifiers_need_triton_kernels,
     dq_tile_unused,
     fa3_unavailable,
@@ -229,8 +240,9 @@ def why_invalid_bwd(
         return f"unknown dq_mode {v.dq_mode!r}; use one of {DQ_MODES}"
     if v.fa3 not in FA3_KERNELS:
         return f"unknown fa3 {v.fa3!r}; use one of {FA3_KERNELS}"
-    if not isinstance(v.fused_delta, bool):
-        return f"fused_delta must be true or false, not {v.fused_delta!r}"
+    for name in ("fused_delta", "smem_stats"):
+        if not isinstance(getattr(v, name), bool):
+            return f"{name} must be true or false, not {getattr(v, name)!r}"
     return (tile_reason(v, (v.block_streamed, v.block_owned), BWD_BLOCK_SIZES, BWD_WARPS)
             or first_broken(BWD_RULES, v, p, dev))
 
@@ -238,10 +250,10 @@ def why_invalid_bwd(
 def all_bwd_points() -> list[BwdVariant]:
     """Every point before the validity rules: the full grid."""
     return [
-        BwdVariant(bm, bn, w, s, mode, fa3, dq_bm, fused)
-        for fa3, mode, bm, bn, w, s, dq_bm, fused in itertools.product(
+        BwdVariant(bm, bn, w, s, mode, fa3, dq_bm, fused, stats)
+        for fa3, mode, bm, bn, w, s, dq_bm, fused, stats in itertools.product(
             FA3_KERNELS, DQ_MODES, BWD_BLOCK_SIZES, BWD_BLOCK_SIZES, BWD_WARPS, BWD_STAGES,
-            DQ_BLOCK_SIZES, (False, True),
+            DQ_BLOCK_SIZES, (False, True), (False, True),
         )
     ]
 
@@ -364,7 +376,7 @@ def bwd_pointer_twin(variant: BwdVariant, problem: Problem,
     """The variant with every kernel a Triton one: what runs where the Gluon kernels cannot
     (inputs TMA cannot address), computing the same gradients. The same tiles where the
     Triton kernels take them, else 8 warps, else the Triton default."""
-    twin = replace(variant, fa3="none", dq_block_streamed=0)
+    twin = replace(variant, fa3="none", dq_block_streamed=0, smem_stats=False)
     for candidate in (twin, replace(twin, num_warps=8)):
         if why_invalid_bwd(candidate, problem, device) is None:
             return candidate

@@ -56,6 +56,9 @@ class BwdVariant(Knobs):
         kernel, which reads it: two launches instead of three, and O and dO read once less
         by a separate pass. Only where there is a dQ kernel, dq_mode 'separate'
         (rule-checked).
+    smem_stats: the Gluon dK/dV kernel (head dims up to 128) takes each streamed block's LSE
+        and delta from a shared-memory ring that a warp of their own fills, not from global
+        memory in every consumer thread (rule-checked; docs/backward-kernels.md).
     """
 
     kind = "backward variant"
@@ -69,6 +72,7 @@ class BwdVariant(Knobs):
     fa3: Fa3Kernels = "none"
     dq_block_streamed: int = 0
     fused_delta: bool = False
+    smem_stats: bool = False
 
     def __str__(self) -> str:
         # "own128x32": 128 owned rows crossed with 32-row streamed tiles; "dq-x64": the Gluon
@@ -79,6 +83,7 @@ class BwdVariant(Knobs):
             f"w{self.num_warps} s{self.num_stages}{fa3}"
             + (f" dq-x{self.dq_block_streamed}" if self.dq_block_streamed else "")
             + (" fused-delta" if self.fused_delta else "")
+            + (" smem-stats" if self.smem_stats else "")
         )
 
     @property

@@ -167,9 +167,9 @@ def render_context(variant: Variant, problem: Problem) -> dict[str, Any]:
         # straight from the accumulator's registers (4 bytes a lane); kept for A/Bs.
         "o_staged_varlen": True,
         # The same staged store in the one-tile fa3 kernel's packed path (O through Q's
-        # buffer). Off until measured: compiled for sm_90a only (docs/varlen-and-modifiers.md);
-        # `scripts/ab_varlen.py` times it.
-        "o_staged_one_tile": False,
+        # buffer): +3-6% on an H100 (docs/varlen-and-modifiers.md). Off: the register store,
+        # kept for A/Bs (`scripts/ab_varlen.py`).
+        "o_staged_one_tile": True,
         **modifier_context(problem),
     }
 
