@@ -402,8 +402,9 @@ def test_fa3_backward_points_exist_only_where_the_gluon_kernels_run() -> None:
 
 def test_fa3_backward_defaults_and_twins() -> None:
     for causal in (False, True):
-        assert default_bwd_variant(_fa3_problem(64, causal=causal), HOPPER) == BwdVariant(
-            32, 128, 4, 3, fa3="dq", dq_block_streamed=64)
+        for d in (64, 128):
+            assert default_bwd_variant(_fa3_problem(d, causal=causal), HOPPER) == BwdVariant(
+                64, 128, 4, 2, fa3="both", smem_stats=True)
     # Keys too short for a 64-key dQ tile fall back to the Triton kernels.
     short = flashgen.Problem(1, 2, 2, 40, 40, 64, "fp16", False)
     assert default_bwd_variant(short, HOPPER).fa3 == "none"

@@ -276,8 +276,12 @@ _16BIT = ("fp16", "bf16")
 BWD_DEFAULTS: tuple[Pick[BwdVariant], ...] = (
     # The Gluon rows serve the head dims they were measured at; a padded one (40, 96) takes
     # them only where tuned, the tuner's gate having checked them there.
-    Pick(BwdVariant(64, 128, 4, 2, fa3="both"), "both Gluon kernels: won every D128 fa-bench "
-         "key on H100 and H200", min_d=128, exact_d=True),
+    Pick(BwdVariant(64, 128, 4, 2, fa3="both", smem_stats=True), "both Gluon kernels, LSE "
+         "and delta staged in shared memory: 1-4% ahead of the same without (D128, H100), "
+         "which won every D128 fa-bench key on H100 and H200", min_d=128, exact_d=True),
+    Pick(BwdVariant(64, 128, 4, 2, fa3="both", smem_stats=True), "D64 too: 0.86-0.94x "
+         "cuDNN's backward where the Triton dK/dV with the Gluon dQ read 0.81-0.90x (H100)",
+         max_d=64, hopper=True, exact_d=True),
     Pick(BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_streamed=64), "Triton dK/dV, Gluon "
          "dQ on 64-key tiles: won most D64 keys", max_d=64, hopper=True, exact_d=True),
     Pick(BwdVariant(64, 64, 4, 2, fa3="both", fused_delta=True), "D256: the wide Gluon dK/dV "
@@ -328,6 +332,16 @@ def default_bwd_variant(problem: Problem, device: DeviceInfo | str | None = None
 #: Gluon (fa3) points measured before the sampler's on Hopper, in this order, where valid,
 #: then the all-Triton default (see `bwd_portfolio`). Measurements: docs/backward-kernels.md.
 HOPPER_BWD_PORTFOLIO: tuple[Pick[BwdVariant], ...] = (
+    Pick(BwdVariant(64, 128, 4, 2, "atomic", "both", smem_stats=True), "the five-product "
+         "kernel with LSE and delta staged in shared memory by a warp of their own: "
+         "0.91-0.97x cuDNN's backward at bf16 D64 and D128 N2k-8k, 1-12% ahead of the same "
+         "without (H100)"),
+    Pick(BwdVariant(128, 128, 4, 2, "atomic", "both", smem_stats=True), "the same on the "
+         "128-row step (D64): 0.91-0.99x"),
+    Pick(BwdVariant(64, 128, 4, 2, fa3="both", smem_stats=True), "both Gluon kernels "
+         "(deterministic), the stats staged: 1-4% ahead at D128, 4-10% at D64"),
+    Pick(BwdVariant(64, 128, 4, 2, fa3="both", fused_delta=True, smem_stats=True), "the same "
+         "with delta worked out in its dQ kernel (short problems)"),
     Pick(BwdVariant(64, 128, 4, 2, "atomic", "both"), "FlashAttention 3's five products: the "
          "Gluon dK/dV kernel adds dQ by TMA reduce (no dQ kernel; not deterministic): "
          "0.86-0.95x cuDNN on the H100's bf16 fa-bench cells, the best at D64"),
