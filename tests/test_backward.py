@@ -587,16 +587,16 @@ def test_fused_delta_gluon_dq_compiles_packed_with_modifiers() -> None:
     assert _spill_store_bytes(found["ptxas"]) == 0, found["ptxas"]
 
 
-@pytest.mark.parametrize(("mode", "d"), [("separate", 128), ("atomic", 64)])
+@pytest.mark.parametrize(("mode", "d"), [("separate", 128), ("atomic", 64), ("separate", 256)])
 def test_smem_stats_takes_the_row_stats_off_the_consumers(mode: str, d: int) -> None:
     """With smem_stats the Gluon dK/dV kernel's consumers read LSE and delta from shared
     memory (vector loads) where every thread loaded them from global memory each step: the
     staging warp's few global loads are all that remain, and spills do not grow (sm_90a,
-    bf16: D128 separate 236 -> 40 bytes, D64 atomic none either way)."""
+    bf16: D128 separate 236 -> 40 bytes, D256 84 -> 12, D64 atomic none either way)."""
     pytest.importorskip("triton.experimental.gluon")
     from flashgen.tune.gluon_compile import report_in_subprocess
 
-    variant = BwdVariant(64, 128, 4, 2, mode, "both", smem_stats=True)
+    variant = BwdVariant(64, 128 if d <= 128 else 64, 4, 2, mode, "both", smem_stats=True)
     problem = _fa3_problem(d, "bf16", True)
     assert why_invalid_bwd(variant, problem, HOPPER) is None
     staged = report_in_subprocess(variant, problem, "dkdv")
@@ -604,22 +604,22 @@ def test_smem_stats_takes_the_row_stats_off_the_consumers(mode: str, d: int) -> 
     loads = {name: sum(n for op, n in found["opcodes"].items() if op.startswith("LDG"))
              for name, found in (("staged", staged), ("plain", plain))}
     assert loads["staged"] <= 8 < loads["plain"], loads
-    assert staged["opcodes"].get("LDS.64", 0) >= 16  # two 64-bit loads per column pair
+    assert staged["opcodes"].get("LDS.64", 0) >= 16  # 64-bit loads of column pairs
     assert (_spill_store_bytes(staged["ptxas"]) <= _spill_store_bytes(plain["ptxas"])), (
         staged["ptxas"], plain["ptxas"])
     assert staged["shared"] - plain["shared"] <= 2 * 2 * 64 * 4 + 64  # the ring, barriers
 
 
 def test_smem_stats_only_in_the_gluon_dkdv_kernel() -> None:
-    """smem_stats names the Gluon dK/dV kernel's staging warp: a Triton dK/dV kernel or the
-    wide D256 one has none, and the all-Triton twin drops it."""
+    """smem_stats names the Gluon dK/dV kernels' staging warp (the wide D256 one's too): a
+    Triton dK/dV kernel has none, and the all-Triton twin drops it."""
     problem = _fa3_problem(128)
-    assert why_invalid_bwd(BwdVariant(64, 128, 4, 2, fa3="both", smem_stats=True), problem,
-                           HOPPER) is None
-    for bad, p in ((BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_streamed=64,
-                               smem_stats=True), problem),
-                   (BwdVariant(64, 64, 4, 2, fa3="both", smem_stats=True), _fa3_problem(256))):
-        assert "smem_stats" in (why_invalid_bwd(bad, p, HOPPER) or ""), bad
+    for good, p in ((BwdVariant(64, 128, 4, 2, fa3="both", smem_stats=True), problem),
+                    (BwdVariant(64, 64, 4, 2, fa3="both", smem_stats=True), _fa3_problem(256))):
+        assert why_invalid_bwd(good, p, HOPPER) is None, good
+    for bad in (BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_streamed=64, smem_stats=True),
+                BwdVariant(32, 128, 4, 3, smem_stats=True)):
+        assert "smem_stats" in (why_invalid_bwd(bad, problem, HOPPER) or ""), bad
     twin = bwd_pointer_twin(BwdVariant(64, 128, 4, 2, fa3="both", smem_stats=True), problem,
                             HOPPER)
     assert twin.fa3 == "none" and not twin.smem_stats and twin.block_streamed == 64
@@ -714,7 +714,8 @@ FA3_BWD_POINTS = [*(pick.variant for pick in HOPPER_BWD_PORTFOLIO),
                   # LSE and delta staged in shared memory by a warp of their own
                   BwdVariant(64, 128, 4, 2, fa3="both", smem_stats=True),
                   BwdVariant(64, 128, 4, 2, "atomic", "both", smem_stats=True),
-                  BwdVariant(128, 128, 4, 2, "atomic", "both", smem_stats=True)]
+                  BwdVariant(128, 128, 4, 2, "atomic", "both", smem_stats=True),
+                  BwdVariant(64, 64, 4, 2, fa3="both", fused_delta=True, smem_stats=True)]
 
 
 @gpu

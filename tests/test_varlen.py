@@ -970,7 +970,8 @@ _FA3_BWD_POINTS = [BwdVariant(64, 128, 4, 2, fa3="both"), BwdVariant(128, 128, 4
                    BwdVariant(64, 128, 4, 2, fa3="both", smem_stats=True),
                    BwdVariant(128, 128, 4, 2, fa3="both", smem_stats=True),
                    # D256 in the modifier test: the wide dK/dV kernel (not packed)
-                   BwdVariant(64, 64, 4, 2, fa3="both", fused_delta=True)]
+                   BwdVariant(64, 64, 4, 2, fa3="both", fused_delta=True),
+                   BwdVariant(64, 64, 4, 2, fa3="both", fused_delta=True, smem_stats=True)]
 
 
 def _gluon_bwd_or_skip(bwd: BwdVariant, problem: Problem) -> None:

@@ -211,9 +211,9 @@ def fused_delta_needs_a_dq_kernel(v: BwdVariant, p: Problem, dev: DeviceInfo) ->
 
 def smem_stats_needs_the_gluon_dkdv_kernel(v: BwdVariant, p: Problem,
                                            dev: DeviceInfo) -> str | None:
-    # Only the Gluon dK/dV kernel of head dims up to 128 has the staging warp.
-    if v.smem_stats and not (v.gluon("dkdv") and p.padded_head_dim <= 128):
-        return "smem_stats is the Gluon dK/dV kernel's (fa3 'both', head dims up to 128)"
+    # Only the Gluon dK/dV kernels (the wide one above D128 too) have the staging warp.
+    if v.smem_stats and not v.gluon("dkdv"):
+        return "smem_stats is the Gluon dK/dV kernel's: fa3 'both'"
     return None
 
 
@@ -361,6 +361,9 @@ HOPPER_BWD_PORTFOLIO: tuple[Pick[BwdVariant], ...] = (
          "issued alone (it spilled with S^T and dP^T together)"),
     Pick(BwdVariant(128, 128, 4, 2, fa3="both", dq_block_streamed=64), "the same, dQ on 64-key "
          "tiles"),
+    Pick(BwdVariant(64, 64, 4, 2, fa3="both", fused_delta=True, smem_stats=True), "D256: "
+         "the wide dK/dV kernel, LSE and delta staged (sm_90a: spills 84 -> 12 bytes)",
+         min_d=256),
     Pick(BwdVariant(64, 64, 4, 2, fa3="both", fused_delta=True), "D256: the wide dK/dV kernel "
          "(two consumers split the head dim) and the dQ kernel with delta, 64-row steps: "
          "won 7 of the 8 gemma2-9b bf16 keys (H100)", min_d=256),

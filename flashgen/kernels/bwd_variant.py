@@ -56,7 +56,7 @@ class BwdVariant(Knobs):
         kernel, which reads it: two launches instead of three, and O and dO read once less
         by a separate pass. Only where there is a dQ kernel, dq_mode 'separate'
         (rule-checked).
-    smem_stats: the Gluon dK/dV kernel (head dims up to 128) takes each streamed block's LSE
+    smem_stats: the Gluon dK/dV kernel (the wide one too) takes each streamed block's LSE
         and delta from a shared-memory ring that a warp of their own fills, not from global
         memory in every consumer thread (rule-checked; docs/backward-kernels.md).
     """
