@@ -277,6 +277,9 @@ FWD_PORTFOLIO_PINNED = {
 
 BWD_PORTFOLIO_PINNED = {
     64: [
+        "bwd-atomic own128x64 w4 s2 fa3 smem-stats", "bwd-atomic own128x128 w4 s2 fa3 smem-stats",
+        "bwd-separate own128x64 w4 s2 fa3 smem-stats",
+        "bwd-separate own128x64 w4 s2 fa3 fused-delta smem-stats",
         "bwd-atomic own128x64 w4 s2 fa3", "bwd-atomic own128x128 w4 s2 fa3",
         "bwd-separate own128x64 w4 s2 fa3", "bwd-separate own128x64 w4 s2 fa3 fused-delta",
         "bwd-separate own128x64 w4 s3 fa3", "bwd-separate own128x32 w4 s3 fa3-dq dq-x64",
@@ -285,13 +288,20 @@ BWD_PORTFOLIO_PINNED = {
         "bwd-separate own128x128 w4 s2 fa3", "bwd-separate own128x128 w4 s2 fa3 dq-x64",
         "bwd-separate own128x32 w4 s3", "bwd-separate own128x32 w4 s3 fused-delta",
     ],
-    128: ["bwd-atomic own128x64 w4 s2 fa3", "bwd-separate own128x64 w4 s2 fa3",
+    128: ["bwd-atomic own128x64 w4 s2 fa3 smem-stats",
+          "bwd-separate own128x64 w4 s2 fa3 smem-stats",
+          "bwd-separate own128x64 w4 s2 fa3 fused-delta smem-stats",
+          "bwd-atomic own128x64 w4 s2 fa3", "bwd-separate own128x64 w4 s2 fa3",
           "bwd-separate own128x64 w4 s2 fa3 fused-delta", "bwd-separate own128x64 w4 s3 fa3",
           "bwd-separate own128x64 w8 s2", "bwd-separate own128x64 w8 s2 fused-delta"],
-    96: ["bwd-atomic own128x64 w4 s2 fa3", "bwd-separate own128x64 w4 s2 fa3",
+    96: ["bwd-atomic own128x64 w4 s2 fa3 smem-stats",
+         "bwd-separate own128x64 w4 s2 fa3 smem-stats",
+         "bwd-separate own128x64 w4 s2 fa3 fused-delta smem-stats",
+         "bwd-atomic own128x64 w4 s2 fa3", "bwd-separate own128x64 w4 s2 fa3",
          "bwd-separate own128x64 w4 s2 fa3 fused-delta", "bwd-separate own128x64 w4 s3 fa3",
          "bwd-separate own128x64 w8 s2", "bwd-separate own128x64 w8 s2 fused-delta"],
-    256: ["bwd-separate own64x64 w4 s2 fa3 fused-delta", "bwd-separate own64x64 w4 s2 fa3",
+    256: ["bwd-separate own64x64 w4 s2 fa3 fused-delta smem-stats",
+          "bwd-separate own64x64 w4 s2 fa3 fused-delta", "bwd-separate own64x64 w4 s2 fa3",
           "bwd-separate own64x32 w4 s3 fa3", "bwd-separate own64x32 w8 s2",
           "bwd-separate own64x32 w8 s2 fused-delta"],
 }
@@ -300,22 +310,22 @@ BWD_PORTFOLIO_PINNED = {
 #: default without Gluon kernels). Every distinct answer and the key-count thresholds.
 DEFAULTS_PINNED = {
     ("H-test", 64, "fp16", False, 1024): (
-        "fa2 m128 n64 w4 s3", "bwd-separate own128x32 w4 s3 fa3-dq dq-x64",
+        "fa2 m128 n64 w4 s3", "bwd-separate own128x64 w4 s2 fa3 smem-stats",
         "bwd-separate own128x32 w4 s3"),
     ("H-test", 64, "fp16", False, 2048): (
-        "fa3 m192 n128 w4 s3 p1 pp", "bwd-separate own128x32 w4 s3 fa3-dq dq-x64",
+        "fa3 m192 n128 w4 s3 p1 pp", "bwd-separate own128x64 w4 s2 fa3 smem-stats",
         "bwd-separate own128x32 w4 s3"),
     ("H-test", 64, "bf16", True, 2048): (
-        "fa2 m128 n64 w4 s3", "bwd-separate own128x32 w4 s3 fa3-dq dq-x64",
+        "fa2 m128 n64 w4 s3", "bwd-separate own128x64 w4 s2 fa3 smem-stats",
         "bwd-separate own128x32 w4 s3"),
     ("H-test", 64, "bf16", True, 4096): (
-        "fa3 m128 n128 w4 s2 p1", "bwd-separate own128x32 w4 s3 fa3-dq dq-x64",
+        "fa3 m128 n128 w4 s2 p1", "bwd-separate own128x64 w4 s2 fa3 smem-stats",
         "bwd-separate own128x32 w4 s3"),
     ("H-test", 40, "fp16", False, 4096): (
         "fa2 m128 n64 w4 s3", "bwd-separate own128x32 w4 s3",
         "bwd-separate own128x32 w4 s3"),
     ("H-test", 128, "bf16", False, 512): (
-        "fa3 m128 n128 w4 s2 p1 pp", "bwd-separate own128x64 w4 s2 fa3",
+        "fa3 m128 n128 w4 s2 p1 pp", "bwd-separate own128x64 w4 s2 fa3 smem-stats",
         "bwd-separate own128x64 w8 s2"),
     ("H-test", 96, "fp16", True, 512): (
         "fa2 m128 n64 w8 s3", "bwd-separate own128x64 w8 s2",
