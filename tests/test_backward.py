@@ -587,27 +587,26 @@ def test_fused_delta_gluon_dq_compiles_packed_with_modifiers() -> None:
     assert _spill_store_bytes(found["ptxas"]) == 0, found["ptxas"]
 
 
-@pytest.mark.parametrize(("mode", "d"), [("separate", 128), ("atomic", 64), ("separate", 256)])
-def test_smem_stats_takes_the_row_stats_off_the_consumers(mode: str, d: int) -> None:
+@pytest.mark.parametrize(("mode", "d", "spills"), [("separate", 128, 64), ("atomic", 64, 0),
+                                                   ("separate", 256, 32)])
+def test_smem_stats_takes_the_row_stats_off_the_consumers(mode: str, d: int,
+                                                          spills: int) -> None:
     """With smem_stats the Gluon dK/dV kernel's consumers read LSE and delta from shared
-    memory (vector loads) where every thread loaded them from global memory each step: the
-    staging warp's few global loads are all that remain, and spills do not grow (sm_90a,
-    bf16: D128 separate 236 -> 40 bytes, D256 84 -> 12, D64 atomic none either way)."""
+    memory (vector loads) where every thread loaded them from global memory each step (64
+    loads at D64 and D128, 32 at D256): the staging warp's few global loads are all that
+    remain, and spills shrink (sm_90a, bf16: D128 separate 236 -> 40 bytes, D256 84 -> 12,
+    D64 atomic none either way; docs/backward-kernels.md)."""
     pytest.importorskip("triton.experimental.gluon")
     from flashgen.tune.gluon_compile import report_in_subprocess
 
     variant = BwdVariant(64, 128 if d <= 128 else 64, 4, 2, mode, "both", smem_stats=True)
     problem = _fa3_problem(d, "bf16", True)
     assert why_invalid_bwd(variant, problem, HOPPER) is None
-    staged = report_in_subprocess(variant, problem, "dkdv")
-    plain = report_in_subprocess(replace(variant, smem_stats=False), problem, "dkdv")
-    loads = {name: sum(n for op, n in found["opcodes"].items() if op.startswith("LDG"))
-             for name, found in (("staged", staged), ("plain", plain))}
-    assert loads["staged"] <= 8 < loads["plain"], loads
-    assert staged["opcodes"].get("LDS.64", 0) >= 16  # 64-bit loads of column pairs
-    assert (_spill_store_bytes(staged["ptxas"]) <= _spill_store_bytes(plain["ptxas"])), (
-        staged["ptxas"], plain["ptxas"])
-    assert staged["shared"] - plain["shared"] <= 2 * 2 * 64 * 4 + 64  # the ring, barriers
+    found = report_in_subprocess(variant, problem, "dkdv")
+    assert sum(n for op, n in found["opcodes"].items() if op.startswith("LDG")) <= 8
+    assert found["opcodes"].get("LDS.64", 0) >= 16  # 64-bit loads of column pairs
+    assert _spill_store_bytes(found["ptxas"]) <= spills, found["ptxas"]
+    assert found["shared"] <= HOPPER.shared_memory
 
 
 def test_smem_stats_only_in_the_gluon_dkdv_kernel() -> None:
