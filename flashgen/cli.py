@@ -7,13 +7,16 @@ wait seconds for torch (a test checks that they do not import it).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+import signal
 import sqlite3
 import sys
+import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -127,6 +130,25 @@ def main(
 
 #: Trials per problem when neither --trials nor --timeout is given.
 DEFAULT_TRIALS = 50
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM (from `timeout`, a batch scheduler's time limit, `kill`) stops a long command
+    as Ctrl-C does: the tune closes its run row as interrupted and prints what it measured,
+    the bench prints the problems it finished, rather than dying with neither."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers belong to the main thread
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _fail(message: str) -> typer.Exit:
@@ -330,9 +352,11 @@ def tune(
         slots = _worker_slots(run, gpus, workers)  # a bad --gpus first: nothing is opened yet
         if storage is not None:
             _check_storage(storage)  # a bad URL fails here, before any GPU work
-        _run_workers(problems, run, slots, storage, campaign)
+        with _terminate_as_interrupt():
+            _run_workers(problems, run, slots, storage, campaign)
     else:
-        _run_tuning(problems, run)
+        with _terminate_as_interrupt():
+            _run_tuning(problems, run)
 
 
 def _modified(problems: list[Problem], window: str | None, softcap: float | None,
@@ -882,10 +906,11 @@ def bench(
             layout.apply(problem)
     except ValueError as exc:
         raise _fail(str(exc)) from None
-    run_bench(problems, modes, target, names, Outputs.under(out, csv_path, plot, no_plot),
-              timing=timing, memory=memory, seed=seed, rep_ms=rep_ms, timer=timer,
-              console=_console(), layout=layout if layout else None,
-              dispatcher=dispatcher)
+    with _terminate_as_interrupt():
+        run_bench(problems, modes, target, names, Outputs.under(out, csv_path, plot, no_plot),
+                  timing=timing, memory=memory, seed=seed, rep_ms=rep_ms, timer=timer,
+                  console=_console(), layout=layout if layout else None,
+                  dispatcher=dispatcher)
 
 
 def _bench_decode(shapes: list[str], preset_names: list[str], dtype: str | None, causal: str,

@@ -9,6 +9,7 @@ import itertools
 import json
 import os
 import shutil
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -56,8 +57,9 @@ class Bench:
     `interrupt_at` (as Ctrl-C would), and sleeps `delay` seconds per measurement so that
     tuners running at once overlap."""
 
-    def __init__(self, interrupt_at: int | None = None, delay: float = 0.0) -> None:
-        self.interrupt_at, self.delay = interrupt_at, delay
+    def __init__(self, interrupt_at: int | None = None, delay: float = 0.0,
+                 terminate: bool = False) -> None:
+        self.interrupt_at, self.delay, self.terminate = interrupt_at, delay, terminate
         self.measured: list[Variant] = []
 
     def compile(self, variants: Sequence[Variant]) -> dict[Variant, str]:
@@ -65,6 +67,8 @@ class Bench:
 
     def measure(self, variant: Variant) -> Measurement:
         if len(self.measured) + 1 == self.interrupt_at:
+            if self.terminate:  # as `timeout` or a batch scheduler stops a run
+                os.kill(os.getpid(), signal.SIGTERM)
             raise KeyboardInterrupt
         self.measured.append(variant)
         time.sleep(self.delay)
@@ -82,9 +86,10 @@ class Benches:
     def __init__(self) -> None:
         self.made: list[Bench] = []
         self.interrupt_at: int | None = None
+        self.terminate = False
 
     def __call__(self, *args: object, **kwargs: object) -> Bench:
-        self.made.append(Bench(interrupt_at=self.interrupt_at))
+        self.made.append(Bench(interrupt_at=self.interrupt_at, terminate=self.terminate))
         return self.made[-1]
 
 
@@ -310,6 +315,33 @@ def test_ctrl_c_exits_130_and_reports_the_interrupted_problem(
         assert len([r for r in db.trials() if r.status == "ok"]) == 3
         key = TuningKey.for_problem(PROBLEM, INTERPRETER, "fwd")
         assert db.winner(key).variant == best
+
+
+def test_sigterm_stops_a_tune_as_ctrl_c_does(tmp_path: Path, fake_bench: Benches) -> None:
+    """`timeout` and batch schedulers stop a run with SIGTERM: the tune reports the problem
+    it stopped, closes its run row as interrupted and exits 130, as on Ctrl-C, and the
+    process's own SIGTERM handling is back afterwards."""
+    class Unhandled(Exception):
+        pass
+
+    def unhandled(signum: int, frame: object) -> None:
+        raise Unhandled  # the command did not take SIGTERM over: fail, don't kill pytest
+
+    path = tmp_path / "t.db"
+    fake_bench.interrupt_at, fake_bench.terminate = 4, True
+    previous = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        result = runner.invoke(app, [*TUNE, "--trials", "10", "--db", str(path)])
+        assert signal.getsignal(signal.SIGTERM) is unhandled
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert result.exit_code == 130, (result.output, result.exception)
+    (bench,) = fake_bench.made
+    said = " ".join(result.output.split())
+    assert f"interrupted: fwd {PROBLEM}: best so far" in said
+    with TuningDB(path) as db:
+        assert len([r for r in db.trials() if r.status == "ok"]) == 3 == len(bench.measured)
+        assert [r.status for r in db.runs()] == ["interrupted"]
 
 
 # ---- 5: reading a WAL-mode file where its -shm cannot be made ----------------------------
