@@ -945,9 +945,10 @@ def _bench_decode(shapes: list[str], preset_names: list[str], dtype: str | None,
         if unknown or not names:
             raise _fail(f"--mode decode takes competitors among {', '.join(known)}; got "
                         f"{competitors!r}")
-    run_decode_bench(problems, target, names, seed=seed, rep_ms=rep_ms, timer=timer,
-                     csv_path=csv_path or out / "decode.csv", console=_console(),
-                     dispatcher=Dispatcher([db, shipped_db_path()]) if db else None)
+    with _terminate_as_interrupt():
+        run_decode_bench(problems, target, names, seed=seed, rep_ms=rep_ms, timer=timer,
+                         csv_path=csv_path or out / "decode.csv", console=_console(),
+                         dispatcher=Dispatcher([db, shipped_db_path()]) if db else None)
 
 
 @app.command()

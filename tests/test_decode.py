@@ -501,6 +501,36 @@ def test_decode_bench_checks_and_times_each_competitor(tmp_path: Path) -> None:
 
 
 @interpreter
+def test_an_interrupted_decode_bench_reports_what_it_finished(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C (or SIGTERM, which the command turns into one) during the second problem: the
+    first problem's rows are printed and kept in the CSV, the half-measured one is not."""
+    from rich.console import Console
+
+    from flashgen.bench import decoding
+    from flashgen.kernels.presets import decode_problems
+
+    calls: list[str] = []
+    real = decoding._measure
+
+    def measure(name: str, problem: DecodeProblem, *args: object) -> object:
+        calls.append(name)
+        if len(calls) == 4:  # the second problem's second competitor
+            raise KeyboardInterrupt
+        return real(name, problem, *args)
+
+    monkeypatch.setattr(decoding, "_measure", measure)
+    problems = decode_problems(["1,4,1,1,24,16", "1,4,1,1,40,16"], [], ["fp32"], [True], [0])
+    out, said = tmp_path / "decode.csv", io.StringIO()
+    rows = decoding.run_decode_bench(problems, torch.device("cpu"), ("flashgen", "sdpa-math"),
+                                     rep_ms=1, csv_path=out, console=Console(file=said))
+    assert [(r.problem, r.competitor) for r in rows] == [(problems[0], "flashgen"),
+                                                         (problems[0], "sdpa-math")]
+    assert "interrupted" in said.getvalue() and "CSV:" in said.getvalue()
+    assert len(out.read_text().splitlines()) == 3  # the header and the first problem's rows
+
+
+@interpreter
 @pytest.mark.parametrize("mods", [
     {"window": (7, -1)}, {"softcap": 5.0}, {"sinks": True},
     {"window": (5, 0), "softcap": 3.0, "sinks": True}])

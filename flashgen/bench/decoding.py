@@ -124,33 +124,44 @@ def run_decode_bench(problems: Sequence[DecodeProblem], device: torch.device,
     if rate is not None:
         console.print(f"copy rate: {rate / 1e9:.0f} GB/s (device-to-device, read + write)")
     rows: list[DecodeRow] = []
-    for problem in problems:
-        small = make_kvcache(gate(problem), device, seed,
-                             seqlens=[gate(problem).seq_k] * gate(problem).batch)
-        cache = make_kvcache(problem, device, seed + 1)
-        twin = replace(problem, page_size=0)
-        for name in names:
-            if name != FLASHGEN and problem.paged and any(
-                    r.problem == twin and r.competitor == name for r in rows):
-                # The others take no block table: their figures are the contiguous twin's.
-                rows.append(next(replace(r, problem=problem, note="contiguous twin's figure")
-                                 for r in rows if r.problem == twin and r.competitor == name))
-                continue
-            rows.append(_measure(name, problem, small, cache, device, dispatcher, rep_ms,
-                                 timer))
-        if csv_path is not None:  # after every problem: a run cut short keeps what it measured
-            write_decode_csv(rows, csv_path, rate, timer if gpu else "cpu")
-        # Let go of this problem's caches before the next is made: two 128k caches of B64 do
-        # not fit an 80 GB GPU together.
-        small = cache = None  # type: ignore[assignment]
-        gc.collect()
-        if gpu:
-            torch.cuda.empty_cache()
+    try:
+        for problem in problems:
+            _bench_one(problem, names, rows, device, dispatcher, seed, rep_ms, timer)
+            if csv_path is not None:  # after every problem: a run cut short keeps its rows
+                write_decode_csv(rows, csv_path, rate, timer if gpu else "cpu")
+            # Let go of this problem's caches before the next is made: two 128k caches of B64
+            # do not fit an 80 GB GPU together.
+            gc.collect()
+            if gpu:
+                torch.cuda.empty_cache()
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM through the command
+        console.print("interrupted: reporting the problems finished so far")
+        done = {r.problem for r in rows if r.competitor == names[-1]}
+        rows = [r for r in rows if r.problem in done]  # a half-measured problem is dropped
     console.print(decode_table(rows, names, rate))
     if csv_path is not None:
         write_decode_csv(rows, csv_path, rate, timer if gpu else "cpu")
         console.print(f"CSV: {csv_path}")
     return rows
+
+
+def _bench_one(problem: DecodeProblem, names: Sequence[str], rows: list[DecodeRow],
+               device: torch.device, dispatcher: Dispatcher, seed: int, rep_ms: float,
+               timer: str) -> None:
+    """Each competitor on `problem`, its rows appended to `rows`; its caches go when this
+    returns."""
+    small = make_kvcache(gate(problem), device, seed,
+                         seqlens=[gate(problem).seq_k] * gate(problem).batch)
+    cache = make_kvcache(problem, device, seed + 1)
+    twin = replace(problem, page_size=0)
+    for name in names:
+        if name != FLASHGEN and problem.paged and any(
+                r.problem == twin and r.competitor == name for r in rows):
+            # The others take no block table: their figures are the contiguous twin's.
+            rows.append(next(replace(r, problem=problem, note="contiguous twin's figure")
+                             for r in rows if r.problem == twin and r.competitor == name))
+            continue
+        rows.append(_measure(name, problem, small, cache, device, dispatcher, rep_ms, timer))
 
 
 def _measure(name: str, problem: DecodeProblem, small: KVCache, cache: KVCache,
