@@ -388,6 +388,9 @@ LONG_ROWS: list[tuple[Problem, str, Any, float]] = [
      BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_streamed=128), 312.25),
     (Problem(1, 2, 1, 32, 48, 16, "fp32", False), "bwd", BwdVariant(32, 16, 2, 1, "atomic"),
      1.234e-05),
+    # The longest portfolio name: both switches on (short in the narrow table)
+    (Problem(16, 64, 8, 1024, 4096, 128, "bf16", True), "bwd",
+     BwdVariant(64, 128, 4, 2, fa3="both", fused_delta=True, smem_stats=True), 401.5),
 ]
 
 
@@ -406,6 +409,7 @@ def test_tune_tables_fit_80_columns() -> None:
     for expected in ("bf16 c D128 g8 512 B32 H64", "fp16 f D64 16k B1 H32",
                      "bf16 c D128 g8 512/2k B32 H64", "fa3 m192 n128 w4 s3 p1 pp",
                      "own128x32 w4 s3 fa3-dq dq-x128", "atomic own16x32 w2 s1",
+                     "own128x64 s2 fa3 +delta +stats",
                      "612", "656",
                      "312", "1.2e-05", "1.11x", "none passed"):
         assert expected in text, (expected, text)

@@ -60,14 +60,18 @@ def _table(title: str | None = None) -> Table:
 
 def variant_label(variant: AnyVariant | None, wide: bool = False) -> str:
     """A winner as the narrow tables print it. A backward variant drops its "bwd-" prefix
-    (its table is the backward one) and the usual dQ mode "separate" ("atomic" stays): its
-    full name ("bwd-separate own128x32 w4 s3 fa3-dq dq-x64") alone took half the
-    width."""
+    (its table is the backward one), the usual dQ mode "separate" ("atomic" stays) and, with
+    both kernels Gluon ones, their fixed 4 warps, and its switches shrink to "+delta"
+    (fused_delta) and "+stats" (smem_stats): full names ("bwd-separate own128x64 w4 s2 fa3
+    fused-delta smem-stats") took the table past 80 columns. `--wide` prints them."""
     if variant is None:
         return "none passed"
     if wide or not isinstance(variant, BwdVariant):
         return str(variant)
-    return str(variant).removeprefix("bwd-").removeprefix("separate ")
+    short = str(variant).removeprefix("bwd-").removeprefix("separate ")
+    if variant.fa3 == "both":
+        short = short.replace(" w4 ", " ", 1)
+    return short.replace(" fused-delta", " +delta").replace(" smem-stats", " +stats")
 
 
 class _LastColumn(ProgressColumn):
