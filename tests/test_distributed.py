@@ -385,6 +385,38 @@ def test_an_interrupt_of_the_parent_alone_stops_its_workers(
     assert "interrupted" in statuses and "running" not in statuses, statuses
 
 
+def test_sigterm_to_the_workers_ends_their_runs_as_interrupted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # As a batch scheduler's time limit sends it: to every process of the job. The workers
+    # hang in a measurement; each records its run as interrupted and says so, not "killed".
+    import multiprocessing
+
+    from flashgen.tune.workers import run_workers
+
+    mark = tmp_path / "hang"
+    monkeypatch.setenv("HANG_MARK", str(mark))
+    run = RunOptions("cpu", trials=10, db_path=tmp_path / "tuning.db")
+    plan = WorkerPlan((PROBLEM,), run, str(tmp_path / "studies.log"), "term", "0.1.test",
+                      BEAT_S, GRACE_S, hanging_bench)
+
+    def terminate_once_hung() -> None:
+        deadline = time.monotonic() + 120
+        while not mark.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for child in multiprocessing.active_children():
+            if child.name.startswith("flashgen-worker-") and child.pid is not None:
+                os.kill(child.pid, signal.SIGTERM)
+
+    threading.Thread(target=terminate_once_hung, daemon=True).start()
+    started = time.monotonic()
+    _, ends = run_workers(plan, [None, None])
+    assert time.monotonic() - started < 150
+    assert {end.status for end in ends} == {"interrupted"}, ends
+    with TuningDB(tmp_path / "tuning.db") as db:
+        statuses = {r.status for r in db.runs()}
+    assert statuses == {"interrupted"}, statuses
+
+
 # ---- workers lease problems -------------------------------------------------------------
 
 

@@ -144,11 +144,18 @@ class WorkerPlan:
         return f"{self.campaign}-{self.invocation}-w{index}"
 
 
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def worker_main(index: int, gpu: int | None, plan: WorkerPlan, report: Any) -> None:
     """One worker: tune every problem of `plan` on `gpu` (None: the CPU interpreter),
     sending ("progress", index, TuneResult), ("result", index, TuneResult), ("skipped",
     index, Problem, "done" or "held") for a problem it left to the campaign, and finally
     ("done", index, status, message) to `report`."""
+    # A batch scheduler's SIGTERM reaches every process of the job: a worker stops as on
+    # Ctrl-C and records its run as interrupted, rather than dying with it left "running".
+    signal.signal(signal.SIGTERM, _raise_interrupt)
     status, message = "failed", ""
     try:
         status = _work(index, gpu, plan, report)
