@@ -20,7 +20,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -355,26 +355,35 @@ def test_a_message_that_lands_as_the_last_worker_ends_is_still_handled() -> None
     assert handled == [("done", 0, "ok", "")]
 
 
+def _hung_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, campaign: str,
+               signal_once_hung: Callable[[], None]) -> WorkerPlan:
+    """A plan whose workers hang for 600 s in their third measurement, and a thread that
+    calls `signal_once_hung` when the first of them does (or after 120 s: the test then
+    fails on its own terms)."""
+    mark = tmp_path / "hang"
+    monkeypatch.setenv("HANG_MARK", str(mark))
+
+    def watch() -> None:
+        deadline = time.monotonic() + 120
+        while not mark.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if mark.exists():
+            signal_once_hung()
+
+    threading.Thread(target=watch, daemon=True).start()
+    run = RunOptions("cpu", trials=10, db_path=tmp_path / "tuning.db")
+    return WorkerPlan((PROBLEM,), run, str(tmp_path / "studies.log"), campaign, "0.1.test",
+                      BEAT_S, GRACE_S, hanging_bench)
+
+
 def test_an_interrupt_of_the_parent_alone_stops_its_workers(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # As `timeout -s INT` sends it: to the parent only, not the process group. The workers
     # hang for 600 s in a measurement; only a forwarded interrupt ends them sooner.
     from flashgen.tune.workers import run_workers
 
-    mark = tmp_path / "hang"
-    monkeypatch.setenv("HANG_MARK", str(mark))
-    run = RunOptions("cpu", trials=10, db_path=tmp_path / "tuning.db")
-    plan = WorkerPlan((PROBLEM,), run, str(tmp_path / "studies.log"), "stop", "0.1.test",
-                      BEAT_S, GRACE_S, hanging_bench)
-
-    def interrupt_once_hung() -> None:
-        deadline = time.monotonic() + 120
-        while not mark.exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if mark.exists():  # else run_workers ends by itself, and the test fails below
-            os.kill(os.getpid(), signal.SIGINT)
-
-    threading.Thread(target=interrupt_once_hung, daemon=True).start()
+    plan = _hung_plan(tmp_path, monkeypatch, "stop",
+                      lambda: os.kill(os.getpid(), signal.SIGINT))
     started = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         run_workers(plan, [None, None])
@@ -393,21 +402,12 @@ def test_sigterm_to_the_workers_ends_their_runs_as_interrupted(
 
     from flashgen.tune.workers import run_workers
 
-    mark = tmp_path / "hang"
-    monkeypatch.setenv("HANG_MARK", str(mark))
-    run = RunOptions("cpu", trials=10, db_path=tmp_path / "tuning.db")
-    plan = WorkerPlan((PROBLEM,), run, str(tmp_path / "studies.log"), "term", "0.1.test",
-                      BEAT_S, GRACE_S, hanging_bench)
-
-    def terminate_once_hung() -> None:
-        deadline = time.monotonic() + 120
-        while not mark.exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
+    def terminate_workers() -> None:
         for child in multiprocessing.active_children():
             if child.name.startswith("flashgen-worker-") and child.pid is not None:
                 os.kill(child.pid, signal.SIGTERM)
 
-    threading.Thread(target=terminate_once_hung, daemon=True).start()
+    plan = _hung_plan(tmp_path, monkeypatch, "term", terminate_workers)
     started = time.monotonic()
     _, ends = run_workers(plan, [None, None])
     assert time.monotonic() - started < 150
