@@ -31,6 +31,7 @@ import queue as queue_module
 import re
 import signal
 import socket
+import threading
 import time
 import traceback
 import uuid
@@ -155,7 +156,10 @@ def worker_main(index: int, gpu: int | None, plan: WorkerPlan, report: Any) -> N
     ("done", index, status, message) to `report`."""
     # A batch scheduler's SIGTERM reaches every process of the job: a worker stops as on
     # Ctrl-C and records its run as interrupted, rather than dying with it left "running".
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    # (Only a process's main thread may set a handler; a worker run in a thread keeps its
+    # process's.)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_interrupt)
     status, message = "failed", ""
     try:
         status = _work(index, gpu, plan, report)
