@@ -109,7 +109,8 @@ def run_bench(
 
     Tables go to `console`, progress to `log` (stderr by default). The CSV files are
     rewritten after every problem, so a run killed by a time limit leaves what it measured;
-    Ctrl-C (SIGINT) keeps it too, printed and written like a finished run.
+    Ctrl-C (SIGINT), or SIGTERM through `flashgen bench`, keeps it too, printed and written
+    like a finished run.
     """
     console = console or Console()
     log = log or Console(stderr=True)
