@@ -33,6 +33,7 @@ from flashgen.runtime.backward import fa3_tile_rows
 from flashgen.runtime.forward import padded_head_dim
 from flashgen.serve import run_backward
 from flashgen.tune.check import CheckResult, make_inputs
+from flashgen.tune.gluon_compile import spill_store_bytes
 from flashgen.tune.grads import compare_grads, reference_grads
 
 interpreter = pytest.mark.interpreter
@@ -529,15 +530,15 @@ def test_fa3_backward_compiles_for_hopper(kernel: str, variant: BwdVariant, d: i
         # The 128-row step issues S^T alone; with S^T and dP^T in flight together this
         # kernel spilled 428-952 bytes (sm_90a, Triton 3.6), with S^T alone 8 in fp16 and
         # 84-96 in bf16 (452-496 before bf16's P was rounded by packed conversions).
-        assert _spill_store_bytes(found["ptxas"]) <= 128, found["ptxas"]
+        assert spill_store_bytes(found["ptxas"]) <= 128, found["ptxas"]
     if kernel == "dkdv" and padded_head_dim(d) > 128:
         # Each consumer holds 64 x 128 of dK and dV: 84 bytes spilled on 64-query steps,
         # none on 32 (sm_90a, Triton 3.6).
-        assert _spill_store_bytes(found["ptxas"]) <= 96, found["ptxas"]
+        assert spill_store_bytes(found["ptxas"]) <= 96, found["ptxas"]
     if variant.fused_delta:
         # delta costs no spills and no shared memory
         # beyond its layout change (a few hundred bytes; sm_90a, Triton 3.6).
-        assert _spill_store_bytes(found["ptxas"]) == 0, found["ptxas"]
+        assert spill_store_bytes(found["ptxas"]) == 0, found["ptxas"]
         plain = report_in_subprocess(replace(variant, fused_delta=False), problem, kernel)
         assert found["shared"] - plain["shared"] <= 1024
     if variant.dq_mode == "atomic":
@@ -550,7 +551,7 @@ def test_fa3_backward_compiles_for_hopper(kernel: str, variant: BwdVariant, d: i
                                                       variant.block_streamed), 0)
         if variant.block_owned == 64:
             bound = 96  # one consumer: 60 bytes at D128
-        assert _spill_store_bytes(found["ptxas"]) <= bound, found["ptxas"]
+        assert spill_store_bytes(found["ptxas"]) <= bound, found["ptxas"]
 
 
 @pytest.mark.parametrize("mods", [{"window": True}, {"window": True, "softcap": True,
@@ -568,7 +569,7 @@ def test_wide_fa3_dkdv_compiles_with_window_and_softcap(mods: dict[str, bool]) -
     found = report_in_subprocess(variant, problem, "dkdv")
     assert found["wgmma"] and found["tma"] and found["wait_one"]
     assert found["shared"] <= HOPPER.shared_memory
-    assert _spill_store_bytes(found["ptxas"]) <= 96, found["ptxas"]
+    assert spill_store_bytes(found["ptxas"]) <= 96, found["ptxas"]
     assert bool(found["opcodes"].get("MUFU.TANH")) == mods.get("softcap", False)
 
 
@@ -584,7 +585,7 @@ def test_fused_delta_gluon_dq_compiles_packed_with_modifiers() -> None:
     assert why_invalid_bwd(variant, problem, HOPPER) is None
     found = report_in_subprocess(variant, problem, "dq")
     assert found["wgmma"] and found["tma"]
-    assert _spill_store_bytes(found["ptxas"]) == 0, found["ptxas"]
+    assert spill_store_bytes(found["ptxas"]) == 0, found["ptxas"]
 
 
 @pytest.mark.parametrize(("mode", "d", "spills"), [("separate", 128, 64), ("atomic", 64, 0),
@@ -605,7 +606,7 @@ def test_smem_stats_takes_the_row_stats_off_the_consumers(mode: str, d: int,
     found = report_in_subprocess(variant, problem, "dkdv")
     assert sum(n for op, n in found["opcodes"].items() if op.startswith("LDG")) <= 8
     assert found["opcodes"].get("LDS.64", 0) >= 16  # 64-bit loads of column pairs
-    assert _spill_store_bytes(found["ptxas"]) <= spills, found["ptxas"]
+    assert spill_store_bytes(found["ptxas"]) <= spills, found["ptxas"]
     assert found["shared"] <= HOPPER.shared_memory
 
 
@@ -622,13 +623,6 @@ def test_smem_stats_only_in_the_gluon_dkdv_kernel() -> None:
     twin = bwd_pointer_twin(BwdVariant(64, 128, 4, 2, fa3="both", smem_stats=True), problem,
                             HOPPER)
     assert twin.fa3 == "none" and not twin.smem_stats and twin.block_streamed == 64
-
-
-def _spill_store_bytes(ptxas: list[str]) -> int:
-    """The largest spill-store count in ptxas's -v lines (0 where none is reported)."""
-    from flashgen.tune.gluon_compile import spill_store_bytes
-
-    return spill_store_bytes(ptxas)
 
 
 @interpreter

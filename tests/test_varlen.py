@@ -709,9 +709,12 @@ def test_packed_one_tile_staged_o_store_on_the_gpu(d: int, causal: bool) -> None
 
 
 def _spilled(report: dict) -> int:
-    """Bytes of spill stores a thread in a `gluon_compile` report's ptxas lines."""
-    line = next(line for line in report["ptxas"] if "spill stores" in line)
-    return int(line.split(" bytes spill stores")[0].rsplit(" ", 1)[-1])
+    """Bytes of spill stores a thread in a `gluon_compile` report's ptxas lines, which must
+    have ptxas's spill line."""
+    from flashgen.tune.gluon_compile import spill_store_bytes
+
+    assert any("spill stores" in line for line in report["ptxas"]), report["ptxas"]
+    return spill_store_bytes(report["ptxas"])
 
 
 def _packed_and_dense_reports(variant: Variant, problem: Problem) -> tuple[dict, dict]:

@@ -277,11 +277,9 @@ BWD_DEFAULTS: tuple[Pick[BwdVariant], ...] = (
     # The Gluon rows serve the head dims they were measured at; a padded one (40, 96) takes
     # them only where tuned, the tuner's gate having checked them there.
     Pick(BwdVariant(64, 128, 4, 2, fa3="both", smem_stats=True), "both Gluon kernels, LSE "
-         "and delta staged in shared memory: 1-4% ahead of the same without (D128, H100), "
-         "which won every D128 fa-bench key on H100 and H200", min_d=128, exact_d=True),
-    Pick(BwdVariant(64, 128, 4, 2, fa3="both", smem_stats=True), "D64 too: 0.86-0.94x "
-         "cuDNN's backward where the Triton dK/dV with the Gluon dQ read 0.81-0.90x (H100)",
-         max_d=64, hopper=True, exact_d=True),
+         "and delta staged in shared memory: at D128 1-4% ahead of the same without, which won "
+         "every D128 fa-bench key on H100 and H200; at D64 0.86-0.94x cuDNN's backward where "
+         "the Triton dK/dV with the Gluon dQ read 0.81-0.90x (H100)", exact_d=True),
     Pick(BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_streamed=64), "Triton dK/dV, Gluon "
          "dQ on 64-key tiles: won most D64 keys", max_d=64, hopper=True, exact_d=True),
     Pick(BwdVariant(64, 64, 4, 2, fa3="both", fused_delta=True), "D256: the wide Gluon dK/dV "
