@@ -9,6 +9,13 @@ then a cProfile of the dispatched call. Run on the GPU machine:
 
   python3 scripts/profile_host.py --shape 32,16,16,512,512,128 --dtype bf16 --causal
 
+`--grad` times forward+backward steps instead (`attention(q, k, v).backward(do)`), against
+SDPA cuDNN's, and breaks the step down: the forward under grad, `Dispatcher.backward` called
+on the main thread, and the step with autograd's backward on the calling thread
+(`set_multithreading_enabled(False)`) as well as on its CUDA worker thread (the default):
+that difference is what handing the backward to the worker costs. The cProfile is of the
+step on the calling thread (cProfile sees one thread).
+
 `--varlen S` packs each --shape's B x N tokens into S sequences (as `flashgen bench --varlen`)
 and profiles `attention_varlen` on them, beside the dense call of the same tokens, forward
 and (with `--grad`) forward+backward.
@@ -48,7 +55,7 @@ def main() -> None:
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--varlen", type=int, help="--shape's tokens packed into this many sequences")
-    ap.add_argument("--grad", action="store_true", help="--varlen: forward+backward too")
+    ap.add_argument("--grad", action="store_true", help="forward+backward steps instead")
     args = ap.parse_args()
     print(f"device {torch.cuda.get_device_name()} "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
@@ -56,7 +63,9 @@ def main() -> None:
         profile_decode(shape, args)
     for shape in args.shape if args.varlen else ():
         profile_varlen(shape, args)
-    for shape in args.shape if not args.varlen else ():
+    for shape in args.shape if args.grad and not args.varlen else ():
+        profile_step(shape, args)
+    for shape in args.shape if not (args.varlen or args.grad) else ():
         b, hq, hkv, nq, nk, d = map(int, shape.split(","))
         problem = Problem(b, hq, hkv, nq, nk, d, args.dtype, args.causal)
         q, k, v = make_inputs(b, hq, hkv, nq, nk, d, problem.torch_dtype, "cuda", 0)
@@ -123,6 +132,53 @@ def profile_varlen(text: str, args: argparse.Namespace) -> None:
         for name, fn in calls.items():
             print(f"  {name:36s} {host_us(fn):7.1f} us host per call")
         _print_profile(next(iter(calls.values())), args.top)
+
+
+def profile_step(text: str, args: argparse.Namespace) -> None:
+    """Host time of a forward+backward step and of its parts, against SDPA cuDNN's."""
+    from flashgen.runtime.dispatch import Saved
+    from flashgen.serve import default_dispatcher
+
+    b, hq, hkv, nq, nk, d = map(int, text.split(","))
+    problem = Problem(b, hq, hkv, nq, nk, d, args.dtype, args.causal)
+    q, k, v = (t.requires_grad_() for t in make_inputs(b, hq, hkv, nq, nk, d,
+                                                        problem.torch_dtype, "cuda", 0))
+    do = torch.randn_like(q)
+    cudnn = COMPETITORS["sdpa-cudnn"].prepare(problem, q.device).fn
+    dispatcher = default_dispatcher()
+    out, lse = flashgen.attention(q, k, v, causal=args.causal, return_lse=True)
+    saved = Saved(q.detach(), k.detach(), v.detach(), out.detach(), lse)
+
+    def step() -> None:
+        flashgen.attention(q, k, v, causal=args.causal).backward(do)
+
+    def cudnn_step() -> None:
+        cudnn(q, k, v).backward(do)
+
+    def on_caller(fn: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            with torch.autograd.set_multithreading_enabled(False):
+                fn()
+        return run
+
+    calls = {
+        "flashgen step": step,
+        "  on the calling thread": on_caller(step),
+        "  forward under grad": functools.partial(flashgen.attention, q, k, v,
+                                                  causal=args.causal),
+        "  Dispatcher.backward": functools.partial(dispatcher.backward, do, saved,
+                                                   args.causal),
+        "sdpa cudnn step": cudnn_step,
+        "  on the calling thread ": on_caller(cudnn_step),
+        "  forward under grad ": functools.partial(cudnn, q, k, v),
+    }
+    choice = flashgen.explain(q, k, v, causal=args.causal)
+    print(f"{problem} forward+backward: {choice.variant}; {choice.backward.variant}")
+    for _ in range(2):  # twice: this host's timings drift within a run
+        for name, fn in calls.items():
+            print(f"  {name:26s} {host_us(fn, 100):7.1f} us host per call")
+            q.grad = k.grad = v.grad = None
+    _print_profile(on_caller(step), args.top)
 
 
 def _through_jit(self: Bound, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:
