@@ -85,12 +85,15 @@ def main() -> None:
             _print_profile(calls["flashgen.attention"], args.top)
 
 
-def _print_profile(fn: Callable[[], object], top: int) -> None:
-    """cProfile of 300 calls of `fn`, queued behind a GPU spin (nothing waits on the GPU)."""
+def _print_profile(fn: Callable[[], object], top: int, calls: int = 300) -> None:
+    """cProfile of `calls` calls of `fn`, queued behind a GPU spin (nothing waits on the GPU).
+    Keep calls x launches a call under about 1,000: past the driver's queue of pending
+    launches a launch blocks until the GPU frees a place, and that wait shows up as the
+    launch's own time."""
     profiler = cProfile.Profile()
     torch.cuda._sleep(400_000_000)
     profiler.enable()
-    for _ in range(300):
+    for _ in range(calls):
         fn()
     profiler.disable()
     torch.cuda.synchronize()
@@ -174,11 +177,13 @@ def profile_step(text: str, args: argparse.Namespace) -> None:
     }
     choice = flashgen.explain(q, k, v, causal=args.causal)
     print(f"{problem} forward+backward: {choice.variant}; {choice.backward.variant}")
-    for _ in range(2):  # twice: this host's timings drift within a run
+    # 60 steps a reading, about 10 launches each: under the driver's launch queue (see
+    # `_print_profile`). Twice: this host's timings drift within a run.
+    for _ in range(2):
         for name, fn in calls.items():
-            print(f"  {name:26s} {host_us(fn, 100):7.1f} us host per call")
+            print(f"  {name:26s} {host_us(fn, 60):7.1f} us host per call")
             q.grad = k.grad = v.grad = None
-    _print_profile(on_caller(step), args.top)
+    _print_profile(on_caller(step), args.top, calls=60)
 
 
 def _through_jit(self: Bound, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:
