@@ -7,6 +7,12 @@ forward, wall timer: back-to-back calls, L2 flushed, median) runs beside cuDNN's
 table gives the median of each round's ratio (cuDNN's time over the variant's: above 1 is
 faster). Interleaving rounds keeps drift between variants out of the comparison.
 
+`--alt NAME=DIR` also times every variant with its kernels rendered from another set of
+templates (a folder of template files replacing the working tree's by name, as in
+`scripts/ab_templates.py`), in the same process and rounds, as columns "VARIANT@NAME": a
+template edit judged without the spread between two processes (the same kernel has read
+0.83 and 0.96 of cuDNN in one run's neighbouring columns).
+
     python3 scripts/ab_bwd.py --dims 64,128 --lens 2048,8192 --causal yes,no \\
         --variant 'sep={"block_streamed": 64, "fa3": "both", "num_warps": 4}' \\
         --variant 'atomic={"block_streamed": 64, "fa3": "both", "num_warps": 4, \\
@@ -16,16 +22,24 @@ faster). Interleaving rounds keeps drift between variants out of the comparison.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashgen
+from flashgen import serve
+from flashgen.kernels.bwd_render import BwdKernel, render_bwd_with
 from flashgen.kernels.bwd_space import why_invalid_bwd
 from flashgen.kernels.bwd_variant import BwdVariant
 from flashgen.kernels.presets import TOKENS_PER_BATCH
+from flashgen.kernels.problem import Problem
+from flashgen.kernels.render import _load_module, _templates, source_hash
 from flashgen.tune.check import make_inputs
 from flashgen.tune.grads import compare_grads
 from flashgen.tune.timing import time_cuda
@@ -42,11 +56,19 @@ def main() -> None:
     ap.add_argument("--causal", default="yes,no")
     ap.add_argument("--dtypes", default="bf16")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--alt", action="append", default=[], metavar="NAME=DIR",
+                    help="also time every variant with the templates of DIR (repeat)")
     a = ap.parse_args()
-    named: dict[str, BwdVariant | None] = {"served": None}
+    named: dict[str, Timed] = {"served": (None, "")}
     for item in a.variant:
         name, _, spec = item.partition("=")
-        named[name] = BwdVariant(**json.loads(spec))
+        named[name] = (BwdVariant(**json.loads(spec)), "")
+    for item in a.alt:
+        alt, _, where = item.partition("=")
+        ALTERNATES[alt] = {**_templates(),
+                           **{f.name: f.read_text() for f in Path(where).glob("*.jinja")}}
+        named.update({f"{name}@{alt}": (variant, alt)
+                      for name, (variant, tree) in list(named.items()) if not tree})
     dev = torch.device("cuda")
     print(f"device: {torch.cuda.get_device_name()}")
     print("| problem | " + " | ".join(named) + " |")
@@ -60,7 +82,37 @@ def main() -> None:
                     print(f"| {label} | " + " | ".join(row) + " |", flush=True)
 
 
-def _case(named: dict[str, BwdVariant | None], dtype: str, d: int, n: int, causal: bool,
+#: A column: its variant (None: the served one) and the alternate templates it renders from
+#: ("": the working tree's).
+Timed = tuple[BwdVariant | None, str]
+#: --alt's template sets by name.
+ALTERNATES: dict[str, dict[str, str]] = {}
+
+
+@contextlib.contextmanager
+def _rendered_from(alt: str) -> Iterator[serve.Dispatcher]:
+    """A dispatcher of its own (backward plans are kept per dispatcher) whose kernels, while
+    this lasts, render from alternate template set `alt` ("": the working tree's)."""
+    if not alt:
+        yield serve.default_dispatcher()
+        return
+    real = serve.load_bwd_kernel
+
+    def load(kernel: BwdKernel, variant: BwdVariant, problem: Problem) -> Any:
+        source = render_bwd_with(ALTERNATES[alt], kernel, variant, problem)
+        return getattr(_load_module(source_hash(source), source), f"attn_bwd_{kernel}")
+
+    serve.load_bwd_kernel = load  # type: ignore[assignment]
+    try:
+        yield DISPATCHERS.setdefault(alt, serve.Dispatcher())
+    finally:
+        serve.load_bwd_kernel = real  # type: ignore[assignment]
+
+
+DISPATCHERS: dict[str, serve.Dispatcher] = {}
+
+
+def _case(named: dict[str, Timed], dtype: str, d: int, n: int, causal: bool,
           rounds: int, dev: torch.device) -> list[str]:
     """One problem: each variant's median ratio to cuDNN's backward (or why not)."""
     b, h = max(1, TOKENS_PER_BATCH // n), 2048 // d
@@ -69,12 +121,15 @@ def _case(named: dict[str, BwdVariant | None], dtype: str, d: int, n: int, causa
     do = torch.randn_like(q)
     leaves = [t.requires_grad_() for t in (q, k, v)]
     runs, cells = {}, {}
-    for name, variant in named.items():
+    for name, (variant, alt) in named.items():
         if variant is not None and (why := why_invalid_bwd(variant, problem, dev)):
             cells[name] = f"invalid: {why[:40]}"
             continue
-        out = flashgen.attention(*leaves, causal=causal, bwd_variant=variant)
-        grads = torch.autograd.grad(out, leaves, do, retain_graph=True)
+        # The backward's kernels load when it first runs: this first call, in the context.
+        with _rendered_from(alt) as dispatcher:
+            out = flashgen.attention(*leaves, causal=causal, bwd_variant=variant,
+                                     dispatcher=dispatcher)
+            grads = torch.autograd.grad(out, leaves, do, retain_graph=True)
         # The reference on a slice keeps float64 within memory at N8k.
         check = compare_grads(tuple(g[:1, :2] for g in grads), q[:1, :2].detach(),
                               k[:1, :2].detach(), v[:1, :2].detach(), do[:1, :2], causal)
