@@ -85,8 +85,9 @@ def main() -> None:
 #: A column: its variant (None: the served one) and the alternate templates it renders from
 #: ("": the working tree's).
 Timed = tuple[BwdVariant | None, str]
-#: --alt's template sets by name.
+#: --alt's template sets by name, and the dispatcher each renders its kernels for.
 ALTERNATES: dict[str, dict[str, str]] = {}
+DISPATCHERS: dict[str, serve.Dispatcher] = {}
 
 
 @contextlib.contextmanager
@@ -107,9 +108,6 @@ def _rendered_from(alt: str) -> Iterator[serve.Dispatcher]:
         yield DISPATCHERS.setdefault(alt, serve.Dispatcher())
     finally:
         serve.load_bwd_kernel = real  # type: ignore[assignment]
-
-
-DISPATCHERS: dict[str, serve.Dispatcher] = {}
 
 
 def _case(named: dict[str, Timed], dtype: str, d: int, n: int, causal: bool,

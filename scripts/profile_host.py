@@ -164,23 +164,23 @@ def profile_step(text: str, args: argparse.Namespace) -> None:
                 fn()
         return run
 
-    calls = {
-        "flashgen step": step,
-        "  on the calling thread": on_caller(step),
-        "  forward under grad": functools.partial(flashgen.attention, q, k, v,
-                                                  causal=args.causal),
-        "  Dispatcher.backward": functools.partial(dispatcher.backward, do, saved,
-                                                   args.causal),
-        "sdpa cudnn step": cudnn_step,
-        "  on the calling thread ": on_caller(cudnn_step),
-        "  forward under grad ": functools.partial(cudnn, q, k, v),
-    }
+    calls: list[tuple[str, Callable[[], object]]] = [
+        ("flashgen step", step),
+        ("  on the calling thread", on_caller(step)),
+        ("  forward under grad", functools.partial(flashgen.attention, q, k, v,
+                                                   causal=args.causal)),
+        ("  Dispatcher.backward", functools.partial(dispatcher.backward, do, saved,
+                                                    args.causal)),
+        ("sdpa cudnn step", cudnn_step),
+        ("  on the calling thread", on_caller(cudnn_step)),
+        ("  forward under grad", functools.partial(cudnn, q, k, v)),
+    ]
     choice = flashgen.explain(q, k, v, causal=args.causal)
     print(f"{problem} forward+backward: {choice.variant}; {choice.backward.variant}")
     # 60 steps a reading, about 10 launches each: under the driver's launch queue (see
     # `_print_profile`). Twice: this host's timings drift within a run.
     for _ in range(2):
-        for name, fn in calls.items():
+        for name, fn in calls:
             print(f"  {name:26s} {host_us(fn, 60):7.1f} us host per call")
             q.grad = k.grad = v.grad = None
     _print_profile(on_caller(step), args.top, calls=60)
