@@ -3,9 +3,10 @@
 Every variant first runs a fa-bench-like problem once and its gradients are checked against
 the float64 reference (`compare_grads`, the tuner's gate); one that fails is reported, not
 timed. Then, round by round, each variant's backward alone (`torch.autograd.grad` of a saved
-forward, wall timer: back-to-back calls, L2 flushed, median) runs beside cuDNN's, and the
-table gives the median of each round's ratio (cuDNN's time over the variant's: above 1 is
-faster). Interleaving rounds keeps drift between variants out of the comparison.
+forward, wall timer: back-to-back calls, L2 flushed, median) runs right after a timing of
+cuDNN's, and the table gives the median of each round's ratio (cuDNN's time over the
+variant's: above 1 is faster). Interleaving rounds, and turning the variants' order each
+round, keeps drift between variants out of the comparison.
 
 `--alt NAME=DIR` also times every variant with its kernels rendered from another set of
 templates (a folder of template files replacing the working tree's by name, as in
@@ -140,10 +141,14 @@ def _case(named: dict[str, Timed], dtype: str, d: int, n: int, causal: bool,
     cudnn = lambda: torch.autograd.grad(ref, leaves, do, retain_graph=True)
     ratios: dict[str, list[float]] = {name: [] for name in runs}
     times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(rounds):
-        base = time_cuda(cudnn, dev, timer="wall").median_ms
-        for name, fn in runs.items():
-            ms = time_cuda(fn, dev, timer="wall").median_ms
+    order = list(runs)
+    for r in range(rounds):
+        # Each variant right after a cuDNN timing of its own, and the order turned every round:
+        # with one cuDNN timing a round and a fixed order, the same kernel read 0.83 and 0.96
+        # in two columns of one run (H100, 2026-11-27).
+        for name in order[r % len(order):] + order[:r % len(order)]:
+            base = time_cuda(cudnn, dev, timer="wall").median_ms
+            ms = time_cuda(runs[name], dev, timer="wall").median_ms
             ratios[name].append(base / ms)
             times[name].append(ms)
     for name in runs:
