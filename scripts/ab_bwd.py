@@ -27,10 +27,10 @@ import contextlib
 import json
 import statistics
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
+from ab_templates import template_set
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashgen
@@ -40,7 +40,7 @@ from flashgen.kernels.bwd_space import why_invalid_bwd
 from flashgen.kernels.bwd_variant import BwdVariant
 from flashgen.kernels.presets import TOKENS_PER_BATCH
 from flashgen.kernels.problem import Problem
-from flashgen.kernels.render import _load_module, _templates, source_hash
+from flashgen.kernels.render import _load_module, source_hash
 from flashgen.tune.check import make_inputs
 from flashgen.tune.grads import compare_grads
 from flashgen.tune.timing import time_cuda
@@ -66,8 +66,7 @@ def main() -> None:
         named[name] = (BwdVariant(**json.loads(spec)), "")
     for item in a.alt:
         alt, _, where = item.partition("=")
-        ALTERNATES[alt] = {**_templates(),
-                           **{f.name: f.read_text() for f in Path(where).glob("*.jinja")}}
+        ALTERNATES[alt] = template_set(where)
         named.update({f"{name}@{alt}": (variant, alt)
                       for name, (variant, tree) in list(named.items()) if not tree})
     dev = torch.device("cuda")

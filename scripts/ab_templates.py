@@ -65,6 +65,11 @@ Alternate = tuple[dict[str, str], dict[str, object]]  # templates, render-contex
 PLAIN = "plain"  # with --softcap: the working tree's kernel of the variant without the cap
 
 
+def template_set(folder: str) -> dict[str, str]:
+    """The working tree's templates with those of `folder` in place of theirs, by name."""
+    return {**_templates(), **{f.name: f.read_text() for f in Path(folder).glob("*.jinja")}}
+
+
 def launchers(variant: Variant, problem: Problem,
               alternates: dict[str, Alternate]) -> dict[str, Launcher]:
     """The variant's kernel from the working tree ("current") and from each alternate (a set
@@ -108,8 +113,7 @@ def main() -> None:
         if where.startswith("@"):
             alternates[name] = (_templates(), json.loads(where[1:]))
         else:
-            alternates[name] = ({**_templates(), **{
-                f.name: f.read_text() for f in Path(where).glob("*.jinja")}}, {})
+            alternates[name] = (template_set(where), {})
     mods = Mods(softcap=a.softcap) if a.softcap is not None else None
     modifiers = {"softcap": a.softcap} if a.softcap is not None else None
     extra = [mods] if mods is not None else []
