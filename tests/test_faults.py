@@ -502,3 +502,18 @@ def test_a_stale_claim_is_taken_over(tmp_path: Path) -> None:
         db.record_trial(key, PROBLEM, variant, "failed", reason="boom")
         taken = claims.claim(db, key, PROBLEM, variant, "c")
         assert taken.row is not None and taken.row.status == "failed"
+
+
+def test_a_row_of_an_edited_kernel_settles_no_claim(tmp_path: Path) -> None:
+    """A trial stored for a kernel its variant no longer renders to (a template edit since)
+    timed another kernel: the variant is measured again, as `TuningDB.measured` says."""
+    with TuningDB(tmp_path / "t.db") as db:
+        key = TuningKey.for_problem(PROBLEM, INTERPRETER, "fwd", VERSIONS)
+        variant = search_space(PROBLEM, INTERPRETER)[0]
+        db.record_trial(key, PROBLEM, variant, "ok", timing=Timing(1.0, 0.9, 1.1, 10),
+                        kernel_hash="0" * 16)
+        assert variant.to_json() not in db.measured(key, PROBLEM)
+        assert claims.claim(db, key, PROBLEM, variant, "a").ours
+        db.record_trial(key, PROBLEM, variant, "ok", timing=Timing(2.0, 1.9, 2.1, 10))
+        taken = claims.claim(db, key, PROBLEM, variant, "b")
+        assert taken.row is not None and taken.row.timing.median_ms == 2.0

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from flashgen.kernels.hardware import CPU_INTERPRETER
 from flashgen.kernels.modes import AnyVariant
 from flashgen.kernels.problem import Problem
+from flashgen.store.current import row_is_current
 from flashgen.store.db import TrialRow, TuningDB, _problem_json, _trial_row
 from flashgen.store.keys import TuningKey
 
@@ -46,11 +47,14 @@ class Claim:
 
 
 def _counts(row: TrialRow) -> bool:
-    """Whether a stored row settles its variant. A GPU's ok row with unsteady repeats does
-    not: its median is not trusted, and `TuningDB.measured` has it measured again."""
+    """Whether a stored row settles its variant, as `TuningDB.measured` decides. A GPU's ok
+    row with unsteady repeats does not: its median is not trusted. Nor does a row of a kernel
+    a template edit has since changed: it timed another kernel (a re-tune after such an edit
+    once took the old row for the new kernel's and never measured it)."""
     on_gpu = not row.key.device_key.startswith(CPU_INTERPRETER)
-    return not (on_gpu and row.status == "ok" and row.timing is not None
+    unsteady = (on_gpu and row.status == "ok" and row.timing is not None
                 and row.timing.unsteady)
+    return not unsteady and row_is_current(row)
 
 
 def stored_trial(db: TuningDB, key: TuningKey, problem: Problem, variant: AnyVariant,
