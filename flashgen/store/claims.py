@@ -23,11 +23,9 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from flashgen.kernels.hardware import CPU_INTERPRETER
 from flashgen.kernels.modes import AnyVariant
 from flashgen.kernels.problem import Problem
-from flashgen.store.current import row_is_current
-from flashgen.store.db import TrialRow, TuningDB, _problem_json, _trial_row
+from flashgen.store.db import TrialRow, TuningDB, _problem_json, _trial_row, settles
 from flashgen.store.keys import TuningKey
 
 #: Seconds after which another host's mark counts as abandoned.
@@ -46,17 +44,6 @@ class Claim:
     ours: bool = False
 
 
-def _counts(row: TrialRow) -> bool:
-    """Whether a stored row settles its variant, as `TuningDB.measured` decides. A GPU's ok
-    row with unsteady repeats does not: its median is not trusted. Nor does a row of a kernel
-    a template edit has since changed: it timed another kernel (a re-tune after such an edit
-    once took the old row for the new kernel's and never measured it)."""
-    on_gpu = not row.key.device_key.startswith(CPU_INTERPRETER)
-    unsteady = (on_gpu and row.status == "ok" and row.timing is not None
-                and row.timing.unsteady)
-    return not unsteady and row_is_current(row)
-
-
 def stored_trial(db: TuningDB, key: TuningKey, problem: Problem, variant: AnyVariant,
                  statuses: Collection[str] = MEASURED) -> TrialRow | None:
     """The latest stored row of `variant` on `problem` under `key` with one of `statuses`
@@ -65,7 +52,7 @@ def stored_trial(db: TuningDB, key: TuningKey, problem: Problem, variant: AnyVar
         "key_id = ? and problem_json = ? and variant_json = ?",
         [key.id, _problem_json(problem), variant.to_json()], order_by="id desc")
     for row in map(_trial_row, rows):
-        if row.status in statuses and _counts(row):
+        if row.status in statuses and settles(row):
             return row
     return None
 

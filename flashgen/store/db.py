@@ -392,6 +392,17 @@ class RunRow:
         return cls(**{f.name: row[f.name] for f in fields(cls)})
 
 
+
+def settles(row: TrialRow) -> bool:
+    """Whether stored trial `row` (ok or failed) settles its variant, so that a resumed or
+    concurrent tuner does not measure it again: not a GPU's ok row whose repeats were
+    unsteady (its median is not trusted), nor a row of a kernel its variant no longer renders
+    to (a template edit since: it timed another kernel)."""
+    on_gpu = not row.key.device_key.startswith(CPU_INTERPRETER)
+    unsteady = (on_gpu and row.status == "ok" and row.timing is not None
+                and row.timing.unsteady)
+    return not unsteady and row_is_current(row)
+
 class TuningDB:
     """The tuning database at `path` (default: `default_db_path()`); see the module contract."""
 
@@ -557,12 +568,9 @@ class TuningDB:
         measures the variant again unless a steady row of it exists (the old row stays, as history;
         the winner is the best ok row either way). And rows whose kernel is no longer the one
         their variant renders to (`current.row_is_current`): a template edit retired them."""
-        on_gpu = not key.device_key.startswith(CPU_INTERPRETER)
         latest: dict[str, TrialRow] = {}
         for row in self.trials(key, problem):
-            unsteady = (on_gpu and row.status == "ok" and row.timing is not None
-                        and row.timing.unsteady)
-            if row.status != "pruned" and not unsteady and row_is_current(row):
+            if row.status != "pruned" and settles(row):
                 latest[row.variant_json] = row
         return latest
 
