@@ -30,6 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashgen
 from flashgen import serve
+from flashgen.bench.suite import mode_flops
 from flashgen.kernels.bwd_variant import BwdVariant
 from flashgen.kernels.presets import TOKENS_PER_BATCH
 from flashgen.tune.check import make_inputs
@@ -90,7 +91,7 @@ def _problem(dtype: str, d: int, n: int, causal: bool, variant: BwdVariant | Non
             ref = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
         runs["cudnn"] = lambda: torch.autograd.grad(ref, leaves, do, retain_graph=True)
     label = f"{dtype} B{b} H{h} N{n} D{d} {'causal' if causal else 'full'}"
-    flops = 2.5 * 4 * b * h * n * n * d * (0.5 if causal else 1.0)
+    flops = mode_flops(flashgen.Problem(b, h, h, n, n, d, dtype, causal), "bwd")
     print(f"\n## {label}\n")
     for fn in runs.values():
         for _ in range(max(calls, 3)):

@@ -392,7 +392,6 @@ class RunRow:
         return cls(**{f.name: row[f.name] for f in fields(cls)})
 
 
-
 def settles(row: TrialRow) -> bool:
     """Whether stored trial `row` (ok or failed) settles its variant, so that a resumed or
     concurrent tuner does not measure it again: not a GPU's ok row whose repeats were
@@ -402,6 +401,7 @@ def settles(row: TrialRow) -> bool:
     unsteady = (on_gpu and row.status == "ok" and row.timing is not None
                 and row.timing.unsteady)
     return not unsteady and row_is_current(row)
+
 
 class TuningDB:
     """The tuning database at `path` (default: `default_db_path()`); see the module contract."""
