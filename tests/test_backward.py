@@ -405,7 +405,7 @@ def test_fa3_backward_defaults_and_twins() -> None:
     for causal in (False, True):
         for d in (64, 128):
             assert default_bwd_variant(_fa3_problem(d, causal=causal), HOPPER) == BwdVariant(
-                64, 128, 4, 2, fa3="both", smem_stats=True)
+                64, 128, 4, 2, fa3="both", smem_stats=True, lpt=causal)
     # Keys too short for a 64-key dQ tile fall back to the Triton kernels.
     short = flashgen.Problem(1, 2, 2, 40, 40, 64, "fp16", False)
     assert default_bwd_variant(short, HOPPER).fa3 == "none"
@@ -513,7 +513,12 @@ def test_fa3_backward_renders_gluon_for_its_kernels_only() -> None:
      # Above D128: the wide dK/dV kernel (two consumers split the head dim), the dQ kernel
      ("dkdv", BwdVariant(64, 64, 4, 2, fa3="both"), 256, "bf16", True),
      ("dkdv", BwdVariant(32, 64, 4, 3, fa3="both", dq_block_streamed=64), 192, "fp16", False),
-     ("dq", BwdVariant(64, 64, 4, 2, fa3="both", fused_delta=True), 256, "bf16", True)],
+     ("dq", BwdVariant(64, 64, 4, 2, fa3="both", fused_delta=True), 256, "bf16", True),
+     # programs launched heaviest first (causal)
+     ("dkdv", BwdVariant(64, 128, 4, 2, "atomic", "both", smem_stats=True, lpt=True), 128,
+      "bf16", True),
+     ("dq", BwdVariant(64, 128, 4, 2, fa3="both", fused_delta=True, lpt=True), 128, "bf16",
+      True)],
 )
 def test_fa3_backward_compiles_for_hopper(kernel: str, variant: BwdVariant, d: int,
                                           dtype: str, causal: bool) -> None:
@@ -626,6 +631,35 @@ def test_smem_stats_only_in_the_gluon_dkdv_kernel() -> None:
     assert twin.fa3 == "none" and not twin.smem_stats and twin.block_streamed == 64
 
 
+def test_lpt_only_where_causal_programs_differ_in_work() -> None:
+    """lpt reorders the Gluon kernels' programs under the causal mask: a point elsewhere
+    (no mask, packed sequences, a window, Triton kernels only) would repeat its twin; the
+    untuned causal default takes it; a kernel without it renders as before the knob."""
+    causal, full = _fa3_problem(128), _fa3_problem(128, causal=False)
+    good = BwdVariant(64, 128, 4, 2, fa3="both", smem_stats=True, lpt=True)
+    assert why_invalid_bwd(good, causal, HOPPER) is None
+    assert why_invalid_bwd(BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_streamed=64,
+                                      lpt=True), _fa3_problem(64), HOPPER) is None
+    for bad, problem in ((good, full), (good, causal.with_(varlen=True)),
+                         (good, causal.with_(window=True)),
+                         (BwdVariant(64, 128, 8, 2, lpt=True), causal)):
+        assert "lpt" in (why_invalid_bwd(bad, problem, HOPPER) or ""), (bad, problem)
+    assert default_bwd_variant(causal, HOPPER) == good
+    assert default_bwd_variant(full, HOPPER) == replace(good, lpt=False)
+    assert str(good).endswith(" smem-stats lpt")
+    for kernel in ("dkdv", "dq"):
+        plain = render_bwd(kernel, replace(good, lpt=False), causal)
+        ordered = render_bwd(kernel, good, causal)
+        assert "gl.program_id(0)" in plain and "LPT_ROWS" not in plain
+        assert "LPT_ROWS" in ordered and ordered != plain
+    # The wide D256 dK/dV kernel keeps grid order; its dQ kernel takes the order.
+    wide = BwdVariant(64, 64, 4, 2, fa3="both", fused_delta=True, lpt=True)
+    d256 = _fa3_problem(256)
+    assert why_invalid_bwd(wide, d256, HOPPER) is None
+    assert render_bwd("dkdv", wide, d256) == render_bwd("dkdv", replace(wide, lpt=False), d256)
+    assert "LPT_ROWS" in render_bwd("dq", wide, d256)
+
+
 @interpreter
 def test_fa3_variant_on_unaligned_inputs_runs_its_pointer_twin() -> None:
     """TMA cannot address rows that are not 16-byte aligned: the Triton twin runs instead,
@@ -723,6 +757,8 @@ def test_gpu_fa3_backward(variant: BwdVariant, causal: bool) -> None:
 
     if not device_info("cuda").is_hopper:
         pytest.skip("the fa3 backward kernels are Gluon kernels for Hopper")
+    if variant.lpt and not causal:
+        pytest.skip("lpt orders the programs of causal problems only")
     ran = 0
     for i, (d, dtype, nq, nk, layout) in enumerate([
         (64, torch.float16, 333, 517, "bnhd"), (64, torch.bfloat16, 517, 333, "bhnd"),
@@ -736,6 +772,30 @@ def test_gpu_fa3_backward(variant: BwdVariant, causal: bool) -> None:
             _backward(i, causal, nq, nk, d, dtype, (8, 2), layout, "cuda", variant, batch=2)
             ran += 1
     assert ran, f"{variant} fits none of the shapes"
+
+
+@gpu
+@pytest.mark.parametrize("variant", [
+    BwdVariant(64, 128, 4, 2, fa3="both", fused_delta=True, smem_stats=True, lpt=True),
+    BwdVariant(64, 128, 4, 2, "atomic", "both", smem_stats=True, lpt=True)], ids=str)
+def test_gpu_lpt_backward_runs_every_program(variant: BwdVariant) -> None:
+    """Heads in groups whose last one is partial (dK/dV: 5 key/value heads in groups of 3
+    at N 5000 with GQA 2, dQ: 10 query heads in groups of 6; 8200 keys: groups of 3 and 2),
+    lengths off the tile: the gradients match the reference, and those that do not depend on
+    the order of fp32 atomics are bitwise those of grid order."""
+    from flashgen.kernels.hardware import device_info
+
+    if not device_info("cuda").is_hopper:
+        pytest.skip("the fa3 backward kernels are Gluon kernels for Hopper")
+    for i, (n, heads, d) in enumerate([(5000, (10, 5), 128), (8200, (5, 5), 64)]):
+        _, grads, (q, k, v), do = _backward(i, True, n, n, d, torch.bfloat16, heads, "bhnd",
+                                            "cuda", variant)
+        problem = flashgen.Problem.from_tensors(q, k, v, True)
+        out, lse = flashgen.attention(q, k, v, causal=True, return_lse=True)
+        plain = run_backward(do, q, k, v, out, lse, replace(variant, lpt=False), problem, None)
+        exact = (0, 1, 2) if variant.dq_mode == "separate" else (1, 2)
+        for j in exact:
+            assert torch.equal(grads[j], plain[j]), ("dq", "dk", "dv")[j]
 
 
 @gpu

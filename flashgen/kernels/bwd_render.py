@@ -68,6 +68,9 @@ def bwd_render_context(kernel: BwdKernel, variant: BwdVariant, problem: Problem)
                            smem_stats=variant.smem_stats)
         else:
             context.update(block_m=owned, block_n=streamed)
+        # Renders nothing when false (the wide kernel has no such structure): rows stored
+        # before it keep their kernel hashes.
+        context["lpt"] = variant.lpt
         context["stages"] = variant.num_stages
         return context
     # fp32 inputs get true fp32 products: tf32 would lose ~3 decimal digits.

@@ -59,6 +59,13 @@ class BwdVariant(Knobs):
     smem_stats: the Gluon dK/dV kernel (the wide one too) takes each streamed block's LSE
         and delta from a shared-memory ring that a warp of their own fills, not from global
         memory in every consumer thread (rule-checked; docs/backward-kernels.md).
+    lpt: under the causal mask the Gluon kernels' programs differ in work (dK/dV's first key
+        block sees every query block, its last only a few; dQ the other way round), and
+        launched in grid order the heaviest of the last heads started last, leaving a
+        ragged final wave. With lpt (longest processing time first) they start heaviest
+        first, a few heads at a time so those heads' streamed rows stay in L2: +1-8% on the
+        backward alone at D64 and D128, N2k-8k (H100). Causal dense problems with a Gluon
+        kernel only (rule-checked; the wide D256 dK/dV kernel keeps grid order).
     """
 
     kind = "backward variant"
@@ -73,6 +80,7 @@ class BwdVariant(Knobs):
     dq_block_streamed: int = 0
     fused_delta: bool = False
     smem_stats: bool = False
+    lpt: bool = False
 
     def __str__(self) -> str:
         # "own128x32": 128 owned rows crossed with 32-row streamed tiles; "dq-x64": the Gluon
@@ -84,6 +92,7 @@ class BwdVariant(Knobs):
             + (f" dq-x{self.dq_block_streamed}" if self.dq_block_streamed else "")
             + (" fused-delta" if self.fused_delta else "")
             + (" smem-stats" if self.smem_stats else "")
+            + (" lpt" if self.lpt else "")
         )
 
     @property
