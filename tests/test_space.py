@@ -277,6 +277,11 @@ FWD_PORTFOLIO_PINNED = {
 
 BWD_PORTFOLIO_PINNED = {
     64: [
+        # causal: the lpt points first (programs launched heaviest first)
+        "bwd-atomic own128x128 w4 s2 fa3 smem-stats lpt",
+        "bwd-atomic own128x64 w4 s2 fa3 smem-stats lpt",
+        "bwd-separate own128x64 w4 s2 fa3 fused-delta smem-stats lpt",
+        "bwd-separate own128x64 w4 s2 fa3 smem-stats lpt",
         "bwd-atomic own128x64 w4 s2 fa3 smem-stats", "bwd-atomic own128x128 w4 s2 fa3 smem-stats",
         "bwd-separate own128x64 w4 s2 fa3 smem-stats",
         "bwd-separate own128x64 w4 s2 fa3 fused-delta smem-stats",
@@ -288,13 +293,19 @@ BWD_PORTFOLIO_PINNED = {
         "bwd-separate own128x128 w4 s2 fa3", "bwd-separate own128x128 w4 s2 fa3 dq-x64",
         "bwd-separate own128x32 w4 s3", "bwd-separate own128x32 w4 s3 fused-delta",
     ],
-    128: ["bwd-atomic own128x64 w4 s2 fa3 smem-stats",
+    128: ["bwd-atomic own128x64 w4 s2 fa3 smem-stats lpt",
+          "bwd-separate own128x64 w4 s2 fa3 fused-delta smem-stats lpt",
+          "bwd-separate own128x64 w4 s2 fa3 smem-stats lpt",
+          "bwd-atomic own128x64 w4 s2 fa3 smem-stats",
           "bwd-separate own128x64 w4 s2 fa3 smem-stats",
           "bwd-separate own128x64 w4 s2 fa3 fused-delta smem-stats",
           "bwd-atomic own128x64 w4 s2 fa3", "bwd-separate own128x64 w4 s2 fa3",
           "bwd-separate own128x64 w4 s2 fa3 fused-delta", "bwd-separate own128x64 w4 s3 fa3",
           "bwd-separate own128x64 w8 s2", "bwd-separate own128x64 w8 s2 fused-delta"],
-    96: ["bwd-atomic own128x64 w4 s2 fa3 smem-stats",
+    96: ["bwd-atomic own128x64 w4 s2 fa3 smem-stats lpt",
+         "bwd-separate own128x64 w4 s2 fa3 fused-delta smem-stats lpt",
+         "bwd-separate own128x64 w4 s2 fa3 smem-stats lpt",
+         "bwd-atomic own128x64 w4 s2 fa3 smem-stats",
          "bwd-separate own128x64 w4 s2 fa3 smem-stats",
          "bwd-separate own128x64 w4 s2 fa3 fused-delta smem-stats",
          "bwd-atomic own128x64 w4 s2 fa3", "bwd-separate own128x64 w4 s2 fa3",
@@ -316,10 +327,10 @@ DEFAULTS_PINNED = {
         "fa3 m192 n128 w4 s3 p1 pp", "bwd-separate own128x64 w4 s2 fa3 smem-stats",
         "bwd-separate own128x32 w4 s3"),
     ("H-test", 64, "bf16", True, 2048): (
-        "fa2 m128 n64 w4 s3", "bwd-separate own128x64 w4 s2 fa3 smem-stats",
+        "fa2 m128 n64 w4 s3", "bwd-separate own128x64 w4 s2 fa3 smem-stats lpt",
         "bwd-separate own128x32 w4 s3"),
     ("H-test", 64, "bf16", True, 4096): (
-        "fa3 m128 n128 w4 s2 p1", "bwd-separate own128x64 w4 s2 fa3 smem-stats",
+        "fa3 m128 n128 w4 s2 p1", "bwd-separate own128x64 w4 s2 fa3 smem-stats lpt",
         "bwd-separate own128x32 w4 s3"),
     ("H-test", 40, "fp16", False, 4096): (
         "fa2 m128 n64 w4 s3", "bwd-separate own128x32 w4 s3",
