@@ -587,6 +587,22 @@ def test_modified_fa3_on_the_gpu(name: str, variant: Variant, packed: bool,
     _check_dense_gqa(variant, causal, mods, extra, 128, dtype, seed=13)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["softcap", "sinks", "all"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_split_head_dim_fa3_with_modifiers_on_the_gpu(name: str, causal: bool) -> None:
+    """The one-tile fa3 kernel at D192 (split_d: products over the 256 tile's first 192
+    columns, O in two accumulators) with softcap, sinks and all modifiers, in bf16."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("fa3 runs on Hopper")
+    dtype = torch.bfloat16
+    mods, extra = _sinks({**MODIFIERS[name], **({"window": (300, 40)} if name == "all"
+                                                 else {})}, 8, dtype)
+    if "softcap" in mods:
+        mods["softcap"] = 20.0
+    _check_dense_gqa(Variant("fa3", 128, 64, 4, 2), causal, mods, extra, 192, dtype, seed=17)
+
+
 def _check_dense_gqa(variant: Variant | None, causal: bool, mods: dict,
                      extra: list[torch.Tensor], d: int, dtype: torch.dtype, seed: int,
                      **options: Any) -> None:

@@ -208,8 +208,8 @@ def sass(cubin: bytes) -> str:
 
 
 def exp_under_pv(machine_code: str) -> list[bool]:
-    """For each wait on a Q K^T product that leaves one product in flight (the P V one),
-    whether an exponential (MUFU.EX2) follows before the wait for everything.
+    """For each wait on a Q K^T product that leaves products in flight (the P V one, or
+    split_d's two), whether an exponential (MUFU.EX2) follows before the wait for everything.
 
     The PTX always orders the softmax before the second wait; ptxas may still move that wait
     ahead of it (docs/fa3-hopper.md, "The softmax held under P V"), which only the machine
@@ -218,7 +218,7 @@ def exp_under_pv(machine_code: str) -> list[bool]:
     found: list[bool] = []
     waiting = False  # between a one-in-flight wait and the next wait for everything
     for line in machine_code.splitlines():
-        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line or "WARPGROUP.DEPBAR.LE gsb0, 0x2" in line:
             found.append(False)
             waiting = True
         elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line:
@@ -258,6 +258,9 @@ def report(variant: Variant | BwdVariant, problem: Problem,
     return {
         "shared": kernel.metadata.shared,
         "wgmma": ptx.count("wgmma.mma_async"),
+        # Instruction shapes (m64nNk16 ...): how wide each product is.
+        "wgmma_shapes": dict(Counter(
+            re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))),
         "wgmma_e4m3": ptx.count(".e4m3.e4m3"),  # fp8 products (8-bit operands both)
         "tma": ptx.count("cp.async.bulk.tensor"),
         "setmaxnreg": ptx.count("setmaxnreg"),
