@@ -457,6 +457,7 @@ def test_fa3_split_head_dim_compiles_for_hopper() -> None:
     assert split["exp_under_pv"] and all(split["exp_under_pv"]), split["exp_under_pv"]
     assert spill_store_bytes(split["ptxas"]) == 0, split["ptxas"]
     assert split["byte_permutes"] == 0
+    assert split["tma"] == whole["tma"]  # the same loads, and O's store
 
 
 @pytest.mark.gpu
