@@ -182,6 +182,7 @@ def test_bf16_on_the_interpreter_is_refused() -> None:
     ("a", TypeError, "scale must be"), (True, TypeError, "scale must be"),
     (math.nan, ValueError, "finite"), (math.inf, ValueError, "finite"),
     (-math.inf, ValueError, "finite"), (0.0, ValueError, "nonzero"), (0, ValueError, "nonzero"),
+    (-0.01, ValueError, "positive"), (-1, ValueError, "positive"),
 ])
 def test_bad_scale_is_a_named_error(scale: object, error: type[Exception], needle: str) -> None:
     q, k, v = inputs()
@@ -189,6 +190,32 @@ def test_bad_scale_is_a_named_error(scale: object, error: type[Exception], needl
         flashgen.attention(q, k, v, scale=scale)  # type: ignore[arg-type]
     with pytest.raises(error, match=needle):
         flashgen.scaled_dot_product_attention(q, k, v, scale=scale)  # type: ignore[arg-type]
+
+
+def test_negative_scale_is_refused_by_every_call() -> None:
+    """A negative scale turned the kernels' running max into a min (NaN rows); every public
+    call names it instead."""
+    q, k, v = inputs()
+    seqlens = torch.full((q.shape[0],), k.shape[2], dtype=torch.int32)
+    cu = torch.tensor([0, q.shape[2]], dtype=torch.int32)
+    packed = [t[0].transpose(0, 1) for t in (q, k, v)]
+    for call in (lambda: flashgen.attention(q, k, v, causal=True, scale=-0.5),
+                 lambda: flashgen.attention_with_kvcache(q[:, :, :1], k, v, seqlens, scale=-0.5),
+                 lambda: flashgen.attention_varlen(*packed, cu, cu, q.shape[2], q.shape[2],
+                                                   scale=-0.5)):
+        with pytest.raises(ValueError, match="positive"):
+            call()
+
+
+def test_zero_heads_is_a_named_error() -> None:
+    q, k, v = inputs()
+    with pytest.raises(ValueError, match="no heads"):
+        flashgen.attention(q, k[:, :0], v[:, :0])
+    packed = [t[0].transpose(0, 1) for t in (q, k, v)]
+    cu = torch.tensor([0, q.shape[2]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="no heads"):
+        flashgen.attention_varlen(packed[0][:, :0], packed[1][:, :0], packed[2][:, :0], cu, cu,
+                                  q.shape[2], q.shape[2])
 
 
 @pytest.mark.parametrize("causal", ["yes", 1, None, torch.tensor(True)])
@@ -204,7 +231,7 @@ def test_non_bool_causal_is_a_type_error(causal: object) -> None:
 
 def test_good_scales_still_run() -> None:
     q, k, v = inputs()
-    for scale in (0.5, 2, -0.25):
+    for scale in (0.5, 2, 0.125):
         want = torch.nn.functional.scaled_dot_product_attention(
             q.double(), k.double(), v.double(), scale=float(scale)).float()
         torch.testing.assert_close(flashgen.attention(q, k, v, scale=scale), want,

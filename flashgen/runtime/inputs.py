@@ -59,6 +59,8 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fp8: bool = 
         raise ValueError(f"k and v must have the same sequence length; got {nk} and {nv}")
     if not (d == dk == dv):
         raise ValueError(f"head dims differ: q {d}, k {dk}, v {dv}")
+    if min(hq, hk) == 0:
+        raise ValueError(f"empty input: no heads (q {tuple(q.shape)}, k {tuple(k.shape)})")
     if hq % hk:
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hk})")
     if d > MAX_HEAD_DIM:
@@ -68,9 +70,10 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fp8: bool = 
 
 
 def check_options(causal: object, scale: object) -> None:
-    """`causal` must be a bool and `scale` None or a finite, nonzero real number: anything else
-    would reach the kernel as a wrong mask, a Triton type error, or a constant that turns every
-    output into NaN (nan, inf) or a plain mean of v (0)."""
+    """`causal` must be a bool and `scale` None or a finite, positive real number: anything
+    else would reach the kernel as a wrong mask, a Triton type error, or a constant that turns
+    every output into NaN (nan, inf; a negative scale turns the softmax's running max into a
+    min and a masked score's -inf into +inf) or a plain mean of v (0)."""
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if scale is None:
@@ -81,6 +84,9 @@ def check_options(causal: object, scale: object) -> None:
         raise ValueError(f"scale must be finite, got {scale}")
     if scale == 0:
         raise ValueError("scale must be nonzero (0 would ignore q and k); None means 1/sqrt(D)")
+    if scale < 0:
+        raise ValueError(f"scale must be positive, got {scale} (the kernels' running max "
+                         "assumes it); None means 1/sqrt(D)")
 
 
 def check_runnable(device: torch.device, dtype: torch.dtype | None = None) -> None:

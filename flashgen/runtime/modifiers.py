@@ -190,7 +190,9 @@ def check_packed(q: object, k: object, v: object) -> None:
                          f"{tuple(v.shape)}")
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"head dims differ: q {q.shape[2]}, k {k.shape[2]}")
-    if q.shape[1] % k.shape[1] if k.shape[1] else True:
+    if min(q.shape[1], k.shape[1]) == 0:
+        raise ValueError(f"empty input: no heads (q {tuple(q.shape)}, k {tuple(k.shape)})")
+    if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads "
                          f"({k.shape[1]})")
     if q.shape[2] > MAX_HEAD_DIM:
