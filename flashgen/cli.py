@@ -205,8 +205,10 @@ def tune(
     dtype: Annotated[str, typer.Option(
         metavar="LIST", help="Comma-separated input dtypes to tune: fp16, bf16, fp32, fp8 "
                              "(e4m3 forward, quantized inputs).")] = "fp16",
-    causal: Annotated[str, typer.Option(
-        metavar="yes|no|both", help="Masking to tune: yes (causal), no (full), or both.")] = "no",
+    causal: Annotated[str | None, typer.Option(
+        metavar="yes|no|both", help="Masking to tune: yes (causal), no (full), or both. "
+                                    "Default no; yes with --mode decode, as "
+                                    "attention_with_kvcache's default.")] = None,
     trials: Annotated[int | None, typer.Option(
         min=0, help=f"New variants to measure per problem (pruned and resumed ones are "
                     f"free). Default {DEFAULT_TRIALS} when --timeout is not given.")] = None,
@@ -324,6 +326,7 @@ def tune(
 
     from flashgen.kernels import presets
 
+    causal = causal or ("yes" if mode == "decode" else "no")
     try:
         if mode == "decode":
             problems: list[Problem] = list(presets.decode_problems(
@@ -338,6 +341,10 @@ def tune(
                              "--sinks and --varlen")
     except (ValueError, TypeError) as exc:
         raise _fail(str(exc)) from None
+    if device == "cpu" and any(p.dtype == "bf16" for p in problems):
+        raise _fail("--dtype bf16 needs a GPU: Triton's interpreter computes bf16 dot products "
+                    "wrongly, so every candidate would fail its check; tune fp16 or fp32 on "
+                    "the CPU")
     if any(p.dtype == "fp8" for p in problems):
         if mode != "fwd":
             raise _fail(f"--dtype fp8 tunes the forward only (fp8 has no backward or decode "
@@ -791,7 +798,7 @@ def bench(
     dtype: Annotated[str | None, typer.Option(
         metavar="LIST", help="Comma-separated input dtypes: fp16, bf16, fp32, fp8 (forward). "
                              "Default fp16,bf16 on cuda, fp16 on cpu (the interpreter's bf16 dots "
-                             "are wrong).")] = None,
+                             "are wrong); --mode decode: bf16 on cuda, fp32 on cpu.")] = None,
     causal: Annotated[str, typer.Option(
         metavar="yes|no|both", help="Masking: yes (causal), no (full), or both.")] = "both",
     mode: Annotated[str, typer.Option(

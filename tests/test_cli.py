@@ -74,6 +74,7 @@ def test_presets_are_listed() -> None:
     (["tune", "--device", "cpu", "--shape", "1,2,1,8,8,16", "--causal", "sometimes"],
      "--causal"),
     (["tune", "--device", "tpu", "--shape", "1,2,1,8,8,16"], "--device"),
+    (["tune", "--device", "cpu", "--shape", "1,2,1,8,8,16", "--dtype", "bf16"], "needs a GPU"),
 ])
 def test_bad_arguments_are_explained(args: list[str], message: str) -> None:
     result = runner.invoke(app, args)
