@@ -563,6 +563,15 @@ def test_window_fa3_on_the_gpu(window: tuple[int, int], variant: Variant, packed
            [q, k, v])
 
 
+def _fa3_modifiers(name: str, dtype: torch.dtype) -> tuple[dict, list[torch.Tensor]]:
+    """The modifiers `name` ("all": with a window too) for 8 query heads, and the sinks."""
+    mods, extra = _sinks({**MODIFIERS[name], **({"window": (300, 40)} if name == "all"
+                                                 else {})}, 8, dtype)
+    if "softcap" in mods:
+        mods["softcap"] = 20.0  # Gemma 2's 50 and 30 barely bend N(0, 1) scores
+    return mods, extra
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["softcap", "sinks", "all"])
 @pytest.mark.parametrize("variant", [Variant("fa3", 128, 128, 8, 2), Variant("fa3", 128, 64, 4, 3),
@@ -576,10 +585,7 @@ def test_modified_fa3_on_the_gpu(name: str, variant: Variant, packed: bool,
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("fa3 runs on Hopper")
     dtype = torch.bfloat16
-    mods, extra = _sinks({**MODIFIERS[name], **({"window": (300, 40)} if name == "all"
-                                                 else {})}, 8, dtype)
-    if "softcap" in mods:
-        mods["softcap"] = 20.0  # Gemma 2's 50 and 30 barely bend N(0, 1) scores
+    mods, extra = _fa3_modifiers(name, dtype)
     if packed:
         _check_packed([1, 900, 63, 300, 17], [5, 900, 80, 290, 17], 128, causal, mods, extra,
                       variant=variant)
@@ -596,10 +602,7 @@ def test_split_head_dim_fa3_with_modifiers_on_the_gpu(name: str, causal: bool) -
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("fa3 runs on Hopper")
     dtype = torch.bfloat16
-    mods, extra = _sinks({**MODIFIERS[name], **({"window": (300, 40)} if name == "all"
-                                                 else {})}, 8, dtype)
-    if "softcap" in mods:
-        mods["softcap"] = 20.0
+    mods, extra = _fa3_modifiers(name, dtype)
     _check_dense_gqa(Variant("fa3", 128, 64, 4, 2), causal, mods, extra, 192, dtype, seed=17)
 
 
