@@ -604,3 +604,15 @@ def test_pull_from_a_missing_journal_is_an_error_and_creates_nothing(tmp_path: P
                                  str(tmp_path / "t.db")])
     assert result.exit_code == 2 and "journal file does not exist" in result.output
     assert not journal.exists() and not (tmp_path / "t.db").exists()
+
+
+def test_decode_winners_fit_80_columns() -> None:
+    """A decode winner's label drops the family its table names and shortens the fused
+    combine, so the widest decode rows fit 80 columns uncut."""
+    from flashgen.kernels.decode_variant import DecodeVariant
+    from flashgen.tune.report import legend, variant_label
+
+    fused = DecodeVariant(16, 32, 0, 2, 1, fused_combine=True)
+    assert variant_label(fused) == "m16 n32 xauto w2 s1 +f"
+    assert variant_label(fused, wide=True) == str(fused)
+    assert "+f combine fused" in legend([], decode=True)

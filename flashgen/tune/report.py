@@ -27,6 +27,7 @@ from rich.table import Column, Table
 from rich.text import Text
 
 from flashgen.kernels.bwd_variant import BwdVariant
+from flashgen.kernels.decode_variant import DecodeVariant
 from flashgen.kernels.modes import AnyVariant, space_of
 from flashgen.kernels.presets import kind_label, problem_label
 from flashgen.kernels.problem import MODIFIER_LETTERS
@@ -63,9 +64,13 @@ def variant_label(variant: AnyVariant | None, wide: bool = False) -> str:
     (its table is the backward one), the usual dQ mode "separate" ("atomic" stays) and, with
     both kernels Gluon ones, their fixed 4 warps, and its switches shrink to "+delta"
     (fused_delta) and "+stats" (smem_stats): full names ("bwd-separate own128x64 w4 s2 fa3
-    fused-delta smem-stats") took the table past 80 columns. `--wide` prints them."""
+    fused-delta smem-stats") took the table past 80 columns. `--wide` prints them. A decode
+    variant drops its "decode " prefix the same way, and "fused" (the combine in the split
+    pass) shrinks to "+f"."""
     if variant is None:
         return "none passed"
+    if not wide and isinstance(variant, DecodeVariant):
+        return str(variant).removeprefix("decode ").replace(" fused", " +f")
     if wide or not isinstance(variant, BwdVariant):
         return str(variant)
     short = str(variant).removeprefix("bwd-").removeprefix("separate ")
@@ -130,7 +135,7 @@ def legend(modifier_keys: Iterable[str], decode: bool = False, bh: bool = False)
     parts = [f"{letter}{'N' if name == 'varlen' else ''} {_MODIFIER_WORDS[name]}"
              for name, letter in MODIFIER_LETTERS.items() if letter in letters]
     if decode:
-        parts.append("pN pages of N keys; contig contiguous cache")
+        parts.append("pN pages of N keys; contig contiguous cache; +f combine fused")
     if bh:
         parts.append("bhN batch x KV heads")
     return "; ".join(parts)
