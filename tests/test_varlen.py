@@ -595,15 +595,19 @@ def test_modified_fa3_on_the_gpu(name: str, variant: Variant, packed: bool,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["softcap", "sinks", "all"])
+@pytest.mark.parametrize("variant", [Variant("fa3", 128, 64, 4, 2),
+                                     Variant("fa3", 128, 64, 4, 2, programs_per_sm=1,
+                                             pingpong=True)], ids=str)
 @pytest.mark.parametrize("causal", [False, True])
-def test_split_head_dim_fa3_with_modifiers_on_the_gpu(name: str, causal: bool) -> None:
-    """The one-tile fa3 kernel at D192 (split_d: products over the 256 tile's first 192
-    columns, O in two accumulators) with softcap, sinks and all modifiers, in bf16."""
+def test_split_head_dim_fa3_with_modifiers_on_the_gpu(name: str, variant: Variant,
+                                                      causal: bool) -> None:
+    """The fa3 kernels at D192 (split_d: products over the 256 tile's first 192 columns, O
+    in two accumulators) with softcap, sinks and all modifiers, in bf16."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("fa3 runs on Hopper")
     dtype = torch.bfloat16
     mods, extra = _fa3_modifiers(name, dtype)
-    _check_dense_gqa(Variant("fa3", 128, 64, 4, 2), causal, mods, extra, 192, dtype, seed=17)
+    _check_dense_gqa(variant, causal, mods, extra, 192, dtype, seed=17)
 
 
 def _check_dense_gqa(variant: Variant | None, causal: bool, mods: dict,

@@ -140,11 +140,11 @@ def render_context(variant: Variant, problem: Problem) -> dict[str, Any]:
         "head_dim": problem.head_dim,
         "block_d": problem.padded_head_dim,
         "pad_d": problem.padded_head_dim != problem.head_dim,
-        # The one-tile fa3 kernel on head dims 129-192 (16-bit, not packed): its products
-        # cover the 256 tile's first 192 columns, not the zero-filled rest.
-        "split_d": (variant.loop_order == "fa3" and not variant.programs_per_sm
-                    and 128 < problem.head_dim <= 192 and problem.dtype in ("fp16", "bf16")
-                    and not problem.varlen),
+        # fa3 on head dims 129-192 (16-bit, not packed): the products cover the 256 tile's
+        # first 192 columns, not the zero-filled rest (the persistent kernel where O leaves
+        # through Q's buffer, `o_through_q`).
+        "split_d": (variant.loop_order == "fa3" and 128 < problem.head_dim <= 192
+                    and problem.dtype in ("fp16", "bf16") and not problem.varlen),
         "causal": problem.causal,
         # fp32 inputs get true fp32 products: tf32 would lose ~3 decimal digits.
         "dot_precision": "ieee" if problem.dtype == "fp32" else "tf32",
