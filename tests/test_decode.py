@@ -189,7 +189,9 @@ def _call(**args: object) -> None:
     ({"v_cache": torch.randn(2, 2, 31, 16)}, ValueError, "shapes differ"),
     ({"k_cache": torch.randn(3, 2, 32, 16), "v_cache": torch.randn(3, 2, 32, 16)}, ValueError,
      "batch sizes differ"),
-    ({"q": torch.randn(3, 4, 2, 16)}, ValueError, "cache_seqlens must have shape"),
+    ({"q": torch.randn(3, 4, 2, 16)}, ValueError, "batch sizes differ: q 3, k_cache 2"),
+    ({"cache_seqlens": torch.tensor([5], dtype=torch.int32)}, ValueError,
+     "cache_seqlens must have shape"),
     ({"k_cache": "k"}, TypeError, "must be a torch.Tensor"),
     ({"scale": float("nan")}, ValueError, "finite"),
 ])

@@ -408,6 +408,9 @@ def test_cli_refusals(tmp_path: Path) -> None:
     _export("--db", str(db), "--out", str(tmp_path), "--name", "pkg", "--force")
     bad = runner.invoke(app, ["export", "--db", str(db), "--out", str(tmp_path), "--name", "a-b"])
     assert bad.exit_code == 2 and "identifier" in bad.output
+    keyword = runner.invoke(app, ["export", "--db", str(db), "--out", str(tmp_path), "--name",
+                                  "import"])  # an identifier, but `import import` is no import
+    assert keyword.exit_code == 2 and "identifier" in keyword.output
     ours = runner.invoke(app, ["export", "--db", str(db), "--out", str(tmp_path), "--name",
                                "flashgen"])
     assert ours.exit_code == 2 and "shadow" in ours.output

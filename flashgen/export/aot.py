@@ -32,6 +32,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
+import keyword
 import os
 import re
 import shutil
@@ -432,7 +433,7 @@ def write_aot(selection: Selection, out: Path, name: str, force: bool = False,
               workers: int | None = None, fp8_out: Sequence[str] = FP8_OUT[:1]) -> AotReport:
     """Compile and write the AOT export `name` under `out` (see the module docstring);
     `fp8_out`: the output dtypes each fp8 kernel is compiled for."""
-    if not name.isidentifier():
+    if not name.isidentifier() or keyword.iskeyword(name):
         raise ValueError(f"export name {name!r} is not a C/Python identifier")
     if not fp8_out or any(d not in FP8_OUT for d in fp8_out):
         raise ValueError(f"fp8 output dtypes must be some of {', '.join(FP8_OUT)}, got "

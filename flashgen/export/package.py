@@ -26,6 +26,7 @@ or forward winner, so `attention_with_kvcache` and `attention`'s decode dispatch
 from __future__ import annotations
 
 import json
+import keyword
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -236,7 +237,7 @@ def _readme(name: str, table: dict[str, Any], notes: list[str]) -> str:
 
 def write_package(selection: Selection, out: Path, name: str, force: bool = False) -> ExportReport:
     """Write package `name` under `out` (replacing an existing one only with `force`)."""
-    if not name.isidentifier():
+    if not name.isidentifier() or keyword.iskeyword(name):
         raise ValueError(f"package name {name!r} is not a Python identifier")
     if name == "flashgen":
         raise ValueError("package name 'flashgen' would shadow flashgen itself; pick another")

@@ -116,6 +116,11 @@ def check_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if seqlens.dtype != torch.int32:
         raise TypeError(f"cache_seqlens must be int32, got {seqlens.dtype}")
     b, hq, nq, d = q.shape
+    if block_table is None and k_cache.shape[0] != b:
+        # Named before cache_seqlens' shape, which follows q's batch: the caches are the odd
+        # one out more often.
+        raise ValueError(f"batch sizes differ: q {b}, k_cache {k_cache.shape[0]} (a contiguous "
+                         "cache is (B, Hkv, Nmax, D); pass block_table for a paged one)")
     if seqlens.shape != (b,):
         raise ValueError(f"cache_seqlens must have shape (batch,) = ({b},); got "
                          f"{tuple(seqlens.shape)}")
