@@ -109,7 +109,11 @@ def storage_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "journal":
         return str(tmp_path / "studies.log")
     server = request.getfixturevalue("postgres")
-    import psycopg
+    try:
+        import psycopg
+    except ImportError:  # not a skip: the README's install has it, and CI must run these
+        pytest.fail("psycopg is missing: pip install -e '.[dev,distributed]' (the README's "
+                    "install)")
 
     name = f"t{next(_DATABASES)}_{os.getpid()}"
     with psycopg.connect(server.replace("postgresql+psycopg", "postgresql"),
