@@ -595,19 +595,16 @@ def test_modified_fa3_on_the_gpu(name: str, variant: Variant, packed: bool,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["softcap", "sinks", "all"])
-@pytest.mark.parametrize("variant", [Variant("fa3", 128, 64, 4, 2),
-                                     Variant("fa3", 128, 64, 4, 2, programs_per_sm=1,
-                                             pingpong=True)], ids=str)
 @pytest.mark.parametrize("causal", [False, True])
-def test_split_head_dim_fa3_with_modifiers_on_the_gpu(name: str, variant: Variant,
-                                                      causal: bool) -> None:
-    """The fa3 kernels at D192 (split_d: products over the 256 tile's first 192 columns, O
-    in two accumulators) with softcap, sinks and all modifiers, in bf16."""
+def test_split_head_dim_fa3_with_modifiers_on_the_gpu(name: str, causal: bool) -> None:
+    """The one-tile fa3 kernel at D192 (split_d: products over the 256 tile's first 192
+    columns, O in two accumulators) with softcap, sinks and all modifiers, in bf16 (the
+    persistent one: `test_persistent_fa3_softcap_and_sinks_on_the_gpu`)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("fa3 runs on Hopper")
     dtype = torch.bfloat16
     mods, extra = _fa3_modifiers(name, dtype)
-    _check_dense_gqa(variant, causal, mods, extra, 192, dtype, seed=17)
+    _check_dense_gqa(Variant("fa3", 128, 64, 4, 2), causal, mods, extra, 192, dtype, seed=17)
 
 
 def _check_dense_gqa(variant: Variant | None, causal: bool, mods: dict,
@@ -631,18 +628,20 @@ def _check_dense_gqa(variant: Variant | None, causal: bool, mods: dict,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["softcap", "sinks", "both"])
-@pytest.mark.parametrize("variant", [
-    Variant("fa3", 128, 128, 4, 2, programs_per_sm=1, pingpong=True),
-    Variant("fa3", 128, 64, 4, 3, programs_per_sm=1),
-    Variant("fa3", 192, 128, 4, 3, programs_per_sm=1, pingpong=True)], ids=str)
+@pytest.mark.parametrize(("variant", "d"), [
+    (Variant("fa3", 128, 128, 4, 2, programs_per_sm=1, pingpong=True), 128),
+    (Variant("fa3", 128, 64, 4, 3, programs_per_sm=1), 128),
+    (Variant("fa3", 192, 128, 4, 3, programs_per_sm=1, pingpong=True), 64),
+    # split_d: products over the 256 tile's first 192 columns
+    (Variant("fa3", 128, 64, 4, 2, programs_per_sm=1, pingpong=True), 192)], ids=str)
 @pytest.mark.parametrize("causal", [False, True])
-def test_persistent_fa3_softcap_and_sinks_on_the_gpu(name: str, variant: Variant,
+def test_persistent_fa3_softcap_and_sinks_on_the_gpu(name: str, variant: Variant, d: int,
                                                      causal: bool) -> None:
     """The persistent fa3 kernel with softcap and sinks: many tiles a program, the causal
-    half-width step, GQA, Nq != Nk; D64 for three consumers, else D128."""
+    half-width step, GQA, Nq != Nk; D64 for three consumers, D192 (split_d), else D128."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("fa3 runs on Hopper")
-    dtype, d = torch.bfloat16, 64 if variant.block_m == 192 else 128
+    dtype = torch.bfloat16
     wanted = {"softcap": 20.0} if name != "sinks" else {}
     mods, extra = _sinks({**wanted, **({"sinks": True} if name != "softcap" else {})}, 8,
                          dtype)
