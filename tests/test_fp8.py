@@ -103,6 +103,17 @@ def test_quantize_names_bad_input() -> None:
         quantize(x.to(FP8_DTYPE), x, x)
     with pytest.raises(ValueError, match="4-D"):
         quantize(x[0], x, x)
+    k = torch.randn(1, 1, 6, 16)
+    with pytest.raises(ValueError, match="same shape"):
+        quantize(x, x, k)
+    with pytest.raises(ValueError, match="batch sizes differ"):
+        quantize(torch.randn(2, 1, 8, 16), x, x)
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        quantize(torch.randn(1, 3, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16))
+    with pytest.raises(ValueError, match="head dim"):
+        quantize(x[..., :0], x[..., :0], x[..., :0])
+    with pytest.raises(TypeError, match="seed must be an int"):
+        quantize(x, x, x, seed="a")  # type: ignore[arg-type]
 
 
 def test_block_and_incoherent_fp8_has_much_lower_error_than_per_tensor() -> None:

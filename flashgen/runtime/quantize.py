@@ -154,6 +154,16 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     if not q.shape[-1] == k.shape[-1] == v.shape[-1]:
         raise ValueError(f"head dims differ: q {q.shape[-1]}, k {k.shape[-1]}, "
                          f"v {v.shape[-1]}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}")
+    if min(q.shape[1], k.shape[1], q.shape[-1]) == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a positive multiple of key/value "
+                         f"heads ({k.shape[1]}), and the head dim ({q.shape[-1]}) positive")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
     if block is not None and (isinstance(block, bool) or not isinstance(block, int)
                               or block < 1):
         raise ValueError(f"block must be a positive int or None, got {block!r}")
