@@ -87,6 +87,16 @@ def test_show_without_a_database_says_so(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "no tuning database" in result.output
 
 
+def test_show_names_another_programs_database(tmp_path: Path) -> None:
+    other = tmp_path / "other.db"
+    with sqlite3.connect(other) as conn:
+        conn.execute("CREATE TABLE users (id INTEGER)")
+    before = other.read_bytes()
+    result = runner.invoke(app, ["show", "--db", str(other)])
+    assert result.exit_code == 1 and "another program's SQLite database" in result.output
+    assert other.read_bytes() == before
+
+
 def test_show_leaves_the_database_untouched(tmp_path: Path) -> None:
     """`show` lists a file it may not write (the database shipped in the package, journaled
     DELETE): it used to open it read-write, which switched it to WAL and rewrote its header."""

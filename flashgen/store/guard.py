@@ -68,16 +68,9 @@ def _read_only(path: Path, timeout: float) -> sqlite3.Connection:
     return sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=timeout)
 
 
-def check_writable(path: Path, known_migrations: Collection[str], schema_version: int,
-                   timeout: float) -> None:
-    """Raise `ForeignDatabase` or `NewerDatabase` if flashgen must not write `path`.
-
-    A missing or empty file, an empty database, and flashgen's own files of this schema or an
-    older one pass. Only reads happen, through a read-only connection, so the file's bytes
-    stay as they were whatever the answer. A file that is no SQLite database at all raises
-    SQLite's own error here, also before anything is written."""
-    if not path.is_file() or path.stat().st_size == 0:
-        return
+def _identity(path: Path, timeout: float) -> tuple[int, int, list[str], list[str]]:
+    """The file's application id, user version, tables and flashgen migrations applied, read
+    through a read-only connection."""
     conn = _read_only(path, timeout)
     try:
         app_id = conn.execute("PRAGMA application_id").fetchone()[0]
@@ -92,6 +85,11 @@ def check_writable(path: Path, known_migrations: Collection[str], schema_version
                 (MIGRATION_SET,))]
     finally:
         conn.close()
+    return app_id, user_version, tables, applied
+
+
+def _refuse_foreign(path: Path, app_id: int, user_version: int, tables: list[str],
+                    applied: list[str]) -> None:
     ours = app_id == APPLICATION_ID or (app_id == 0 and bool(applied))
     blank = not tables and app_id == 0 and user_version == 0
     if not ours and not blank:
@@ -100,6 +98,27 @@ def check_writable(path: Path, known_migrations: Collection[str], schema_version
         raise ForeignDatabase(
             f"{path} is another program's SQLite database ({what}); flashgen did not change "
             f"it: pass --db with a new file for flashgen's results")
+
+
+def check_ours(path: Path, timeout: float) -> None:
+    """Raise `ForeignDatabase` if `path` is another program's SQLite file: a reader (`flashgen
+    show`) would otherwise list none of its rows as if flashgen had tuned nothing."""
+    if path.is_file() and path.stat().st_size:
+        _refuse_foreign(path, *_identity(path, timeout))
+
+
+def check_writable(path: Path, known_migrations: Collection[str], schema_version: int,
+                   timeout: float) -> None:
+    """Raise `ForeignDatabase` or `NewerDatabase` if flashgen must not write `path`.
+
+    A missing or empty file, an empty database, and flashgen's own files of this schema or an
+    older one pass. Only reads happen, through a read-only connection, so the file's bytes
+    stay as they were whatever the answer. A file that is no SQLite database at all raises
+    SQLite's own error here, also before anything is written."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    app_id, user_version, tables, applied = _identity(path, timeout)
+    _refuse_foreign(path, app_id, user_version, tables, applied)
     unknown = [name for name in applied if name not in known_migrations]
     if unknown or user_version > schema_version:
         found = f"migration {unknown[0]}" if unknown else f"schema version {user_version}"
