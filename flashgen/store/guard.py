@@ -73,6 +73,15 @@ def _identity(path: Path, timeout: float) -> tuple[int, int, list[str], list[str
     through a read-only connection."""
     conn = _read_only(path, timeout)
     try:
+        conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+    except sqlite3.OperationalError as exc:
+        conn.close()
+        if "locked" in str(exc):
+            raise
+        # A WAL-mode file in a folder we cannot write (no shared-memory file), as
+        # `TuningDB.open_readonly` reads it.
+        conn = open_without_shm(path)
+    try:
         app_id = conn.execute("PRAGMA application_id").fetchone()[0]
         user_version = conn.execute("PRAGMA user_version").fetchone()[0]
         tables = sorted(name for (name,) in conn.execute(
