@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import itertools
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -198,6 +199,17 @@ def _call(**args: object) -> None:
 def test_bad_input_contiguous(change: dict, error: type, words: str) -> None:
     with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")):
         _call(**(_inputs() | change))
+
+
+def test_a_gradient_asked_of_the_kvcache_call_is_warned_about() -> None:
+    args = _inputs()
+    args["q"] = args["q"].clone().requires_grad_()
+    with pytest.warns(UserWarning, match="inference only"):
+        _call(**args)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _call(**args)
+    assert not [w for w in seen if "inference only" in str(w.message)]
 
 
 def test_bad_input_paged() -> None:

@@ -4,6 +4,7 @@ exported package's)."""
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import torch
@@ -261,6 +262,12 @@ def attention_with_kvcache(
     Returns the output (like q), and with `return_lse` the log-sum-exp (B, Hq, Nq) fp32.
     """
     check_options(causal, scale)
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                       for t in (q, k_cache, v_cache)):
+        # Said, not raised: a model may call this with grad on in evaluation code.
+        warnings.warn("attention_with_kvcache is inference only: its output carries no "
+                      "gradient to q, k_cache or v_cache; use flashgen.attention to train",
+                      stacklevel=2)
     mods = None
     if window is not None or softcap is not None or sinks is not None:
         if not isinstance(q, torch.Tensor) or q.dim() != 4:
