@@ -242,8 +242,9 @@ def tune(
              "timings a flawed timer took. Old rows stay as history.")] = False,
     exhaustive: Annotated[bool, typer.Option(
         "--exhaustive", help="Measure every valid variant of each problem (resumable; no "
-                             "budget needed) instead of sampling: the ground truth the "
-                             "tuner is judged against.")] = False,
+                             "budget needed, though --trials or --timeout still stop it) "
+                             "instead of sampling: the ground truth the tuner is judged "
+                             "against.")] = False,
     gpus: Annotated[str | None, typer.Option(
         metavar="LIST|all",
         help="Tune on several GPUs: one worker process per listed index (0,1,2,3), or per "
@@ -976,16 +977,19 @@ def export(
              "tuned GPU, with a manifest and a C header for C/C++ launchers.")] = "python",
     force: Annotated[bool, typer.Option(
         help="Replace an existing package of the same name.")] = False,
-    fp8_out: Annotated[str, typer.Option(
+    fp8_out: Annotated[str | None, typer.Option(
         "--fp8-out", metavar="LIST",
         help="aot: output dtypes to compile each fp8 kernel for, bf16 and/or fp16 "
-             "(comma-separated; each is a cubin of its own).")] = "bf16",
+             "(comma-separated; each is a cubin of its own). Default bf16.")] = None,
 ) -> None:
     """Write the tuned winners (and default variants for their kinds) as a self-contained
     package DIR/NAME that runs without flashgen. Without --db: the user database, then the
     shipped one."""
     if fmt not in ("python", "aot"):
         raise _fail(f"--format must be python or aot, got {fmt!r}")
+    if fmt == "python" and fp8_out is not None:
+        raise _fail("--fp8-out is for --format aot: the python package compiles its fp8 "
+                    "kernels on first use, for the out_dtype each call asks")
     from flashgen.export.rows import select_winners
     from flashgen.store.db import default_db_path
     from flashgen.store.table import shipped_db_path
@@ -1010,7 +1014,8 @@ def export(
             from flashgen.export.aot import write_aot
 
             aot = write_aot(selection, out, name, force,
-                            fp8_out=[d.strip() for d in fp8_out.split(",") if d.strip()])
+                            fp8_out=[d.strip() for d in (fp8_out or "bf16").split(",")
+                                     if d.strip()])
             typer.echo(f"wrote {aot.path}: {aot.kernels} cubins for {', '.join(aot.gpus)}; "
                        f"{len(aot.skipped)} winner(s) skipped (see manifest.json)")
     except (ValueError, FileExistsError) as exc:

@@ -126,6 +126,15 @@ def _flashgen(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[st
                           capture_output=True, text=True, timeout=300)
 
 
+def test_tune_with_no_trials_says_nothing_was_measured(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["FLASHGEN_CACHE_DIR"] = str(tmp_path / "cache")
+    result = _flashgen("tune", "--device", "cpu", "--shape", "1,2,1,16,16,16", "--trials",
+                       "0", "--db", str(tmp_path / "t.db"), env=env)
+    assert result.returncode == 0, result.stderr
+    assert "none measured" in result.stdout and "none passed" not in result.stdout
+
+
 @pytest.mark.interpreter
 def test_tune_then_show_on_the_cpu_interpreter(tmp_path: Path) -> None:
     db_path = tmp_path / "tuning.db"

@@ -411,6 +411,9 @@ def test_cli_refusals(tmp_path: Path) -> None:
     keyword = runner.invoke(app, ["export", "--db", str(db), "--out", str(tmp_path), "--name",
                                   "import"])  # an identifier, but `import import` is no import
     assert keyword.exit_code == 2 and "identifier" in keyword.output
+    fp8_out = runner.invoke(app, ["export", "--db", str(db), "--out", str(tmp_path), "--name",
+                                  "pkg8", "--fp8-out", "fp16"])  # the python format's
+    assert fp8_out.exit_code == 2 and "--fp8-out is for --format aot" in fp8_out.output
     ours = runner.invoke(app, ["export", "--db", str(db), "--out", str(tmp_path), "--name",
                                "flashgen"])
     assert ours.exit_code == 2 and "shadow" in ours.output

@@ -141,7 +141,8 @@ def preset_problems(name: str, dtypes: Iterable[str], causal: Iterable[bool]) ->
     except KeyError:
         if name in DECODE_PRESETS:  # exists, but "unknown" would send the user to a typo hunt
             raise ValueError(f"{name!r} is a decode preset: add --mode decode") from None
-        raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}") from None
+        raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}, or with "
+                         f"--mode decode from {sorted(DECODE_PRESETS)}") from None
     return shape_problems([",".join(map(str, s)) for s in preset.shapes()], dtypes, causal)
 
 

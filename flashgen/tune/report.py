@@ -168,7 +168,10 @@ def results_tables(results: Sequence[TuneResult], wide: bool = False) -> list[Ta
             sdpa = "-" if r.speedup is None else f"{r.speedup:.2f}x"
             if wide and r.speedup is not None and r.baseline is not None:
                 sdpa += f" ({r.baseline.backend})"
-            cells = [problem_label(r.problem), variant_label(r.best, wide),
+            # Nothing measured (say --trials 0 on a fresh key) is not a search that failed.
+            tried = r.best is not None or r.measured or r.failed or r.resumed
+            cells = [problem_label(r.problem),
+                     variant_label(r.best, wide) if tried else "none measured",
                      tflops_text(r.best_tflops)]
             if wide:
                 cells.append(_num(r.best_ms, ".4g"))
