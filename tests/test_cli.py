@@ -423,7 +423,8 @@ def test_tune_tables_fit_80_columns() -> None:
                           best_tflops=tflops, measured=50, failed=3, pruned=1200, resumed=2,
                           seconds=123.4, baseline=Baseline("cudnn", Timing(0.9, 0.9, 0.9, 5)))
                for p, mode, v, tflops in LONG_ROWS]
-    results.append(TuneResult(LONG_ROWS[0][0], results[0].key, 50))  # nothing passed
+    results.append(TuneResult(LONG_ROWS[0][0], results[0].key, 50, measured=4,
+                              failed=4))  # nothing passed
     text = _render(results_tables(results))
     _lines_fit(text, len(results))
     for expected in ("bf16 c D128 g8 512 B32 H64", "fp16 f D64 16k B1 H32",
