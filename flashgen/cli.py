@@ -717,7 +717,7 @@ def show(
     table (JSON: each row's "db" and "source") says which, and a note marks the rows
     dispatch would not serve."""
     from flashgen.store.db import BUSY_TIMEOUT_S, TuningDB, default_db_path
-    from flashgen.store.guard import check_ours
+    from flashgen.store.guard import busy_timeout_s, check_ours
     from flashgen.store.table import shipped_db_path
     from flashgen.tune.report import listed, winners_tables
 
@@ -733,7 +733,7 @@ def show(
         # Read only: `show` must not migrate or re-journal the file it lists (say the
         # database shipped inside the installed package, which may not be writable at all).
         try:
-            check_ours(path, BUSY_TIMEOUT_S)
+            check_ours(path, busy_timeout_s(BUSY_TIMEOUT_S))
             with TuningDB.open_readonly(path) as database:
                 sources.append((source, path, database.runs() if runs
                                 else database.all_winners()))
