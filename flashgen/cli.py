@@ -716,8 +716,8 @@ def show(
     databases dispatch reads: the user database, then the one shipped with flashgen; each
     table (JSON: each row's "db" and "source") says which, and a note marks the rows
     dispatch would not serve."""
-    from flashgen.store.db import BUSY_TIMEOUT_S, TuningDB, default_db_path
-    from flashgen.store.guard import busy_timeout_s, check_ours
+    from flashgen.store.db import TuningDB, default_db_path
+    from flashgen.store.guard import check_ours
     from flashgen.store.table import shipped_db_path
     from flashgen.tune.report import listed, winners_tables
 
@@ -733,8 +733,8 @@ def show(
         # Read only: `show` must not migrate or re-journal the file it lists (say the
         # database shipped inside the installed package, which may not be writable at all).
         try:
-            check_ours(path, busy_timeout_s(BUSY_TIMEOUT_S))
             with TuningDB.open_readonly(path) as database:
+                check_ours(database.db.conn, path)
                 sources.append((source, path, database.runs() if runs
                                 else database.all_winners()))
         except (sqlite3.Error, OSError) as exc:  # the error line names this file

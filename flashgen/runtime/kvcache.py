@@ -125,10 +125,7 @@ def check_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError(f"cache_seqlens must have shape (batch,) = ({b},); got "
                          f"{tuple(seqlens.shape)}")
     if block_table is None:
-        bk, hkv, n_max, dk = k_cache.shape
-        if bk != b:
-            raise ValueError(f"batch sizes differ: q {b}, k_cache {bk} (a contiguous cache is "
-                             "(B, Hkv, Nmax, D); pass block_table for a paged one)")
+        _, hkv, n_max, dk = k_cache.shape
         page_size = 0
     else:
         table = _tensor("block_table", block_table)

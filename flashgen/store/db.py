@@ -46,7 +46,7 @@ from flashgen.kernels.modes import AnyVariant, space_of
 from flashgen.kernels.problem import Problem
 from flashgen.kernels.render import _templates
 from flashgen.store.current import LEGACY, RETIRED, family_hash, kernel_hash_now, row_is_current
-from flashgen.store.guard import busy_timeout_s, check_writable, mark, open_without_shm
+from flashgen.store.guard import busy_timeout_s, check_writable, mark, read_only_connection
 from flashgen.store.keys import KEY_COLUMNS, TuningKey, Versions, package_version
 from flashgen.store.measurement import Timing
 
@@ -453,20 +453,8 @@ class TuningDB:
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"no tuning database at {self.path}")
-        uri = self.path.resolve().as_uri()
-        conn = sqlite3.connect(f"{uri}?mode=ro", uri=True,
-                               timeout=busy_timeout_s(BUSY_TIMEOUT_S))
-        try:
-            conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
-        except sqlite3.OperationalError as exc:
-            conn.close()
-            if "locked" in str(exc):
-                raise  # a writer holds it: reading around its lock could see half a write
-            # A WAL-mode file in a directory we cannot write: SQLite cannot create its
-            # shared-memory file (nobody can be writing it there either); read it with
-            # what its -wal file holds.
-            conn = open_without_shm(self.path)
-        self.db = sqlite_utils.Database(conn)
+        self.db = sqlite_utils.Database(
+            read_only_connection(self.path, busy_timeout_s(BUSY_TIMEOUT_S)))
         return self
 
     def close(self) -> None:

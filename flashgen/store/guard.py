@@ -68,9 +68,11 @@ def _read_only(path: Path, timeout: float) -> sqlite3.Connection:
     return sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=timeout)
 
 
-def _identity(path: Path, timeout: float) -> tuple[int, int, list[str], list[str]]:
-    """The file's application id, user version, tables and flashgen migrations applied, read
-    through a read-only connection."""
+def read_only_connection(path: Path, timeout: float) -> sqlite3.Connection:
+    """A read-only connection to an existing file that changes nothing in it; a WAL-mode
+    file in a folder where SQLite cannot create its shared-memory file is read through
+    `open_without_shm` (nobody can be writing it there either). A file a writer holds
+    locked raises: reading around its lock could see half a write."""
     conn = _read_only(path, timeout)
     try:
         conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
@@ -78,22 +80,20 @@ def _identity(path: Path, timeout: float) -> tuple[int, int, list[str], list[str
         conn.close()
         if "locked" in str(exc):
             raise
-        # A WAL-mode file in a folder we cannot write (no shared-memory file), as
-        # `TuningDB.open_readonly` reads it.
         conn = open_without_shm(path)
-    try:
-        app_id = conn.execute("PRAGMA application_id").fetchone()[0]
-        user_version = conn.execute("PRAGMA user_version").fetchone()[0]
-        tables = sorted(name for (name,) in conn.execute(
-            "SELECT name FROM sqlite_master WHERE type = 'table' "
-            "AND name NOT LIKE 'sqlite_%'"))
-        applied: list[str] = []
-        if "_sqlite_migrations" in tables:
-            applied = [name for (name,) in conn.execute(
-                "SELECT name FROM _sqlite_migrations WHERE migration_set = ?",
-                (MIGRATION_SET,))]
-    finally:
-        conn.close()
+    return conn
+
+
+def _identity(conn: sqlite3.Connection) -> tuple[int, int, list[str], list[str]]:
+    """The file's application id, user version, tables and flashgen migrations applied."""
+    app_id = conn.execute("PRAGMA application_id").fetchone()[0]
+    user_version = conn.execute("PRAGMA user_version").fetchone()[0]
+    tables = sorted(name for (name,) in conn.execute(
+        "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'"))
+    applied: list[str] = []
+    if "_sqlite_migrations" in tables:
+        applied = [name for (name,) in conn.execute(
+            "SELECT name FROM _sqlite_migrations WHERE migration_set = ?", (MIGRATION_SET,))]
     return app_id, user_version, tables, applied
 
 
@@ -109,11 +109,11 @@ def _refuse_foreign(path: Path, app_id: int, user_version: int, tables: list[str
             f"it: pass --db with a new file for flashgen's results")
 
 
-def check_ours(path: Path, timeout: float) -> None:
-    """Raise `ForeignDatabase` if `path` is another program's SQLite file: a reader (`flashgen
-    show`) would otherwise list none of its rows as if flashgen had tuned nothing."""
-    if path.is_file() and path.stat().st_size:
-        _refuse_foreign(path, *_identity(path, timeout))
+def check_ours(conn: sqlite3.Connection, path: Path) -> None:
+    """Raise `ForeignDatabase` if `path`, open as `conn`, is another program's SQLite file: a
+    reader (`flashgen show`) would otherwise list none of its rows as if flashgen had tuned
+    nothing."""
+    _refuse_foreign(path, *_identity(conn))
 
 
 def check_writable(path: Path, known_migrations: Collection[str], schema_version: int,
@@ -126,7 +126,11 @@ def check_writable(path: Path, known_migrations: Collection[str], schema_version
     SQLite's own error here, also before anything is written."""
     if not path.is_file() or path.stat().st_size == 0:
         return
-    app_id, user_version, tables, applied = _identity(path, timeout)
+    conn = _read_only(path, timeout)
+    try:
+        app_id, user_version, tables, applied = _identity(conn)
+    finally:
+        conn.close()
     _refuse_foreign(path, app_id, user_version, tables, applied)
     unknown = [name for name in applied if name not in known_migrations]
     if unknown or user_version > schema_version:
