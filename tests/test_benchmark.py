@@ -362,3 +362,24 @@ def test_competitors_without_fp8_are_n_a_with_that_reason() -> None:
     for name in ("sdpa-math", "sdpa-cudnn"):
         with pytest.raises(Unavailable, match="takes no fp8 inputs"):
             COMPETITORS[name].prepare(fp8, torch.device("cpu"))
+
+
+def test_a_forward_only_bench_asks_for_no_backward(tmp_path: Path) -> None:
+    """Forward-only, flashgen's competitor chooses no backward: nothing to note, and no
+    hint logged about tuning backward kernels the bench does not time."""
+    from flashgen.bench import competitors
+    from flashgen.serve import Dispatcher
+
+    asked: list[Problem] = []
+
+    class Recording(Dispatcher):
+        def choose_bwd(self, problem: Problem, device: object = None) -> object:
+            asked.append(problem)
+            return super().choose_bwd(problem, device)  # type: ignore[arg-type]
+
+    problem = Problem(1, 2, 1, 32, 32, 16, "fp16")
+    dispatcher = Recording(tmp_path / "none.db")
+    forward = competitors._flashgen(problem, torch.device("cpu"), dispatcher, backward=False)
+    assert not asked and "bwd" not in forward.note and forward.note.startswith("fwd ")
+    both = competitors._flashgen(problem, torch.device("cpu"), dispatcher)
+    assert asked == [problem] and "; bwd " in both.note

@@ -50,10 +50,14 @@ class Competitor:
     name: str
     description: str
     prepare: Callable[..., Prepared]  # (problem, device[, layout=]) -> Prepared
+    #: prepare takes `backward=` (whether a timed mode runs one): flashgen pins its backward
+    #: choice only where one runs.
+    picks_backward: bool = False
 
 
 def _flashgen(problem: Problem, device: torch.device,
-              dispatcher: Dispatcher | None = None, layout: Layout | None = None) -> Prepared:
+              dispatcher: Dispatcher | None = None, layout: Layout | None = None,
+              backward: bool = True) -> Prepared:
     # The dispatcher's choice for the timed problem is pinned, so the correctness inputs
     # (possibly a smaller problem, whose own dispatch could pick another variant) run the very
     # kernels that are timed. With the choice pinned, a call costs what a dispatched one does:
@@ -62,10 +66,13 @@ def _flashgen(problem: Problem, device: torch.device,
     info = device_info(device)
     fwd = dispatcher.choose(problem, info)
     # fp8 is forward only: asking for its backward would log a hint to tune one
-    # (`flashgen tune --dtype fp8 --mode bwd`) that `flashgen tune` refuses.
-    bwd = None if problem.dtype == "fp8" else dispatcher.choose_bwd(problem, info)
-    note = f"fwd {fwd.variant} ({fwd.how}); " + (
-        "no backward (fp8)" if bwd is None else f"bwd {bwd.variant} ({bwd.how})")
+    # (`flashgen tune --dtype fp8 --mode bwd`) that `flashgen tune` refuses. A forward-only
+    # bench asks for none either: its hint would be about kernels it does not time.
+    bwd = (dispatcher.choose_bwd(problem, info)
+           if backward and problem.dtype != "fp8" else None)
+    note = f"fwd {fwd.variant} ({fwd.how})" + (
+        "" if not backward else "; no backward (fp8)" if bwd is None
+        else f"; bwd {bwd.variant} ({bwd.how})")
     bwd_variant = None if bwd is None else bwd.variant
     if layout:
         return Prepared(flashgen_fn(problem, layout, fwd.variant, bwd_variant), note)
@@ -168,7 +175,7 @@ def _flex(problem: Problem, device: torch.device, layout: Layout | None = None) 
 
 COMPETITORS: dict[str, Competitor] = {c.name: c for c in (
     Competitor(FLASHGEN, "flashgen.attention, the dispatched (tuned or default) variant",
-               _flashgen),
+               _flashgen, picks_backward=True),
     Competitor("sdpa-flash", "torch SDPA, FlashAttention backend",
                _sdpa("FLASH_ATTENTION", gpu_only=True)),
     Competitor("sdpa-cudnn", "torch SDPA, cuDNN backend", _sdpa("CUDNN_ATTENTION", gpu_only=True)),

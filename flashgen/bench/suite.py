@@ -223,8 +223,10 @@ def _run_competitor(competitor: Competitor, problem: Problem, modes: Sequence[Mo
 
     with _explained() as caught:
         try:
-            prepared = (competitor.prepare(problem, device, layout=layout) if layout
-                        else competitor.prepare(problem, device))
+            options: dict[str, object] = {"layout": layout} if layout else {}
+            if competitor.picks_backward:
+                options["backward"] = any(mode != "fwd" for mode in modes)
+            prepared = competitor.prepare(problem, device, **options)
         except Exception as exc:
             return [row(m, "n/a", reason=_why(exc, caught)) for m in modes]
     rows: list[Row] = []
