@@ -383,3 +383,23 @@ def test_a_forward_only_bench_asks_for_no_backward(tmp_path: Path) -> None:
     assert not asked and "bwd" not in forward.note and forward.note.startswith("fwd ")
     both = competitors._flashgen(problem, torch.device("cpu"), dispatcher)
     assert asked == [problem] and "; bwd " in both.note
+
+
+def test_progress_lines_fit_80_columns() -> None:
+    """A problem with modifiers and three modes ran to 120 characters and wrapped wherever
+    the terminal cut it: the modes go on an indented line of their own, one yardstick for
+    every mode is named once, and a short problem stays on one line."""
+    from flashgen.bench.command import _progress_lines
+    from flashgen.bench.report import short_problem
+
+    long = Problem(4, 16, 8, 4096, 2048, 192, "bf16", True, window=True, softcap=True)
+    rows = [_row(name, ms, problem=long, mode=mode) for mode in ("fwd", "bwd", "both")
+            for name, ms in (("flashgen", 2.0), ("sdpa-cudnn", 2.1), ("flex", 4.0))]
+    text = _progress_lines("[12/24]", long, rows)
+    lines = text.splitlines()
+    assert len(lines) == 2 and all(len(line) <= 80 for line in lines), lines
+    assert lines[0].startswith("[12/24] B4 H16/8 N4096/2048 D192 bf16 causal")
+    assert lines[1] == "    fwd 0.5 (1.05x), bwd 0.5 (1.05x), both 0.5 (1.05x) vs sdpa-cudnn"
+    short = [_row("flashgen", 2.0), _row("sdpa-cudnn", 1.0), _row("flex", 4.0, "n/a")]
+    assert _progress_lines("[1/1]", P, short) == (
+        f"[1/1] {short_problem(P)}: fwd 0.5 (0.50x) vs sdpa-cudnn")

@@ -72,16 +72,24 @@ class Outputs:
                    out_dir / "memory.csv")
 
 
-def _progress_line(problem: Problem, rows: list[Row]) -> str:
-    """flashgen's TFLOP/s per mode and its ratio to the best other, for the log."""
+def _progress_lines(head: str, problem: Problem, rows: list[Row], width: int = 80) -> str:
+    """flashgen's TFLOP/s per mode and its ratio to the best other, for the log: one line
+    after `head` where it fits `width`, else the modes on an indented line of their own (a
+    problem with modifiers, three modes and their yardsticks ran to 120 characters)."""
+    summaries = summarize(rows)
+    bests = {s.best.competitor for s in summaries if s.ratio is not None and s.best}
     parts = []
-    for s in summarize(rows):
+    for s in summaries:
         mine = s.subject.tflops if s.subject is not None else None
         text = f"{s.mode} {'-' if mine is None else format(mine, '.3g')}"
         if s.ratio is not None and s.best is not None:
-            text += f" ({s.ratio:.2f}x {s.best.competitor})"
+            # One yardstick for every mode is named once, at the end.
+            whom = "" if len(bests) == 1 else f" {s.best.competitor}"
+            text += f" ({s.ratio:.2f}x{whom})"
         parts.append(text)
-    return f"{short_problem(problem)}: {', '.join(parts)}"
+    found = ", ".join(parts) + (f" vs {bests.pop()}" if len(bests) == 1 else "")
+    line = f"{head} {short_problem(problem)}: {found}"
+    return line if len(line) <= width else f"{head} {short_problem(problem)}:\n    {found}"
 
 
 def run_bench(
@@ -125,7 +133,7 @@ def run_bench(
             rows.extend(found)
             write_csv(csv_records(summarize(rows), name, timer), outputs.csv)
             done = len({r.problem for r in rows})
-            log.print(f"[{done}/{len(problems)}] {_progress_line(problem, found)}",
+            log.print(_progress_lines(f"[{done}/{len(problems)}]", problem, found),
                       highlight=False, markup=False)
 
         try:
