@@ -529,7 +529,8 @@ def test_fa3_backward_compiles_for_hopper(kernel: str, variant: BwdVariant, d: i
     found = report_in_subprocess(variant, problem, kernel)
     assert found["wgmma"] and found["tma"]  # warpgroup MMA; TMA loads and the stores
     assert found["setmaxnreg"]  # the producer warp hands its registers to the consumers
-    assert found["wait_one"]  # exponentials while the second score product runs
+    # exponentials while the second score product runs (split_d: its two halves)
+    assert found["wait_partial"]
     assert found["shared"] <= HOPPER.shared_memory
     if kernel == "dkdv" and variant.block_streamed == 128 and variant.dq_mode == "separate":
         # The 128-row step issues S^T alone; with S^T and dP^T in flight together this
@@ -591,6 +592,31 @@ def test_fused_delta_gluon_dq_compiles_packed_with_modifiers() -> None:
     found = report_in_subprocess(variant, problem, "dq")
     assert found["wgmma"] and found["tma"]
     assert spill_store_bytes(found["ptxas"]) == 0, found["ptxas"]
+
+
+
+def _tensor_core_columns(report: dict) -> int:
+    """The summed width of a kernel's k16 products (each instruction m64 by its n)."""
+    return sum(count * int(shape.split("n")[1].split("k")[0])
+               for shape, count in report["wgmma_shapes"].items())
+
+
+@pytest.mark.parametrize("kernel", ["dkdv", "dq"])
+def test_fa3_backward_split_head_dim_compiles_for_hopper(kernel: str) -> None:
+    """D192 on the 256 tile (split_d): the Gluon dK/dV and dQ kernels issue three quarters of
+    the D256 kernels' tensor-core work (no product over the zero-filled columns), with the
+    same TMA loads and stores and no more spills."""
+    pytest.importorskip("triton.experimental.gluon")
+    from flashgen.tune.gluon_compile import report_in_subprocess
+
+    variant = BwdVariant(64, 64, 4, 2, fa3="both")
+    split = report_in_subprocess(variant, _fa3_problem(192), kernel)
+    whole = report_in_subprocess(variant, _fa3_problem(256), kernel)
+    assert 4 * _tensor_core_columns(split) == 3 * _tensor_core_columns(whole), (
+        split["wgmma_shapes"], whole["wgmma_shapes"])
+    assert "m64n256k16" not in split["wgmma_shapes"]
+    assert split["tma"] == whole["tma"]
+    assert spill_store_bytes(split["ptxas"]) <= spill_store_bytes(whole["ptxas"])
 
 
 @pytest.mark.parametrize(("mode", "d", "spills"), [("separate", 128, 64), ("atomic", 64, 0),

@@ -994,7 +994,8 @@ _FA3_BWD_POINTS = [BwdVariant(64, 128, 4, 2, fa3="both"), BwdVariant(128, 128, 4
                    BwdVariant(64, 128, 4, 2, "atomic", "both", smem_stats=True),
                    BwdVariant(64, 128, 4, 2, fa3="both", smem_stats=True),
                    BwdVariant(128, 128, 4, 2, fa3="both", smem_stats=True),
-                   # D256 in the modifier test: the wide dK/dV kernel (not packed)
+                   # D256 and D192 (split_d) in the modifier test: the wide dK/dV kernel
+                   # (not packed)
                    BwdVariant(64, 64, 4, 2, fa3="both", fused_delta=True),
                    BwdVariant(64, 64, 4, 2, fa3="both", fused_delta=True, smem_stats=True)]
 
@@ -1029,9 +1030,11 @@ def test_modified_fa3_backward_on_the_gpu(name: str, bwd: BwdVariant, packed: bo
                                           causal: bool) -> None:
     """The Gluon backward with softcap, a window, and all modifiers (sinks' gradient from
     the launcher), dense (1300 queries, 1500 keys, GQA 8:2) and packed, D128 and, for the
-    128-row step, D64; for the 64-key programs D256 (the wide dK/dV kernel, dense only)."""
+    128-row step, D64; for the 64-key programs D256 and D192 (the wide dK/dV kernel, dense
+    only; D192 with split_d's products over the 256 tile's first 192 columns)."""
     dtype = torch.bfloat16
-    d = 256 if bwd.block_owned == 64 else 64 if bwd.block_streamed == 128 else 128
+    wide = 192 if bwd.smem_stats else 256
+    d = wide if bwd.block_owned == 64 else 64 if bwd.block_streamed == 128 else 128
     mods, extra = _sinks({**MODIFIERS[name], **({"window": (300, 40)} if name != "softcap"
                                                  else {})}, 8, dtype)
     if "softcap" in mods:

@@ -301,7 +301,9 @@ BWD_DEFAULTS: tuple[Pick[BwdVariant], ...] = (
          "dQ on 64-key tiles: won most D64 keys", max_d=64, hopper=True, exact_d=True),
     Pick(BwdVariant(64, 64, 4, 2, fa3="both", fused_delta=True), "D256: the wide Gluon dK/dV "
          "kernel and the Gluon dQ with delta: won 7 of the 8 gemma2-9b bf16 keys (H100); "
-         "with window or softcap only where tuned", min_d=256, plain=True),
+         "the head dims padded to it too (129-192 skip the padding: 1.04-1.09x cuDNN's "
+         "backward at D192, where the Triton row below read 0.35x); with window or softcap "
+         "only where tuned", min_d=256, unmodified=True),
     # fp32 dots run exactly on CUDA cores, unrolled per thread: big tiles compile for
     # minutes, and fp32 is the exactness path, so compile time decides.
     Pick(BwdVariant(16, 32, 4, 1), "fp32 at D >= 128: seconds to compile, not half a minute",

@@ -426,6 +426,8 @@ class Pick(Generic[V]):
     plain: bool = False
     #: Only head dims the kernels tile exactly (64, not 40; 128, not 96), modifiers or not.
     exact_d: bool = False
+    #: Only problems without modifiers, padded head dims or not.
+    unmodified: bool = False
     #: Only packed (True) or only unpacked (False) problems; None: either.
     packed: bool | None = None
 
@@ -433,6 +435,8 @@ class Pick(Generic[V]):
         """Whether this row is meant for `problem` on `dev` (before the validity rules)."""
         padded = problem.head_dim != problem.padded_head_dim
         if (self.plain and (padded or problem.modifiers)) or (self.exact_d and padded):
+            return False
+        if self.unmodified and problem.modifiers:
             return False
         return (self.min_d <= problem.padded_head_dim <= self.max_d
                 and problem.seq_k >= self.min_keys and problem.dtype in self.dtypes

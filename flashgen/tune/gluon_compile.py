@@ -265,6 +265,8 @@ def report(variant: Variant | BwdVariant, problem: Problem,
         "tma": ptx.count("cp.async.bulk.tensor"),
         "setmaxnreg": ptx.count("setmaxnreg"),
         "wait_one": ptx.count("wgmma.wait_group.sync.aligned 1"),
+        # Any wait that leaves products in flight (split_d's kernels wait with two).
+        "wait_partial": len(re.findall(r"wgmma\.wait_group\.sync\.aligned [1-9]", ptx)),
         "ptxas": ptxas_report(ptx),
         "exp_under_pv": exp_under_pv(machine_code),
         # Byte permutes: none in these kernels, but 192 when a branch took P, the P V
