@@ -740,7 +740,7 @@ def test_gpu_atomic_dq(dtype: torch.dtype, causal: bool) -> None:
 
 
 @gpu
-@pytest.mark.parametrize("d", [40, 80, 96, 112, 160, 192, 256])
+@pytest.mark.parametrize("d", [40, 80, 96, 112, 160, 192, 224, 256])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_gpu_odd_head_dims_and_cross(d: int, dtype: torch.dtype) -> None:
     problem = flashgen.Problem(1, 8, 2, 333, 517, d, DTYPE_NAMES[dtype], True)

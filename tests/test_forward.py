@@ -181,7 +181,7 @@ def test_gpu_matches_reference(
 
 
 @gpu
-@pytest.mark.parametrize("d", [40, 80, 96, 112, 160, 192, 256])
+@pytest.mark.parametrize("d", [40, 80, 96, 112, 160, 192, 224, 256])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_gpu_odd_head_dims(d: int, dtype: torch.dtype) -> None:
     _run_and_check(

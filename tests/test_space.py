@@ -342,7 +342,11 @@ DEFAULTS_PINNED = {
         "fa2 m128 n64 w8 s3", "bwd-separate own128x64 w8 s2",
         "bwd-separate own128x64 w8 s2"),
     ("H-test", 256, "fp16", False, 512): (
-        "fa3 m128 n64 w4 s2 p1 pp", "bwd-separate own64x64 w4 s2 fa3 fused-delta",
+        "fa3 m128 n64 w4 s2 p1 pp", "bwd-separate own64x64 w4 s2 fa3 fused-delta smem-stats",
+        "bwd-separate own64x32 w8 s2"),
+    # Padded to 256: the same fa3 kernels (products over the first 192 columns here).
+    ("H-test", 192, "bf16", True, 2048): (
+        "fa3 m128 n64 w4 s2 p1 pp", "bwd-separate own64x64 w4 s2 fa3 fused-delta smem-stats",
         "bwd-separate own64x32 w8 s2"),
     ("H-test", 40, "fp32", False, 512): (
         "fa2 m128 n64 w4 s3", "bwd-separate own64x32 w4 s1", "bwd-separate own64x32 w4 s1"),

@@ -299,11 +299,12 @@ BWD_DEFAULTS: tuple[Pick[BwdVariant], ...] = (
          "the Triton dK/dV with the Gluon dQ read 0.81-0.90x (H100)", exact_d=True),
     Pick(BwdVariant(32, 128, 4, 3, fa3="dq", dq_block_streamed=64), "Triton dK/dV, Gluon "
          "dQ on 64-key tiles: won most D64 keys", max_d=64, hopper=True, exact_d=True),
-    Pick(BwdVariant(64, 64, 4, 2, fa3="both", fused_delta=True), "D256: the wide Gluon dK/dV "
-         "kernel and the Gluon dQ with delta: won 7 of the 8 gemma2-9b bf16 keys (H100); "
-         "the head dims padded to it too (129-192 skip the padding: 1.04-1.09x cuDNN's "
-         "backward at D192, where the Triton row below read 0.35x); with window or softcap "
-         "only where tuned", min_d=256, unmodified=True),
+    Pick(BwdVariant(64, 64, 4, 2, fa3="both", fused_delta=True, smem_stats=True), "D256: the "
+         "wide Gluon dK/dV kernel and the Gluon dQ with delta, LSE and delta staged: won the 8 "
+         "gemma2-9b bf16 keys and the 8 D192 keys (H100); the head dims padded to it too "
+         "(129-192 skip the padding: 1.04-1.09x cuDNN's backward at D192, where the Triton "
+         "row below read 0.35x); with window or softcap only where tuned", min_d=256,
+         unmodified=True),
     # fp32 dots run exactly on CUDA cores, unrolled per thread: big tiles compile for
     # minutes, and fp32 is the exactness path, so compile time decides.
     Pick(BwdVariant(16, 32, 4, 1), "fp32 at D >= 128: seconds to compile, not half a minute",

@@ -529,9 +529,10 @@ HOPPER_PORTFOLIO: tuple[Pick[Variant], ...] = (
 #: fastest general choice on recent GPUs down to the smallest tile, which every problem
 #: admits. Measurements: docs/forward-portfolio.md.
 DEFAULTS: tuple[Pick[Variant], ...] = (
-    # fa3 is the untuned default for the plain 16-bit problems it was measured on, and for
-    # packed sequences at D128; fp8, padded head dims (80, 96, ...) and other modified
-    # problems run fa3 when tuned, not untuned.
+    # fa3 is the untuned default for the plain 16-bit problems it was measured on, for
+    # packed sequences at D128, and for the head dims padded to 256; fp8, the head dims
+    # padded to 64 or 128 (40, 80, 96, ...) and other modified problems run fa3 when tuned,
+    # not untuned.
     Pick(Variant("fa3", 192, 128, 4, 3, programs_per_sm=1, pingpong=True), "D64 without the "
          "mask: three consumers taking turns", max_d=64, min_keys=FA3_THREE_CONSUMERS_MIN_KEYS,
          causal=False, dtypes=FA3_DEFAULT_DTYPES, plain=True),
@@ -546,8 +547,9 @@ DEFAULTS: tuple[Pick[Variant], ...] = (
          "programs leave its TMA prologue exposed", max_d=64, min_keys=FA3_DEFAULT_MIN_KEYS_D64,
          dtypes=FA3_DEFAULT_DTYPES, plain=True),
     Pick(Variant("fa3", 128, 64, 4, 2, programs_per_sm=1, pingpong=True), "D256: persistent, "
-         "two consumers taking turns on 64-key tiles", min_d=256, dtypes=FA3_DEFAULT_DTYPES,
-         plain=True),
+         "two consumers taking turns on 64-key tiles; the head dims padded to 256 too (the "
+         "D192 keys' winner, bf16 and fp16, H100), where fa2's untuned tile is the slowest "
+         "kernel", min_d=256, dtypes=FA3_DEFAULT_DTYPES, unmodified=True),
     Pick(Variant("fa2", 128, 64, 8, 3), "fa2's tuned D128 tile", min_d=128, hopper=True),
     Pick(Variant("fa2", 128, 64, 8, 2), "fa2's D128 tile, 2 stages off Hopper", min_d=128,
          hopper=False),
