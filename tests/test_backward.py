@@ -594,7 +594,6 @@ def test_fused_delta_gluon_dq_compiles_packed_with_modifiers() -> None:
     assert spill_store_bytes(found["ptxas"]) == 0, found["ptxas"]
 
 
-
 def _tensor_core_columns(report: dict) -> int:
     """The summed width of a kernel's k16 products (each instruction m64 by its n)."""
     return sum(count * int(shape.split("n")[1].split("k")[0])
