@@ -97,8 +97,13 @@ def _identity(conn: sqlite3.Connection) -> tuple[int, int, list[str], list[str]]
     return app_id, user_version, tables, applied
 
 
+#: What a refused writer (`flashgen tune`) and a refused reader (`show`, `export`) can do.
+_WRITER_ADVICE = "pass --db with a new file for flashgen's results"
+_READER_ADVICE = "pass --db with a flashgen tuning database (`flashgen tune` writes one)"
+
+
 def _refuse_foreign(path: Path, app_id: int, user_version: int, tables: list[str],
-                    applied: list[str]) -> None:
+                    applied: list[str], advice: str = _WRITER_ADVICE) -> None:
     ours = app_id == APPLICATION_ID or (app_id == 0 and bool(applied))
     blank = not tables and app_id == 0 and user_version == 0
     if not ours and not blank:
@@ -106,14 +111,14 @@ def _refuse_foreign(path: Path, app_id: int, user_version: int, tables: list[str
         what = f"it holds tables {held}" if tables else f"application id {app_id:#x}"
         raise ForeignDatabase(
             f"{path} is another program's SQLite database ({what}); flashgen did not change "
-            f"it: pass --db with a new file for flashgen's results")
+            f"it: {advice}")
 
 
 def check_ours(conn: sqlite3.Connection, path: Path) -> None:
     """Raise `ForeignDatabase` if `path`, open as `conn`, is another program's SQLite file: a
-    reader (`flashgen show`) would otherwise list none of its rows as if flashgen had tuned
-    nothing."""
-    _refuse_foreign(path, *_identity(conn))
+    reader (`flashgen show`, `flashgen export`) would otherwise find none of its rows, as if
+    flashgen had tuned nothing."""
+    _refuse_foreign(path, *_identity(conn), advice=_READER_ADVICE)
 
 
 def check_writable(path: Path, known_migrations: Collection[str], schema_version: int,
