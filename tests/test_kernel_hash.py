@@ -217,3 +217,15 @@ def test_a_row_whose_kernel_changed_gives_way_to_the_next_database(
     choice = Dispatcher([user, shipped]).choose(P, INTERPRETER)
     assert (choice.variant, choice.how) == (Variant("fa2", 32, 32, 2, 1), "exact")
     assert choice.source.startswith(str(shipped))
+
+
+def test_other_template_texts_compile_once_per_set() -> None:
+    """Rendering from other texts (A/B tools, these tests) keeps one environment per set of
+    texts, so each template compiles once; a changed text gets its own."""
+    texts = dict(render._templates())
+    assert render.environment_for(texts) is render.environment_for(dict(texts))
+    edited = {**texts, "attn_fwd_fa1.py.jinja": texts["attn_fwd_fa1.py.jinja"] + "\n# edit\n"}
+    other = render.environment_for(edited)
+    assert other is not render.environment_for(texts)
+    assert other.loader is not None
+    assert "# edit" in other.loader.get_source(other, "attn_fwd_fa1.py.jinja")[0]

@@ -15,8 +15,8 @@ from flashgen.kernels.bwd_variant import BwdVariant
 from flashgen.kernels.problem import Problem
 from flashgen.kernels.render import (
     _load_module,
-    _make_environment,
     _render,
+    environment_for,
     modifier_context,
     rendered_hash,
     source_hash,
@@ -101,7 +101,7 @@ def render_bwd_with(templates: Mapping[str, str], kernel: BwdKernel, variant: Bw
                     problem: Problem) -> str:
     """What `render_bwd` gives with other template texts (say an earlier revision's): lets a
     tool or test see which kernels (so which rows' kernel hashes) a template change alters."""
-    env = _make_environment(templates.get)
+    env = environment_for(templates)
     return env.get_template(bwd_template_name(kernel, variant, problem)).render(
         **bwd_render_context(kernel, variant, problem))
 

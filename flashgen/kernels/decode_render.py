@@ -73,7 +73,7 @@ def render_decode(kernel: DecodeKernel, variant: DecodeVariant, problem: Problem
 def render_decode_with(templates: Mapping[str, str], kernel: DecodeKernel,
                        variant: DecodeVariant, problem: Problem) -> str:
     """What `render_decode` gives with other template texts (say an earlier revision's)."""
-    env = render._make_environment(templates.get)
+    env = render.environment_for(templates)
     return env.get_template(decode_template_name(kernel)).render(
         **decode_render_context(kernel, variant, problem))
 

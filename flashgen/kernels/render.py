@@ -115,13 +115,25 @@ def _environment() -> jinja2.Environment:
     return _make_environment(lambda name: _templates().get(name))
 
 
+def environment_for(templates: Mapping[str, str]) -> jinja2.Environment:
+    """An environment rendering from `templates` (name -> text), kept per set of texts:
+    a fresh environment compiles every template it loads again, which made the tools and
+    tests that render other template texts spend most of their time in Jinja's compiler."""
+    return _environment_of(tuple(sorted(templates.items())))
+
+
+@functools.lru_cache(maxsize=16)
+def _environment_of(texts: tuple[tuple[str, str], ...]) -> jinja2.Environment:
+    return _make_environment(dict(texts).get)
+
+
 def render_with(templates: Mapping[str, str], variant: Variant, problem: Problem,
                 overrides: Mapping[str, Any] | None = None) -> str:
     """What `render` gives with other template texts (say an earlier revision's): lets a
     tool or test see which kernel (so which rows' kernel hashes) a template change alters.
     `overrides` replace entries of the render context, so an A/B can render a structure
     choice both ways (`mufu_split=False`: the capped kernels' exp2 all on MUFU)."""
-    env = _make_environment(templates.get)
+    env = environment_for(templates)
     context = {**render_context(variant, problem), **(overrides or {})}
     return env.get_template(template_name(variant)).render(**context)
 
