@@ -20,6 +20,7 @@ from flashgen.kernels.render import (
     modifier_context,
     rendered_hash,
     source_hash,
+    splits_head_dim,
 )
 
 BwdKernel = Literal["preprocess", "dkdv", "dq"]
@@ -71,9 +72,8 @@ def bwd_render_context(kernel: BwdKernel, variant: BwdVariant, problem: Problem)
         # Renders nothing when false (the wide kernel has no such structure): rows stored
         # before it keep their kernel hashes.
         context["lpt"] = variant.lpt
-        # Head dims 129-192 (not packed): the products cover the 256 tile's first 192
-        # columns, not the zero-filled rest, as the forward's split_d.
-        context["split_d"] = 128 < problem.head_dim <= 192 and not problem.varlen
+        # The products cover the 256 tile's first 192 columns, as the forward's split_d.
+        context["split_d"] = splits_head_dim(problem)
         context["stages"] = variant.num_stages
         return context
     # fp32 inputs get true fp32 products: tf32 would lose ~3 decimal digits.

@@ -144,6 +144,12 @@ def template_name(variant: Variant) -> str:
     return f"attn_fwd_{variant.loop_order}{grid}.py.jinja"
 
 
+def splits_head_dim(problem: Problem) -> bool:
+    """Whether the fa3 kernels (forward and backward) issue their products over the 256
+    tile's first 192 columns only, not TMA's zero fill: head dims 129-192, not packed."""
+    return 128 < problem.head_dim <= 192 and not problem.varlen
+
+
 def render_context(variant: Variant, problem: Problem) -> dict[str, Any]:
     """Everything a forward template may depend on. Sequence lengths and batch are not here:
     they are runtime arguments, so one compiled kernel serves every length."""
@@ -155,8 +161,8 @@ def render_context(variant: Variant, problem: Problem) -> dict[str, Any]:
         # fa3 on head dims 129-192 (16-bit, not packed): the products cover the 256 tile's
         # first 192 columns, not the zero-filled rest (the persistent kernel where O leaves
         # through Q's buffer, `o_through_q`).
-        "split_d": (variant.loop_order == "fa3" and 128 < problem.head_dim <= 192
-                    and problem.dtype in ("fp16", "bf16") and not problem.varlen),
+        "split_d": (variant.loop_order == "fa3" and problem.dtype in ("fp16", "bf16")
+                    and splits_head_dim(problem)),
         "causal": problem.causal,
         # fp32 inputs get true fp32 products: tf32 would lose ~3 decimal digits.
         "dot_precision": "ieee" if problem.dtype == "fp32" else "tf32",
