@@ -726,7 +726,7 @@ def show(
     named = [("db", db)] if db else [("user", default_db_path()), ("shipped", shipped_db_path())]
     sources = []
     for source, path in named:
-        if not path.is_file():
+        if not path.is_file() and not path.is_dir():  # a folder: open_readonly names it
             typer.echo(f"note: no {source} database at {path} yet (`flashgen tune` writes it)",
                        err=True)
             continue
@@ -883,6 +883,8 @@ def bench(
         raise _fail("--memory measures dense problems: run it without --window/--varlen")
     if db is not None and not db.is_file():
         raise _fail(f"no tuning database at {db}")
+    if db is not None:
+        _check_bench_db(db)
     named = {m.strip().lower() for m in mode.split(",") if m.strip()}
     if named == {"decode"}:
         if window is not None or varlen is not None or memory:
@@ -912,15 +914,28 @@ def bench(
         names = parse_names(competitors, target)
         resolve(names)
         layout = Layout(window, varlen)
-        for problem in problems:
-            layout.apply(problem)
+        problems = layout.problems(problems)  # raises for problems the layout cannot take
+        outputs = Outputs.under(out, csv_path, plot, no_plot)
+        outputs.check(timing=timing, memory=memory)  # a user's file there stays untouched
     except ValueError as exc:
         raise _fail(str(exc)) from None
     with _terminate_as_interrupt():
-        run_bench(problems, modes, target, names, Outputs.under(out, csv_path, plot, no_plot),
+        run_bench(problems, modes, target, names, outputs,
                   timing=timing, memory=memory, seed=seed, rep_ms=rep_ms, timer=timer,
                   console=_console(), layout=layout if layout else None,
                   dispatcher=dispatcher)
+
+
+def _check_bench_db(db: Path) -> None:
+    """Refuse `--db FILE` that is not a flashgen database, as `show` and `export` do: its
+    dispatcher would find no winners in it and bench the default variants without a word.
+    Read only; a refusal (another program's SQLite file, not a database at all) raises the
+    store error that `_explained` turns into one `error:` line."""
+    from flashgen.store.db import TuningDB
+    from flashgen.store.guard import check_ours
+
+    with TuningDB.open_readonly(db) as database:
+        check_ours(database.db.conn, db)
 
 
 def _bench_decode(shapes: list[str], preset_names: list[str], dtype: str | None, causal: str,
@@ -929,7 +944,13 @@ def _bench_decode(shapes: list[str], preset_names: list[str], dtype: str | None,
                   competitors: str | None) -> None:
     """`flashgen bench --mode decode`: see `flashgen.bench.decoding`."""
     from flashgen.bench.command import resolve_device
-    from flashgen.bench.decoding import DECODE_COMPETITORS, FLASHGEN, run_decode_bench
+    from flashgen.bench.decoding import (
+        DECODE_COMPETITORS,
+        DECODE_CSV_FIELDS,
+        FLASHGEN,
+        run_decode_bench,
+    )
+    from flashgen.bench.report import check_csv_target
     from flashgen.kernels import presets
     from flashgen.serve import Dispatcher
     from flashgen.store.table import shipped_db_path
@@ -944,6 +965,8 @@ def _bench_decode(shapes: list[str], preset_names: list[str], dtype: str | None,
             shapes, preset_names, dtypes,
             presets.parse_causal("yes" if causal == "both" else causal),
             presets.parse_page_sizes(page_size))
+        target_csv = csv_path or out / "decode.csv"
+        check_csv_target(target_csv, DECODE_CSV_FIELDS)  # a user's file there stays untouched
     except ValueError as exc:
         raise _fail(str(exc)) from None
     known = (*DECODE_COMPETITORS, "sdpa-math")
@@ -957,7 +980,7 @@ def _bench_decode(shapes: list[str], preset_names: list[str], dtype: str | None,
                         f"{competitors!r}")
     with _terminate_as_interrupt():
         run_decode_bench(problems, target, names, seed=seed, rep_ms=rep_ms, timer=timer,
-                         csv_path=csv_path or out / "decode.csv", console=_console(),
+                         csv_path=target_csv, console=_console(),
                          dispatcher=Dispatcher([db, shipped_db_path()]) if db else None)
 
 

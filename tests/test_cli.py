@@ -121,6 +121,41 @@ def test_show_leaves_the_database_untouched(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shipped.db"]  # no -wal, no -shm
 
 
+def test_reading_a_tuned_file_leaves_nothing_beside_it(tmp_path: Path) -> None:
+    """A file flashgen wrote (in WAL mode while open), then read by `show` and `export`: no
+    -wal or -shm file appears beside it. A read-only reader of a WAL-mode file creates both
+    and cannot remove them, so the last writer leaves the file in rollback-journal mode."""
+    db_path = tmp_path / "t.db"
+    problem = Problem(1, 2, 1, 32, 32, 16)
+    with TuningDB(db_path) as db:
+        key = TuningKey.for_problem(problem, INTERPRETER, "fwd")
+        db.record_trial(key, problem, default_variant(problem, INTERPRETER), "ok",
+                        timing=Timing(1.0, 0.9, 1.1, 5), tflops=1.0)
+        db.update_winner(key)
+        assert db.db.journal_mode == "wal"
+    assert runner.invoke(app, ["show", "--db", str(db_path), "--json"]).exit_code == 0
+    assert runner.invoke(app, ["export", "--db", str(db_path), "--out",
+                               str(tmp_path / "pkg")]).exit_code == 0
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["t.db"]
+
+
+def test_a_writer_closing_leaves_wal_mode_to_the_others_still_open(tmp_path: Path) -> None:
+    """Two tuners on one file: the first to close cannot leave WAL mode while the second
+    is open (SQLite refuses at once) and the second still writes; the last one does."""
+    db_path = tmp_path / "t.db"
+    problem = Problem(1, 2, 1, 32, 32, 16)
+    key = TuningKey.for_problem(problem, INTERPRETER, "fwd")
+    first, second = TuningDB(db_path), TuningDB(db_path)
+    first.close()
+    assert second.db.journal_mode == "wal"
+    second.record_trial(key, problem, default_variant(problem, INTERPRETER), "ok",
+                        timing=Timing(1.0, 0.9, 1.1, 5), tflops=1.0)
+    second.close()
+    with TuningDB.open_readonly(db_path) as db:
+        assert db.db.journal_mode == "delete"
+        assert db.db.execute("SELECT count(*) FROM trials").fetchone()[0] == 1
+
+
 def _flashgen(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "flashgen.cli", *args], env=env,
                           capture_output=True, text=True, timeout=300)

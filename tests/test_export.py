@@ -417,6 +417,10 @@ def test_cli_refusals(tmp_path: Path) -> None:
     ours = runner.invoke(app, ["export", "--db", str(db), "--out", str(tmp_path), "--name",
                                "flashgen"])
     assert ours.exit_code == 2 and "shadow" in ours.output
+    for taken in ("os", "torch"):  # the standard library's and what the package imports
+        hidden = runner.invoke(app, ["export", "--db", str(db), "--out", str(tmp_path),
+                                     "--name", taken])
+        assert hidden.exit_code == 2 and f"shadow the module {taken!r}" in hidden.output
     aot = runner.invoke(app, ["export", "--db", str(db), "--out", str(tmp_path), "--format", "aot"])
     assert aot.exit_code == 2 and "only the CPU interpreter" in aot.output
     fp32 = runner.invoke(app, ["export", "--db", str(db), "--out", str(tmp_path), "--format",

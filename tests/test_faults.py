@@ -204,6 +204,32 @@ def test_bad_files_give_one_error_line(tmp_path: Path, fake_bench: Benches, how:
     assert digest(path) == before
 
 
+@pytest.mark.parametrize("command", [TUNE, ["show"], ["export", "--out", "pkg"]])
+def test_a_folder_named_as_the_database_is_called_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: list[str]) -> None:
+    """$FLASHGEN_DB naming a folder: SQLite's error read as a missing file or an unwritable
+    folder, and `show` and `export` passed over it as if no database were there."""
+    folder = tmp_path / "dbs"
+    folder.mkdir()
+    monkeypatch.setenv("FLASHGEN_DB", str(folder))
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, command)
+    assert_one_error_line(result, str(folder), "is a folder")
+
+
+def test_an_unusable_busy_timeout_is_warned_of_not_ignored(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """$FLASHGEN_BUSY_TIMEOUT set to no number of seconds: the default wait, with a warning
+    naming the value (it was silently ignored)."""
+    monkeypatch.setattr(guard, "_WARNED", set())
+    for bad in ("abc", "-5", "nan"):
+        monkeypatch.setenv(guard.BUSY_TIMEOUT_ENV, bad)
+        with pytest.warns(RuntimeWarning, match=f"FLASHGEN_BUSY_TIMEOUT='{bad}'"):
+            assert guard.busy_timeout_s(60.0) == 60.0
+    monkeypatch.setenv(guard.BUSY_TIMEOUT_ENV, "2.5")
+    assert guard.busy_timeout_s(60.0) == 2.5
+
+
 def test_a_full_disk_gives_one_error_line(tmp_path: Path, fake_bench: Benches,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     path = flashgen_db(tmp_path / "t.db", winner=False)
@@ -217,6 +243,21 @@ def test_a_full_disk_gives_one_error_line(tmp_path: Path, fake_bench: Benches,
     monkeypatch.setattr(TuningDB, "__init__", no_room_to_grow)
     result = runner.invoke(app, [*TUNE, "--trials", "200", "--db", str(path)])
     assert_one_error_line(result, str(path), "database or disk is full", "free some space")
+
+
+def test_an_unusable_kernel_folder_stops_the_tune_and_stores_no_trial(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel folder that is a file: one error line naming it, and no trial stored. The
+    place failed, not the variant; stored as a failed trial, that variant (the default) was
+    never measured again once the folder was mended."""
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(blocker))
+    path = tmp_path / "t.db"
+    result = runner.invoke(app, [*TUNE, "--trials", "1", "--db", str(path)])
+    assert_one_error_line(result, str(blocker), "FLASHGEN_CACHE_DIR")
+    with TuningDB.open_readonly(path) as db:
+        assert db.db.execute("SELECT count(*) FROM trials").fetchone()[0] == 0
 
 
 def test_a_lock_held_too_long_gives_one_error_line(tmp_path: Path, fake_bench: Benches,

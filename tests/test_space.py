@@ -206,6 +206,11 @@ def test_problem_parse_and_errors() -> None:
     assert (p.batch, p.group, p.padded_head_dim) == (2, 4, 128)
     with pytest.raises(ValueError, match="B,Hq,Hkv,Nq,Nk,D"):
         flashgen.Problem.parse("2,32,8,1024")
+    with pytest.raises(ValueError, match="B,Hq,Hkv,Nq,Nk,D"):
+        flashgen.Problem.parse("2,32,8,1k,1024,128")
+    # A negative length is named as one, as zero is (it read as a malformed shape).
+    with pytest.raises(ValueError, match="seq_q must be a positive integer, got -32"):
+        flashgen.Problem.parse("1,2,1,-32,32,16")
     with pytest.raises(ValueError, match="multiple"):
         flashgen.Problem(1, 6, 4, 8, 8, 64)
     with pytest.raises(ValueError, match="head dim"):

@@ -26,11 +26,13 @@ from flashgen.bench.memory import (
     run_memory,
 )
 from flashgen.bench.report import (
+    check_csv_target,
     csv_records,
     short_problem,
     summarize,
     timing_table,
     unavailable_notes,
+    wrapped,
     write_csv,
 )
 from flashgen.bench.suite import Mode, Row, default_timer, run_suite
@@ -70,6 +72,15 @@ class Outputs:
         return cls(csv or out_dir / "bench.csv",
                    None if no_plot else plot or out_dir / "bench.png",
                    out_dir / "memory.csv")
+
+    def check(self, timing: bool = True, memory: bool = False) -> None:
+        """Raise ValueError, before anything is measured, if a CSV the run would write
+        (`timing`: the timing CSV, `memory`: the memory CSV) would replace a file that is
+        not an earlier bench's: see `report.check_csv_target`."""
+        if timing:
+            check_csv_target(self.csv)
+        if memory:
+            check_csv_target(self.memory_csv, MEMORY_CSV_FIELDS, option="--out")
 
 
 def _progress_lines(head: str, problem: Problem, rows: list[Row], width: int = 80) -> str:
@@ -122,12 +133,15 @@ def run_bench(
     """
     console = console or Console()
     log = log or Console(stderr=True)
+    if layout:
+        problems = layout.problems(problems)
     competitors = resolve(competitor_names, dispatcher)
     name = device_name(device)
     rows: list[Row] = []
     if timing:
-        log.print(f"benchmarking {len(problems)} problem(s) x {', '.join(modes)} on {name}: "
-                  f"{', '.join(c.name for c in competitors)}", highlight=False)
+        log.print(wrapped(f"benchmarking {len(problems)} problem(s) x {', '.join(modes)} on "
+                          f"{name}: {', '.join(c.name for c in competitors)}"),
+                  highlight=False, soft_wrap=True)
 
         def keep(problem: Problem, found: list[Row]) -> None:
             rows.extend(found)
@@ -147,15 +161,16 @@ def run_bench(
             console.print(timing_table(summaries, mode, [c.name for c in competitors],
                                        f"{name}, {timer} timer"))
         for note in unavailable_notes(rows):
-            console.print(f"  {note}", highlight=False, markup=False)
+            console.print(wrapped(note, "  "), highlight=False, markup=False, soft_wrap=True)
         records = csv_records(summaries, name, timer)
         write_csv(records, outputs.csv)
         console.print(f"CSV: {outputs.csv}")
         if outputs.plot is not None:
             if not bench_plot.available():
-                console.print("no plot: matplotlib is not installed (pip install "
-                              "'flashgen[bench]', or later: python -m flashgen.bench.plot "
-                              f"{outputs.csv} bench.png)", markup=False)
+                console.print(wrapped("no plot: matplotlib is not installed (pip install "
+                                      "'flashgen[bench]', or later: python -m "
+                                      f"flashgen.bench.plot {outputs.csv} bench.png)"),
+                              highlight=False, markup=False, soft_wrap=True)
             elif any(r.status == "ok" for r in rows):
                 bench_plot.plot(records, outputs.plot, title=f"flashgen bench ({name})")
                 console.print(f"plot: {outputs.plot}")

@@ -39,6 +39,10 @@ DECODE_COMPETITORS = (FLASHGEN, "sdpa-flash", "sdpa-cudnn", "flex")
 COPY_BYTES = 2 << 30
 #: The largest gate problem: its float64 reference repeats K/V for every query head.
 GATE_KEYS = 2048
+#: The decode CSV's columns; its first row, by which a re-run knows the file as its own.
+DECODE_CSV_FIELDS = ("batch", "heads_q", "heads_kv", "seq_q", "seq_k", "head_dim", "dtype",
+                     "causal", "page_size", "competitor", "status", "us", "gbps", "copy_gbps",
+                     "timer", "note")
 
 
 @dataclass(frozen=True)
@@ -231,9 +235,7 @@ def write_decode_csv(rows: Sequence[DecodeRow], path: Path, rate: float | None,
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="", encoding="utf-8") as handle:
         writer = csv.writer(handle)
-        writer.writerow(["batch", "heads_q", "heads_kv", "seq_q", "seq_k", "head_dim", "dtype",
-                         "causal", "page_size", "competitor", "status", "us", "gbps",
-                         "copy_gbps", "timer", "note"])
+        writer.writerow(DECODE_CSV_FIELDS)
         for r in rows:
             p = r.problem
             writer.writerow([p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim,

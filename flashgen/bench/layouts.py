@@ -15,7 +15,7 @@ error plus a rounding step).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +54,11 @@ class Layout:
             raise ValueError(f"--varlen packs self-attention: {p} has Nq != Nk")
         return p.with_(causal=causal, window=self.window is not None,
                        varlen=self.sequences is not None)
+
+    def problems(self, problems: Iterable[Problem]) -> list[Problem]:
+        """Each problem's laid-out form, once, in order: a window makes every problem causal,
+        so the causal and the full problem of `--causal both` become one, to be run once."""
+        return list(dict.fromkeys(self.apply(p) for p in problems))
 
     def lengths(self, p: Problem, seed: int) -> list[int]:
         """The packed sequences' lengths: B x N tokens cut at seeded random points."""

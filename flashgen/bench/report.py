@@ -8,6 +8,7 @@ ratio exists only where flashgen itself passed its check.
 from __future__ import annotations
 
 import csv
+import textwrap
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,16 +110,25 @@ def timing_table(summaries: Iterable[Summary], mode: Mode, competitors: Sequence
     return table
 
 
-def unavailable_notes(rows: Iterable[Row], limit: int = 160) -> list[str]:
-    """Distinct reasons for n/a and wrong cells, one line each (the CSV has them all), and
-    the legend of "~" when a cell has it."""
+def unavailable_notes(rows: Iterable[Row]) -> list[str]:
+    """Distinct reasons for n/a and wrong cells, whole (`wrapped` folds them for printing),
+    and the legend of "~" when a cell has it."""
     seen: dict[str, None] = {}
     unsteady = False
     for r in rows:
         if r.status != "ok" and r.reason:
-            seen[f"{r.competitor} {r.status}: {r.reason[:limit]}"] = None
+            seen[f"{r.competitor} {r.status}: {r.reason}"] = None
         unsteady |= _unsteady(r)
     return [*seen, UNSTEADY_NOTE] if unsteady else list(seen)
+
+
+def wrapped(text: str, indent: str = "", width: int = 80) -> str:
+    """`text` folded at word boundaries into lines of at most `width` columns, after
+    `indent`, continuation lines two columns deeper. Not cut: a reason's end ("use float16
+    or float32 on the CPU, or ...") is usually what to do. A word longer than a line (a
+    path) stays whole, and hyphens do not break ("sdpa-math")."""
+    return textwrap.fill(text, width, initial_indent=indent, subsequent_indent=indent + "  ",
+                         break_long_words=False, break_on_hyphens=False)
 
 
 CSV_FIELDS = (
@@ -161,6 +171,26 @@ def csv_records(summaries: Iterable[Summary], device_name: str,
                 "modifiers": " ".join(p.modifiers),
             })
     return records
+
+
+def check_csv_target(path: Path, fields: Sequence[str] = CSV_FIELDS,
+                     option: str = "--csv") -> None:
+    """Raise ValueError if writing `fields` to `path` would replace a file flashgen did not
+    write: a user's own file is never changed. An earlier bench's CSV (its first row is
+    exactly `fields`) is replaced, as re-running into the same folder expects, and so is an
+    empty file, which holds nothing to lose. `option` is the one that picks another path."""
+    if not path.exists() or (path.is_file() and path.stat().st_size == 0):
+        return
+    header: list[str] = []
+    if path.is_file():
+        with path.open(newline="", encoding="utf-8", errors="replace") as f:
+            try:
+                header = next(csv.reader(f), [])
+            except csv.Error:  # not CSV at all (a NUL byte, a huge field): not ours
+                header = []
+    if header != list(fields):
+        raise ValueError(f"{path} exists and is not a flashgen bench CSV; flashgen did not "
+                         f"change it: pick another {option}, or remove the file")
 
 
 def write_csv(records: Sequence[dict[str, str]], path: Path,

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import keyword
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -235,12 +236,18 @@ def _readme(name: str, table: dict[str, Any], notes: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: Modules an exported package imports or sits beside: one named so would hide them (the
+#: standard library's names are refused too).
+_TAKEN_NAMES = frozenset({"flashgen", "torch", "triton", "numpy", "jinja2"})
+
+
 def write_package(selection: Selection, out: Path, name: str, force: bool = False) -> ExportReport:
     """Write package `name` under `out` (replacing an existing one only with `force`)."""
     if not name.isidentifier() or keyword.iskeyword(name):
         raise ValueError(f"package name {name!r} is not a Python identifier")
-    if name == "flashgen":
-        raise ValueError("package name 'flashgen' would shadow flashgen itself; pick another")
+    if name in _TAKEN_NAMES or name in sys.stdlib_module_names:
+        raise ValueError(f"package name {name!r} would shadow the module {name!r} for whoever "
+                         "imports it; pick another")
     if not selection.gpus:
         raise ValueError("no winners to export (see the notes)")
     target = out / name

@@ -129,7 +129,7 @@ def _read(paths: Sequence[Path], gpu: str | None, notes: list[str]) -> dict[str,
     stale = 0
     modified: set[str] = set()
     for path in paths:
-        if not path.is_file():
+        if not path.is_file() and not path.is_dir():  # a folder: open_readonly names it
             continue
         with TuningDB.open_readonly(path) as db:
             check_ours(db.db.conn, path)  # not "no winners" for another program's file

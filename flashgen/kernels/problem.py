@@ -202,7 +202,8 @@ class Problem:
     def parse(cls, shape: str, dtype: str = "fp16", causal: bool = False) -> Problem:
         """Parse the CLI's `B,Hq,Hkv,Nq,Nk,D` form."""
         parts = [p.strip() for p in shape.split(",")]
-        if len(parts) != 6 or not all(p.isdigit() for p in parts):
+        # A signed integer parses, so that "-32" meets the same named range check as "0".
+        if len(parts) != 6 or not all(p.lstrip("+-").isdigit() for p in parts):
             raise ValueError(f"shape {shape!r} is not of the form B,Hq,Hkv,Nq,Nk,D")
         b, hq, hkv, nq, nk, d = (int(p) for p in parts)
         return cls(b, hq, hkv, nq, nk, d, dtype, causal)

@@ -263,17 +263,31 @@ def cache_dir() -> Path:
     return base / "kernels"
 
 
+class CacheDirError(OSError):
+    """The folder rendered kernels are written to cannot be used (not a folder, not
+    writable, full). No variant's fault: the tuner stops on it rather than store a failed
+    trial. An OSError whose message names the folder and `FLASHGEN_CACHE_DIR`, so commands
+    end in that one `error:` line (`one_line`, read by `store.guard.explain`)."""
+
+    one_line = True
+
+
 @functools.lru_cache(maxsize=4096)
 def _load_module(digest: str, source: str) -> ModuleType:
     directory = cache_dir()
-    directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"fg_{digest}.py"
-    if not path.exists() or path.read_text(encoding="utf-8") != source:
-        # Write then rename, so a concurrent process never imports a half-written file.
-        fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(source)
-        os.replace(tmp, path)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if not path.exists() or path.read_text(encoding="utf-8") != source:
+            # Write then rename, so a concurrent process never imports a half-written file.
+            fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                handle.write(source)
+            os.replace(tmp, path)
+    except OSError as exc:  # the place is at fault, not the kernel: say so, and where
+        raise CacheDirError(
+            f"cannot write kernels to {directory} ({exc.strerror or exc}); set "
+            f"FLASHGEN_CACHE_DIR to a folder you can write") from exc
     spec = importlib.util.spec_from_file_location(f"flashgen_kernels.fg_{digest}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

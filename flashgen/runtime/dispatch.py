@@ -152,7 +152,7 @@ class Dispatcher:
         dispatcher runs."""
         if variant is None:
             return
-        name = {"fwd": "variant", "bwd": "bwd_variant"}.get(mode, f"{mode}_variant")
+        name = {"bwd": "bwd_variant"}.get(mode, "variant")  # the calls' parameter names
         cls = self.variant_types.get(mode)
         if cls is None:
             raise TypeError(f"{name}= is not supported here: {PACKAGE} runs its tuned "

@@ -6,7 +6,8 @@ sqlite-utils. Contract of `TuningDB`:
 * One instance per thread: a connection is not shared between threads. Any number of
   processes may open the same file; it runs in WAL mode with a busy timeout, and every write
   is one `BEGIN IMMEDIATE` transaction, so concurrent tuners queue instead of failing and
-  lose nothing.
+  lose nothing. The last writer to close it switches it back to a rollback journal, so that
+  readers leave no -wal and -shm files beside it.
 * The schema is versioned by named, transactional migrations (sqlite-utils `Migrations`,
   recorded in `_sqlite_migrations`); opening a file applies the pending ones. `PRAGMA
   user_version` mirrors the count for tools that only speak SQL.
@@ -25,6 +26,7 @@ sqlite-utils. Contract of `TuningDB`:
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shlex
@@ -310,6 +312,13 @@ def default_db_path() -> Path:
     return Path(cache) / "flashgen" / "tuning.db"
 
 
+def _refuse_folder(path: Path) -> None:
+    """A folder given as the database ($FLASHGEN_DB or --db) is named as one: SQLite's own
+    error read as a missing file or an unwritable folder."""
+    if path.is_dir():
+        raise IsADirectoryError(errno.EISDIR, "a folder, not a database file", str(path))
+
+
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
@@ -406,8 +415,12 @@ def settles(row: TrialRow) -> bool:
 class TuningDB:
     """The tuning database at `path` (default: `default_db_path()`); see the module contract."""
 
+    #: Opened by `open_readonly`: nothing is written through it, its journal mode neither.
+    _read_only = False
+
     def __init__(self, path: str | Path | None = None) -> None:
         self.path = Path(path) if path is not None else default_db_path()
+        _refuse_folder(self.path)
         wait = busy_timeout_s(BUSY_TIMEOUT_S)
         # Before anything can change the file: another program's, or a newer flashgen's.
         check_writable(self.path, _migration_names(), SCHEMA_VERSION, wait)
@@ -451,6 +464,8 @@ class TuningDB:
         queries use those of the first schema. Writes raise sqlite3.OperationalError."""
         self = cls.__new__(cls)
         self.path = Path(path)
+        self._read_only = True
+        _refuse_folder(self.path)
         if not self.path.is_file():
             raise FileNotFoundError(f"no tuning database at {self.path}")
         self.db = sqlite_utils.Database(
@@ -458,7 +473,22 @@ class TuningDB:
         return self
 
     def close(self) -> None:
+        if not self._read_only:
+            self._leave_wal()
         self.db.close()
+
+    def _leave_wal(self) -> None:
+        """Back to a rollback journal if no other connection has the file open.
+
+        Why: a reader (`show`, `export`, `bench`, dispatch) of a file left in WAL mode
+        creates its -wal and -shm files beside it and, read-only, cannot remove them. With
+        another connection open SQLite refuses at once (no wait: busy timeout 0), and the
+        file stays in WAL mode for the writers still at work; the next writer switches it
+        back (`_enable_wal`)."""
+        conn = self.db.conn
+        with contextlib.suppress(sqlite3.Error):
+            conn.execute("PRAGMA busy_timeout = 0")
+            conn.execute("PRAGMA journal_mode = DELETE").fetchone()
 
     def __enter__(self) -> TuningDB:
         return self

@@ -20,10 +20,12 @@ This module imports nothing of flashgen, so the CLI can import it without torch.
 from __future__ import annotations
 
 import errno
+import math
 import os
 import shutil
 import sqlite3
 import tempfile
+import warnings
 from collections.abc import Collection
 from pathlib import Path
 
@@ -59,8 +61,18 @@ def busy_timeout_s(default: float) -> float:
     try:
         seconds = float(value)
     except ValueError:
-        return default
-    return seconds if seconds >= 0 else default
+        seconds = -1.0
+    if seconds >= 0 and math.isfinite(seconds):
+        return seconds
+    if value.strip() and value not in _WARNED:  # set but unusable: say so, once per value
+        _WARNED.add(value)
+        warnings.warn(f"{BUSY_TIMEOUT_ENV}={value!r} is not a number of seconds >= 0; "
+                      f"waiting {default:g} s for a write lock", RuntimeWarning, stacklevel=2)
+    return default
+
+
+#: The unusable $FLASHGEN_BUSY_TIMEOUT values already warned of.
+_WARNED: set[str] = set()
 
 
 def _read_only(path: Path, timeout: float) -> sqlite3.Connection:
@@ -231,6 +243,7 @@ _OS_ADVICE: dict[int, str] = {
                  "write (--db, --out)",
     errno.ENOSPC: "no space left on the device writing {path}; free some space and run again",
     errno.EDQUOT: "disk quota exceeded writing {path}; free some space and run again",
+    errno.EISDIR: "{path} is a folder; name a database file (--db, $FLASHGEN_DB)",
 }
 
 
@@ -239,8 +252,8 @@ def explain(exc: BaseException, path: Path | str | None, wait_s: float) -> str |
     for anything else (a bug should keep its traceback). `path` is the database the
     command uses (an OSError names its own file); `wait_s` is the lock wait that ran out."""
     where = str(path) if path else "the tuning database"
-    if isinstance(exc, StoreError):
-        return str(exc)
+    if isinstance(exc, StoreError) or getattr(exc, "one_line", False):
+        return str(exc)  # its own message names the place and what to do
     if isinstance(exc, sqlite3.Error):
         text = str(exc)
         for needle, advice in _SQLITE_ADVICE:

@@ -149,7 +149,7 @@ def device_table(paths: Sequence[Path], device: DeviceInfo) -> dict[str, Any]:
     table: dict[str, Any] = {mode: [] for mode in MODES}
     table["preprocess_block_m"] = PREPROCESS_BLOCK_M
     for path in paths:
-        if not path.is_file():
+        if not path.is_file() and not path.is_dir():  # a folder: warned of, as unreadable
             continue
         try:
             rows = _winners(path, device)

@@ -21,6 +21,7 @@ import torch
 
 from flashgen.kernels.modes import AnyVariant
 from flashgen.kernels.problem import Problem
+from flashgen.kernels.render import CacheDirError
 from flashgen.kernels.variant import Variant
 from flashgen.serve import run_forward
 from flashgen.tune.baseline import Baseline, sdpa_baseline
@@ -109,7 +110,12 @@ def checked_and_timed(check: CheckResult, time: Callable[[], Timing],
 
 
 def describe_failure(exc: BaseException, limit: int = 400) -> str:
-    """One line naming the error: what the trial table stores as the reason."""
+    """One line naming the error: what the trial table stores as the reason.
+
+    A `CacheDirError` is raised again instead: an unusable kernel folder is no variant's
+    failure, and stored as one it would keep that variant from ever being measured."""
+    if isinstance(exc, CacheDirError):
+        raise exc
     text = " ".join(str(exc).split())
     if len(text) > limit:
         text = text[: limit - 3] + "..."
