@@ -97,16 +97,21 @@ def test_show_names_another_programs_database(tmp_path: Path) -> None:
     assert other.read_bytes() == before
 
 
+def _one_winner(db: TuningDB) -> None:
+    """One trial of a tiny problem and its winner, as a tune records them."""
+    problem = Problem(1, 2, 1, 32, 32, 16)
+    key = TuningKey.for_problem(problem, INTERPRETER, "fwd")
+    db.record_trial(key, problem, default_variant(problem, INTERPRETER), "ok",
+                    timing=Timing(1.0, 0.9, 1.1, 5), tflops=1.0)
+    db.update_winner(key)
+
+
 def test_show_leaves_the_database_untouched(tmp_path: Path) -> None:
     """`show` lists a file it may not write (the database shipped in the package, journaled
     DELETE): it used to open it read-write, which switched it to WAL and rewrote its header."""
     db_path = tmp_path / "shipped.db"
-    problem = Problem(1, 2, 1, 32, 32, 16)
     with TuningDB(db_path) as db:
-        key = TuningKey.for_problem(problem, INTERPRETER, "fwd")
-        db.record_trial(key, problem, default_variant(problem, INTERPRETER), "ok",
-                        timing=Timing(1.0, 0.9, 1.1, 5), tflops=1.0)
-        db.update_winner(key)
+        _one_winner(db)
     with sqlite3.connect(db_path) as conn:
         conn.execute("PRAGMA journal_mode=DELETE")
     before = db_path.read_bytes()
@@ -126,12 +131,8 @@ def test_reading_a_tuned_file_leaves_nothing_beside_it(tmp_path: Path) -> None:
     -wal or -shm file appears beside it. A read-only reader of a WAL-mode file creates both
     and cannot remove them, so the last writer leaves the file in rollback-journal mode."""
     db_path = tmp_path / "t.db"
-    problem = Problem(1, 2, 1, 32, 32, 16)
     with TuningDB(db_path) as db:
-        key = TuningKey.for_problem(problem, INTERPRETER, "fwd")
-        db.record_trial(key, problem, default_variant(problem, INTERPRETER), "ok",
-                        timing=Timing(1.0, 0.9, 1.1, 5), tflops=1.0)
-        db.update_winner(key)
+        _one_winner(db)
         assert db.db.journal_mode == "wal"
     assert runner.invoke(app, ["show", "--db", str(db_path), "--json"]).exit_code == 0
     assert runner.invoke(app, ["export", "--db", str(db_path), "--out",
