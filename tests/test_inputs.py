@@ -175,6 +175,14 @@ def test_bf16_on_the_interpreter_is_refused() -> None:
             call()
 
 
+def test_another_device_is_named_with_both_ways_to_run() -> None:
+    """A tensor on a device flashgen has no kernels for (meta, here): the error names it and
+    both ways that do run, the GPU and the CPU under the interpreter (it said GPU only)."""
+    q = torch.empty(1, 2, 32, 16, device="meta")
+    with pytest.raises(ValueError, match=r"unsupported device meta.*CUDA GPU.*TRITON_INTERPRET"):
+        flashgen.attention(q, q, q)
+
+
 # ---- item 9: scale and causal ---------------------------------------------------------------
 
 

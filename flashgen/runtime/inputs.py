@@ -47,7 +47,8 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fp8: bool = 
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
     if q.device.type not in ("cuda", "cpu"):
-        raise ValueError(f"unsupported device {q.device}; use a CUDA GPU")
+        raise ValueError(f"unsupported device {q.device}; use a CUDA GPU (or the CPU with "
+                         "TRITON_INTERPRET=1 set before triton is imported)")
     bq, hq, nq, d = q.shape
     bk, hk, nk, dk = k.shape
     bv, hv, nv, dv = v.shape
