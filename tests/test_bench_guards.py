@@ -164,7 +164,9 @@ def test_only_flashgens_own_csv_is_replaced(tmp_path: Path, fields: tuple[str, .
     with path.open("w", newline="") as f:
         csv.writer(f).writerows([fields, ["1"] * len(fields)])
     check_csv_target(path, fields)  # an earlier bench's
-    for text in ("name,score\nada,3\n", ",".join(fields[:-1]) + "\n", "\x00\x01binary"):
+    path.write_text(",".join(fields[:-1]) + "\n")
+    check_csv_target(path, fields)  # an older flashgen's, a column short
+    for text in ("name,score\nada,3\n", ",".join(fields[1:]) + "\n", "\x00\x01binary"):
         path.write_text(text)
         with pytest.raises(ValueError, match="is not a flashgen bench CSV") as caught:
             check_csv_target(path, fields)

@@ -173,12 +173,18 @@ def csv_records(summaries: Iterable[Summary], device_name: str,
     return records
 
 
+#: The leading columns by which a CSV is known as an earlier bench's (`check_csv_target`).
+_CSV_ID_COLUMNS = 11
+
+
 def check_csv_target(path: Path, fields: Sequence[str] = CSV_FIELDS,
                      option: str = "--csv") -> None:
     """Raise ValueError if writing `fields` to `path` would replace a file flashgen did not
-    write: a user's own file is never changed. An earlier bench's CSV (its first row is
-    exactly `fields`) is replaced, as re-running into the same folder expects, and so is an
-    empty file, which holds nothing to lose. `option` is the one that picks another path."""
+    write: a user's own file is never changed. An earlier bench's CSV is replaced, as
+    re-running into the same folder expects: its first row starts with the columns that
+    name a row (`_CSV_ID_COLUMNS` of `fields`, the problem, competitor and status, which
+    every flashgen version wrote first; later columns were added over time). So is an empty
+    file, which holds nothing to lose. `option` is the one that picks another path."""
     if not path.exists() or (path.is_file() and path.stat().st_size == 0):
         return
     header: list[str] = []
@@ -188,7 +194,7 @@ def check_csv_target(path: Path, fields: Sequence[str] = CSV_FIELDS,
                 header = next(csv.reader(f), [])
             except csv.Error:  # not CSV at all (a NUL byte, a huge field): not ours
                 header = []
-    if header != list(fields):
+    if header[:_CSV_ID_COLUMNS] != list(fields[:_CSV_ID_COLUMNS]):
         raise ValueError(f"{path} exists and is not a flashgen bench CSV; flashgen did not "
                          f"change it: pick another {option}, or remove the file")
 
