@@ -7,7 +7,8 @@ then runs each backend a few times, so Nsight Compute can profile both in one pr
       --section SpeedOfLight --section Occupancy \\
       python3 scripts/profile_fwd.py 1,16,16,16384,16384,128
 With --variant (repeatable, Variant JSON) those variants run instead of the dispatched one,
-each --calls times, in the order given, before cuDNN.
+each --calls times, in the order given, before cuDNN. `--dtype fp8` runs flashgen on the
+inputs quantized by `flashgen.fp8.quantize` (block descales) and cuDNN on the bf16 inputs.
 """
 
 from __future__ import annotations
@@ -30,20 +31,27 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=4)
     ap.add_argument("--variant", action="append", default=[],
                     help="a variant as JSON (Variant.to_json); repeatable")
-    ap.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
+    ap.add_argument("--dtype", default="fp16", choices=["fp16", "bf16", "fp8"])
     a = ap.parse_args()
     b, hq, hkv, nq, nk, d = (int(x) for x in a.shape.split(","))
     dtype = torch.float16 if a.dtype == "fp16" else torch.bfloat16
     q = torch.randn(b, hq, nq, d, device="cuda", dtype=dtype)
     k = torch.randn(b, hkv, nk, d, device="cuda", dtype=dtype)
     v = torch.randn(b, hkv, nk, d, device="cuda", dtype=dtype)
+    ours: tuple[torch.Tensor, ...] = (q, k, v)
+    descales: dict[str, torch.Tensor] = {}
+    if a.dtype == "fp8":
+        fp8 = flashgen.fp8.quantize(q, k, v)
+        ours = (fp8.q, fp8.k, fp8.v)
+        descales = {"descale_q": fp8.descale_q, "descale_k": fp8.descale_k,
+                    "descale_v": fp8.descale_v}
     variants = [Variant.from_json(j) for j in a.variant] or [
-        flashgen.explain(q, k, v, causal=a.causal).variant]
-    problem = flashgen.Problem.from_tensors(q, k, v, a.causal)
+        flashgen.explain(*ours, causal=a.causal).variant]
+    problem = flashgen.Problem.from_tensors(*ours, a.causal)
     for variant in variants:
         print(variant, flush=True)
         for _ in range(a.calls):
-            flashgen.attention(q, k, v, causal=a.causal, variant=variant)
+            flashgen.attention(*ours, causal=a.causal, variant=variant, **descales)
         torch.cuda.synchronize()
         jit = load_kernel(variant, problem)
         for cache in getattr(jit, "device_caches", {}).values():
