@@ -117,12 +117,14 @@ class Dispatcher(dispatch.Dispatcher):
         the CPU interpreter is tuned with `--device cpu` and the call's own shape (a preset
         would take it hours), a GPU by its index."""
         where = ", ".join(str(p) for p in self.paths)
-        more = "" if dev.is_interpreter else " (or --preset fa-bench for a whole grid)"
+        more = "" if dev.is_interpreter else "\n  (or --preset fa-bench for a whole grid)"
 
         def notice(what: str, mode: str, whom: str) -> str:
-            return (f"flashgen: no tuned {what}kernels for {dev.name} in {where}; using default "
-                    f"{what}variants. Run `{tune_command(dev, problem, mode)}`{more} to tune "
-                    f"{whom}.")
+            # Lines of their own for the places and the command, each whole: a terminal
+            # folds them anywhere, and the command is meant to be copied as it stands.
+            return (f"flashgen: no tuned {what}kernels for {dev.name} in\n  {where};\n"
+                    f"  using default {what}variants. To tune {whom}, run\n"
+                    f"  `{tune_command(dev, problem, mode)}`{more}")
 
         whole = notice("", "both", "this device")
         return {"fwd": whole, "bwd": notice("backward ", "bwd", "them") if tuned_fwd else whole,

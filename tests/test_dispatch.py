@@ -188,6 +188,12 @@ def test_the_tune_hint_fits_the_device(tmp_path: Path, caplog: pytest.LogCapture
             "--mode both`") in cpu
     assert "--gpu" not in cpu and "--preset" not in cpu
     assert "flashgen tune --gpu 0 --shape 1,2,1,16,24,16" in gpu and "--device cpu" not in gpu
+    # The command on a line of its own, to be copied whole; the prose lines fit 80 columns
+    # (the places and the command may not, and are not folded).
+    for message in (cpu, gpu):
+        lines = message.splitlines()
+        assert [line for line in lines if line.strip().startswith("`flashgen tune")]
+        assert all(len(line) <= 80 for line in lines if "`" not in line and "/" not in line)
 
 
 def test_lookup_reads_sqlite_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
