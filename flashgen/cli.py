@@ -717,7 +717,6 @@ def show(
     table (JSON: each row's "db" and "source") says which, and a note marks the rows
     dispatch would not serve."""
     from flashgen.store.db import TuningDB, default_db_path
-    from flashgen.store.guard import check_ours
     from flashgen.store.table import shipped_db_path
     from flashgen.tune.report import listed, winners_tables
 
@@ -733,8 +732,7 @@ def show(
         # Read only: `show` must not migrate or re-journal the file it lists (say the
         # database shipped inside the installed package, which may not be writable at all).
         try:
-            with TuningDB.open_readonly(path) as database:
-                check_ours(database.db.conn, path)
+            with TuningDB.open_ours(path) as database:
                 sources.append((source, path, database.runs() if runs
                                 else database.all_winners()))
         except (sqlite3.Error, OSError) as exc:  # the error line names this file
@@ -884,7 +882,11 @@ def bench(
     if db is not None and not db.is_file():
         raise _fail(f"no tuning database at {db}")
     if db is not None:
-        _check_bench_db(db)
+        # Refused as `show` and `export` refuse it (one `error:` line from `_explained`):
+        # another program's file would bench the default variants without a word.
+        from flashgen.store.db import TuningDB
+
+        TuningDB.open_ours(db).close()
     named = {m.strip().lower() for m in mode.split(",") if m.strip()}
     if named == {"decode"}:
         if window is not None or varlen is not None or memory:
@@ -924,18 +926,6 @@ def bench(
                   timing=timing, memory=memory, seed=seed, rep_ms=rep_ms, timer=timer,
                   console=_console(), layout=layout if layout else None,
                   dispatcher=dispatcher)
-
-
-def _check_bench_db(db: Path) -> None:
-    """Refuse `--db FILE` that is not a flashgen database, as `show` and `export` do: its
-    dispatcher would find no winners in it and bench the default variants without a word.
-    Read only; a refusal (another program's SQLite file, not a database at all) raises the
-    store error that `_explained` turns into one `error:` line."""
-    from flashgen.store.db import TuningDB
-    from flashgen.store.guard import check_ours
-
-    with TuningDB.open_readonly(db) as database:
-        check_ours(database.db.conn, db)
 
 
 def _bench_decode(shapes: list[str], preset_names: list[str], dtype: str | None, causal: str,

@@ -35,7 +35,6 @@ from flashgen.kernels.problem import DecodeProblem, Problem
 from flashgen.kernels.variant import Variant
 from flashgen.store.current import row_is_current
 from flashgen.store.db import TuningDB, WinnerRow
-from flashgen.store.guard import check_ours
 from flashgen.store.keys import Versions
 
 #: Length buckets of the default tables. Tiles are at most 256 long and the tile rules only
@@ -131,8 +130,7 @@ def _read(paths: Sequence[Path], gpu: str | None, notes: list[str]) -> dict[str,
     for path in paths:
         if not path.is_file() and not path.is_dir():  # a folder: open_readonly names it
             continue
-        with TuningDB.open_readonly(path) as db:
-            check_ours(db.db.conn, path)  # not "no winners" for another program's file
+        with TuningDB.open_ours(path) as db:  # not "no winners" for another program's file
             for w in db.all_winners():
                 if gpu is not None and w.key.gpu_name != gpu:
                     continue

@@ -421,20 +421,17 @@ class Pick(Generic[V]):
     causal: bool | None = None
     dtypes: tuple[str, ...] = ("fp16", "bf16", "fp32", "fp8")
     hopper: bool | None = None
-    #: Only problems measured plainly: no padded head dim (64, not 40 or 48; 128, not 80
-    #: or 96) and no modifiers (window, softcap, sinks, packed).
-    plain: bool = False
-    #: Only head dims the kernels tile exactly (64, not 40; 128, not 96), modifiers or not.
+    #: Only head dims the kernels tile exactly (64, not 40 or 48; 128, not 80 or 96).
     exact_d: bool = False
-    #: Only problems without modifiers, padded head dims or not.
+    #: Only problems without modifiers (window, softcap, sinks, packed). With `exact_d`:
+    #: only problems measured plainly.
     unmodified: bool = False
     #: Only packed (True) or only unpacked (False) problems; None: either.
     packed: bool | None = None
 
     def serves(self, problem: Problem, dev: DeviceInfo) -> bool:
         """Whether this row is meant for `problem` on `dev` (before the validity rules)."""
-        padded = problem.head_dim != problem.padded_head_dim
-        if (self.plain and (padded or problem.modifiers)) or (self.exact_d and padded):
+        if self.exact_d and problem.head_dim != problem.padded_head_dim:
             return False
         if self.unmodified and problem.modifiers:
             return False
@@ -535,9 +532,10 @@ DEFAULTS: tuple[Pick[Variant], ...] = (
     # not untuned.
     Pick(Variant("fa3", 192, 128, 4, 3, programs_per_sm=1, pingpong=True), "D64 without the "
          "mask: three consumers taking turns", max_d=64, min_keys=FA3_THREE_CONSUMERS_MIN_KEYS,
-         causal=False, dtypes=FA3_DEFAULT_DTYPES, plain=True),
+         causal=False, dtypes=FA3_DEFAULT_DTYPES, exact_d=True, unmodified=True),
     Pick(Variant("fa3", 128, 128, 4, 2, programs_per_sm=1, pingpong=True), "D128: two consumers "
-         "taking turns, persistent", min_d=128, dtypes=FA3_DEFAULT_DTYPES, plain=True),
+         "taking turns, persistent", min_d=128, dtypes=FA3_DEFAULT_DTYPES, exact_d=True,
+         unmodified=True),
     # Packed sequences at D128 (with softcap or sinks too; a window's rules refuse it): the
     # H200's tuned winner, causal and not, and ahead of the H100's on its own A/B.
     Pick(Variant("fa3", 128, 128, 4, 2, programs_per_sm=1, pingpong=True), "D128 packed "
@@ -545,7 +543,7 @@ DEFAULTS: tuple[Pick[Variant], ...] = (
          max_d=128, dtypes=FA3_DEFAULT_DTYPES, exact_d=True, packed=True),
     Pick(Variant("fa3", 128, 128, 4, 2, programs_per_sm=1), "D64: fa3 pays from 4k keys; shorter "
          "programs leave its TMA prologue exposed", max_d=64, min_keys=FA3_DEFAULT_MIN_KEYS_D64,
-         dtypes=FA3_DEFAULT_DTYPES, plain=True),
+         dtypes=FA3_DEFAULT_DTYPES, exact_d=True, unmodified=True),
     Pick(Variant("fa3", 128, 64, 4, 2, programs_per_sm=1, pingpong=True), "D256: persistent, "
          "two consumers taking turns on 64-key tiles; the head dims padded to 256 too (the "
          "D192 keys' winner, bf16 and fp16, H100), where fa2's untuned tile is the slowest "

@@ -48,7 +48,13 @@ from flashgen.kernels.modes import AnyVariant, space_of
 from flashgen.kernels.problem import Problem
 from flashgen.kernels.render import _templates
 from flashgen.store.current import LEGACY, RETIRED, family_hash, kernel_hash_now, row_is_current
-from flashgen.store.guard import busy_timeout_s, check_writable, mark, read_only_connection
+from flashgen.store.guard import (
+    busy_timeout_s,
+    check_ours,
+    check_writable,
+    mark,
+    read_only_connection,
+)
 from flashgen.store.keys import KEY_COLUMNS, TuningKey, Versions, package_version
 from flashgen.store.measurement import Timing
 
@@ -470,6 +476,19 @@ class TuningDB:
             raise FileNotFoundError(f"no tuning database at {self.path}")
         self.db = sqlite_utils.Database(
             read_only_connection(self.path, busy_timeout_s(BUSY_TIMEOUT_S)))
+        return self
+
+    @classmethod
+    def open_ours(cls, path: str | Path) -> TuningDB:
+        """`open_readonly` for a reader that lists or serves flashgen's rows (`show`,
+        `export`, `bench --db`): another program's SQLite file raises `ForeignDatabase`,
+        where it would read as a database with no winners."""
+        self = cls.open_readonly(path)
+        try:
+            check_ours(self.db.conn, self.path)
+        except BaseException:
+            self.close()
+            raise
         return self
 
     def close(self) -> None:
