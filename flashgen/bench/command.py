@@ -125,6 +125,7 @@ def run_bench(
     timed, "wall" or "gpu" (see `default_timer`).
     `dispatcher` chooses flashgen's kernels (default: the one `flashgen.attention` uses).
     `layout`: windowed or packed problems (`flashgen.bench.layouts`); not with `memory`.
+    `problems` come laid out already (`Layout.problems`: each once).
 
     Tables go to `console`, progress to `log` (stderr by default). The CSV files are
     rewritten after every problem, so a run killed by a time limit leaves what it measured;
@@ -133,8 +134,6 @@ def run_bench(
     """
     console = console or Console()
     log = log or Console(stderr=True)
-    if layout:
-        problems = layout.problems(problems)
     competitors = resolve(competitor_names, dispatcher)
     name = device_name(device)
     rows: list[Row] = []
