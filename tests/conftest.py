@@ -42,23 +42,3 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         elif not is_gpu and HAS_GPU and "interpreter" in item.keywords:
             item.add_marker(cpu_only)
 
-
-@pytest.fixture
-def e4m3_rounding(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Triton 3.6's interpreter rounds fp32 to e4m3 wrongly when the rounding carries into
-    the exponent: it adds the carry to the 3-bit mantissa and ORs it into the exponent, so
-    0.4872 becomes 0.25 instead of 0.5 (P near 1 becomes 0.5). That one conversion is done as
-    the GPU's cvt does it (torch's round to nearest even), so the kernel is what is checked."""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    original = interpreter._convert_float
-
-    def convert(data: object, src: object, dst: object, rounding: object) -> object:
-        if src == tl.float32 and dst == tl.float8e4nv:
-            values = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
-            return values.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
-        return original(data, src, dst, rounding)
-
-    monkeypatch.setattr(interpreter, "_convert_float", convert)

@@ -112,6 +112,23 @@ def test_no_zero_gradient_is_made_for_the_lse(monkeypatch: pytest.MonkeyPatch,
     assert seen == [None] and q.grad is not None and torch.isfinite(q.grad).all()
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("modified", [False, True])
+def test_second_derivatives_are_refused(modified: bool) -> None:
+    """The backward kernels have no backward: a gradient penalty (create_graph=True) must
+    fail loudly, not lose its term (its gradient once came back as a constant, no error)."""
+    q, k, v = make_inputs(1, 2, 1, 8, 8, 16, torch.float32, "cpu", seed=4)
+    q.requires_grad_()
+    options = {"softcap": 3.0} if modified else {}
+    out = flashgen.attention(q, k, v, **options)
+    (g,) = torch.autograd.grad((out**2).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        ((g**2).sum() + q.sum()).backward()
+    # A first derivative alone is unchanged.
+    (plain,) = torch.autograd.grad((flashgen.attention(q, k, v, **options) ** 2).sum(), q)
+    assert torch.equal(plain, g.detach())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("causal", [False, True])

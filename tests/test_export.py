@@ -910,7 +910,7 @@ def test_decode_winners_ship_and_run(tmp_path: Path) -> None:
 
 
 @pytest.mark.interpreter
-def test_fp8_winners_ship_and_run(tmp_path: Path, e4m3_rounding: None) -> None:
+def test_fp8_winners_ship_and_run(tmp_path: Path) -> None:
     """An fp8 winner ships with its fp8 kernel and forward defaults only (fp8 has no backward
     nor decode kernels); the package serves it exactly and answers the fp8 gate."""
     from flashgen.fp8 import quantize

@@ -2,7 +2,8 @@
 measured accuracy on FlashAttention 3's outlier inputs, the fp8 error bound of the tuner's
 gate, the named errors of `flashgen.attention` for fp8 inputs, and the fa2 fp8 forward
 checked against that gate: on the CPU through Triton's interpreter (which computes e4m3
-products exactly, once its rounding to e4m3 is fixed: `e4m3_rounding`), and on a GPU."""
+products exactly; flashgen fixes its rounding to e4m3 for fp8 calls, `runtime.interpreter`),
+and on a GPU."""
 
 from __future__ import annotations
 
@@ -254,7 +255,7 @@ FP8_CASES = [
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("case", FP8_CASES)
-def test_the_fp8_forward_passes_the_fp8_gate(case: tuple, e4m3_rounding: None) -> None:
+def test_the_fp8_forward_passes_the_fp8_gate(case: tuple) -> None:
     b, hq, hkv, nq, nk, d, causal, block = case
     q, k, v = blocky_inputs(b, hq, hkv, nq, nk, d)
     qz = quantize(q, k, v, block=block, incoherent=block is not None)
@@ -267,6 +268,30 @@ def test_the_fp8_forward_passes_the_fp8_gate(case: tuple, e4m3_rounding: None) -
         wrong = quantize(q, k, v, block=block, incoherent=True)
         flat = wrong._replace(descale_k=wrong.descale_k[..., :1].expand_as(wrong.descale_k))
         assert not compare_fp8(out, flat, causal=causal, block=block).ok
+
+
+@pytest.mark.interpreter
+def test_the_interpreter_rounds_to_e4m3_as_the_gpu_while_fp8_runs() -> None:
+    """Triton 3.6's interpreter rounds some fp32 values to the wrong e4m3 neighbour (0.4872
+    to 0.46875, not 0.5); `exact_e4m3` makes it round as the GPU does, clamps to +-448 as
+    cvt.satfinite does, and puts the interpreter's own conversion back afterwards."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    from flashgen.runtime.interpreter import exact_e4m3
+
+    x = np.array([0.4872, 0.01535, -0.3, 1.0, 500.0], dtype=np.float32)
+
+    def rounded() -> list[str]:  # as text: NaN (the interpreter's 500.0) equals itself
+        raw = interpreter._convert_float(x, tl.float32, tl.float8e4nv, None)
+        values = torch.from_numpy(np.asarray(raw).astype(np.uint8)).view(FP8_DTYPE).float()
+        return [str(v) for v in values.tolist()]
+
+    before = rounded()
+    with exact_e4m3():
+        assert rounded() == ["0.5", "0.015625", "-0.3125", "1.0", "448.0"]
+    assert rounded() == before
 
 
 def emulate_modified(deq: list[torch.Tensor], window: tuple[int, int], cap: float,
@@ -288,7 +313,7 @@ def emulate_modified(deq: list[torch.Tensor], window: tuple[int, int], cap: floa
 
 
 @pytest.mark.interpreter
-def test_fp8_takes_the_modifiers(e4m3_rounding: None) -> None:
+def test_fp8_takes_the_modifiers() -> None:
     q, k, v = blocky_inputs(1, 2, 1, 140, 140, 32)
     qz = quantize(q, k, v)
     deq = [dequantize(t, dsc) for t, dsc in ((qz.q, qz.descale_q), (qz.k, qz.descale_k),
@@ -348,7 +373,7 @@ def test_fp8_variants_are_fa2_and_one_tile_fa3_kernels_with_tiles_inside_a_block
 @pytest.mark.interpreter
 @pytest.mark.parametrize("case", [FP8_CASES[0], FP8_CASES[3]])
 def test_the_fp8_tma_kernel_reads_v_keys_inner_and_passes_the_gate(
-        case: tuple, e4m3_rounding: None) -> None:
+        case: tuple) -> None:
     b, hq, hkv, nq, nk, d, causal, block = case
     q, k, v = blocky_inputs(b, hq, hkv, nq, nk, d)
     qz = quantize(q, k, v, block=block)
@@ -402,8 +427,7 @@ def test_gpu_fp8_forward_passes_the_fp8_gate(case: tuple, out_dtype: torch.dtype
 
 
 @pytest.mark.interpreter
-def test_fp8_problems_are_tuned_and_their_winner_served(tmp_path: Any,
-                                                        e4m3_rounding: None) -> None:
+def test_fp8_problems_are_tuned_and_their_winner_served(tmp_path: Any) -> None:
     from flashgen.kernels.hardware import INTERPRETER
     from flashgen.kernels.problem import Problem
     from flashgen.serve import Dispatcher
@@ -434,7 +458,7 @@ def test_the_kernels_and_the_runtime_agree_on_the_fp8_block() -> None:
 
 
 @pytest.mark.interpreter
-def test_v_with_keys_inner_is_the_same_attention(e4m3_rounding: None) -> None:
+def test_v_with_keys_inner_is_the_same_attention() -> None:
     q, k, v = blocky_inputs(1, 2, 1, 150, 200, 32)
     inner, rows = (quantize(q, k, v, v_keys_inner=flag) for flag in (True, False))
     assert inner.v.stride()[-2:] == (1, 208) and rows.v.stride()[-1] == 1

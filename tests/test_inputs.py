@@ -244,3 +244,21 @@ def test_good_scales_still_run() -> None:
             q.double(), k.double(), v.double(), scale=float(scale)).float()
         torch.testing.assert_close(flashgen.attention(q, k, v, scale=scale), want,
                                    atol=1e-4, rtol=1e-4)
+
+
+def test_interpreter_set_after_triton_was_imported_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TRITON_INTERPRET=1 set after something imported triton leaves Triton's helpers built
+    for the GPU, and every kernel failed deep inside the interpreter; now a named error."""
+    import types
+
+    from flashgen.runtime.inputs import check_runnable
+
+    class JITFunction:  # what triton.language.standard's helpers are without the interpreter
+        pass
+
+    fake = types.ModuleType("triton.language.standard")
+    fake.zeros_like = JITFunction()  # type: ignore[attr-defined]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setitem(__import__("sys").modules, "triton.language.standard", fake)
+    with pytest.raises(ValueError, match="after triton had been imported"):
+        check_runnable(torch.device("cpu"), torch.float32)

@@ -10,10 +10,12 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 
+from .interpreter import exact_e4m3
 from .launch import SPEC_ATTR, bind, descriptor_spec
 from .modifiers import Mods, Varlen
 from .table import Entry, Shape, knobs
@@ -271,8 +273,21 @@ def prepare_forward(entry: Entry, shape: Shape, kernel: KernelOf, strict: bool) 
     """
     variant = knobs(entry["variant"])
     if variant.use_tma or variant.loop_order == "fa3":
-        return _prepare_tma(entry, shape, kernel, strict)
-    return _prepare_pointers(variant, shape, bind(kernel("fwd")))
+        launcher = _prepare_tma(entry, shape, kernel, strict)
+    else:
+        launcher = _prepare_pointers(variant, shape, bind(kernel("fwd")))
+    return _interpreted_fp8(launcher) if shape.dtype == "fp8" else launcher
+
+
+def _interpreted_fp8(launcher: Launcher) -> Launcher:
+    """`launcher` of an fp8 kernel, which on CPU tensors (Triton's interpreter) rounds P to
+    e4m3 as the GPU does (`interpreter.exact_e4m3`); on a GPU it is the same launch."""
+
+    def run(q: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        with exact_e4m3() if q.device.type == "cpu" else nullcontext():
+            return launcher(q, *args)
+
+    return run
 
 
 def _prepare_pointers(variant: Any, shape: Shape, kernel: Any) -> Launcher:

@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from .interpreter import check_interpreter_ready
 from .quantize import FP8_DTYPE, QUANT_BLOCK
 
 #: The dtypes the kernels take, by the short names tables and tuning keys use.
@@ -100,6 +101,8 @@ def check_runnable(device: torch.device, dtype: torch.dtype | None = None) -> No
             "CPU tensors run only under the Triton interpreter: set "
             "TRITON_INTERPRET=1 before triton is imported, or move them to a GPU"
         )
+    if device.type == "cpu":
+        check_interpreter_ready()
     if dtype == torch.bfloat16 and (interpreted or device.type == "cpu"):
         raise TypeError(
             "bf16 (torch.bfloat16) needs a GPU: Triton's interpreter computes bf16 dot "

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .dispatch import PACKAGE, Saved, default_dispatcher
 from .modifiers import Mods
@@ -81,6 +82,7 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     ctx.set_materialize_grads(False)
 
 
+@once_differentiable  # the backward kernels have no backward: see `EagerAttention.backward`
 def _backward(ctx: Any, grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None) -> tuple:
     # The log-sum-exp is an auxiliary output: gradients do not flow back through it.
     if grad_out is None:  # grads are not materialized: nothing reached the output
@@ -150,8 +152,11 @@ class EagerAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None,  # type: ignore[override]
                  ) -> tuple:
+        # The backward kernels are not differentiable themselves: a second derivative
+        # (create_graph=True, a gradient penalty) is an error, never a silently dropped term.
         if grad_out is None:
             return None, None, None, None, None, None, None, None
         dq, dk, dv = ctx.dispatcher.backward(grad_out, Saved(*ctx.saved_tensors), ctx.causal,
@@ -181,6 +186,7 @@ class ModifiedAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable  # as EagerAttention's
     def backward(ctx: Any, grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None,  # type: ignore[override]
                  ) -> tuple:
         if grad_out is None:
