@@ -246,7 +246,8 @@ def test_good_scales_still_run() -> None:
                                    atol=1e-4, rtol=1e-4)
 
 
-def test_interpreter_set_after_triton_was_imported_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_interpreter_set_after_triton_was_imported_is_named(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """TRITON_INTERPRET=1 set after something imported triton leaves Triton's helpers built
     for the GPU, and every kernel failed deep inside the interpreter; now a named error."""
     import types
