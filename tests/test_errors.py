@@ -70,3 +70,37 @@ def test_gate_rejects_wrong_outputs() -> None:
     nan = good.clone()
     nan[0, 0, 0, 0] = float("nan")
     assert "NaN" in compare(nan, q, k, v, causal=True).reason
+
+
+def test_dispatcher_and_return_lse_are_checked() -> None:
+    """A wrong `dispatcher` once failed as an AttributeError deep inside ('str' object has no
+    attribute 'forward'), and `return_lse="no"` returned a tuple."""
+    q, k, v = _qkv()
+    for call in (flashgen.attention, flashgen.explain):
+        with pytest.raises(TypeError, match="dispatcher must be a flashgen.Dispatcher"):
+            call(q, k, v, dispatcher="x")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="return_lse must be a bool"):
+        flashgen.attention(q, k, v, return_lse="no")  # type: ignore[arg-type]
+
+
+@pytest.mark.interpreter
+def test_numpy_and_tensor_scalars_are_numbers() -> None:
+    """Options computed with numpy (a scale, a cap, window sides, a longest length) are
+    numbers like Python's; bools and floats where ints belong stay errors."""
+    import numpy as np
+
+    q, k, v = _qkv()
+    plain = flashgen.attention(q, k, v, scale=0.2, softcap=2.0, window=(2, -1))
+    got = flashgen.attention(q, k, v, scale=np.float32(0.2), softcap=np.float64(2),
+                             window=(np.int64(2), -1))
+    torch.testing.assert_close(got, plain, atol=1e-6, rtol=1e-6)
+    flashgen.explain(q, k, v, scale=np.float32(0.2))
+    packed = q[0].transpose(0, 1).contiguous()  # (8, H, D): one sequence of 8
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    flashgen.attention_varlen(packed, packed, packed, cu, cu, np.int64(8), torch.tensor(8))
+    with pytest.raises(TypeError, match="window must be a pair"):
+        flashgen.attention(q, k, v, window=(2.0, -1))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="max_seqlen_q must be an int"):
+        flashgen.attention_varlen(packed, packed, packed, cu, cu, True, 8)
+    with pytest.raises(TypeError, match="scale must be a real number"):
+        flashgen.attention(q, k, v, scale=np.bool_(True))  # type: ignore[arg-type]

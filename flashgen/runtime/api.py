@@ -14,6 +14,7 @@ from .dispatch import Dispatcher, default_dispatcher
 from .inputs import (
     FP8_DTYPE,
     asks_for_fp8,
+    check_dispatcher,
     check_fp8,
     check_fp8_device,
     check_inputs,
@@ -100,7 +101,8 @@ def attention(
     P V, as in FlashAttention 3), with GQA, causal and the modifiers; forward only.
     Returns the output (like q), and with `return_lse` also the log-sum-exp (B, Hq, Nq) fp32.
     """
-    check_options(causal, scale)
+    scale = check_options(causal, scale, return_lse)
+    check_dispatcher(dispatcher, Dispatcher)
     descales = (descale_q, descale_k, descale_v)
     if asks_for_fp8(q, k, v, descales, out_dtype) and check_fp8(q, k, v, descales, out_dtype):
         check_fp8_device(q.device)
@@ -158,7 +160,8 @@ def attention_varlen(
     (Hq, total_q) fp32. The offsets are checked on the host, read once per tensor and
     in-place version (each read is a GPU sync); the kernels read them on the device.
     """
-    check_options(causal, scale)
+    scale = check_options(causal, scale, return_lse)
+    check_dispatcher(dispatcher, Dispatcher)
     check_packed(q, k, v)
     lens = check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     mods = Mods(check_window(window), check_softcap(softcap),
@@ -261,7 +264,8 @@ def attention_with_kvcache(
     `variant=` (flashgen: a `flashgen.DecodeVariant`) runs exactly that variant.
     Returns the output (like q), and with `return_lse` the log-sum-exp (B, Hq, Nq) fp32.
     """
-    check_options(causal, scale)
+    scale = check_options(causal, scale, return_lse)
+    check_dispatcher(dispatcher, Dispatcher)
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
                                        for t in (q, k_cache, v_cache)):
         # Said, not raised: a model may call this with grad on in evaluation code.
@@ -300,6 +304,7 @@ def explain(
     v: torch.Tensor,
     *,
     causal: bool = False,
+    scale: float | None = None,
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
@@ -310,8 +315,9 @@ def explain(
     """Which variant `attention` would run for these inputs (and modifiers), why (exact hit,
     nearest bucket, fallback, explicit) and from which database row; its `backward` answers
     the same for the backward pass (none for fp8 inputs: forward only). `print()` it for a
-    short answer."""
-    check_options(causal, None)
+    short answer. `scale` is checked as `attention` checks it; it changes no choice."""
+    check_options(causal, scale)
+    check_dispatcher(dispatcher, Dispatcher)
     mods = None
     if window is not None or softcap is not None or sinks is not None:
         check_inputs(q, k, v)

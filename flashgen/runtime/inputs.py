@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 import os
 
 import torch
@@ -71,17 +73,41 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fp8: bool = 
         raise ValueError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}")
 
 
-def check_options(causal: object, scale: object) -> None:
-    """`causal` must be a bool and `scale` None or a finite, positive real number: anything
-    else would reach the kernel as a wrong mask, a Triton type error, or a constant that turns
-    every output into NaN (nan, inf; a negative scale turns the softmax's running max into a
-    min and a masked score's -inf into +inf) or a plain mean of v (0)."""
+def as_int(name: str, value: object) -> int:
+    """`value` as an int: Python ints and what stands for one (numpy ints, 0-d integer
+    tensors: `operator.index`), never a bool."""
+    if type(value) is int:
+        return value  # type: ignore[return-value]
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+
+
+def as_real(name: str, value: object) -> float:
+    """`value` as a float: Python and numpy real numbers, never a bool."""
+    if type(value) is float:
+        return value  # type: ignore[return-value]
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number or None, got {type(value).__name__}")
+    return float(value)
+
+
+def check_options(causal: object, scale: object, return_lse: object = False) -> float | None:
+    """`causal` and `return_lse` must be bools and `scale` None or a finite, positive real
+    number, returned as a float: anything else would reach the kernel as a wrong mask, a
+    Triton type error, or a constant that turns every output into NaN (nan, inf; a negative
+    scale turns the softmax's running max into a min and a masked score's -inf into +inf)
+    or a plain mean of v (0)."""
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     if scale is None:
-        return
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+        return None
+    scale = as_real("scale", scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
     if scale == 0:
@@ -89,6 +115,14 @@ def check_options(causal: object, scale: object) -> None:
     if scale < 0:
         raise ValueError(f"scale must be positive, got {scale} (the kernels' running max "
                          "assumes it); None means 1/sqrt(D)")
+    return scale
+
+
+def check_dispatcher(dispatcher: object, kind: type) -> None:
+    """`dispatcher` must be None or a `kind` (a runtime Dispatcher)."""
+    if dispatcher is not None and not isinstance(dispatcher, kind):
+        raise TypeError(f"dispatcher must be a {kind.__module__.partition('.')[0]}.Dispatcher "
+                        f"or None, got {type(dispatcher).__name__}")
 
 
 def check_runnable(device: torch.device, dtype: torch.dtype | None = None) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .inputs import DTYPE_NAMES, MAX_HEAD_DIM
+from .inputs import DTYPE_NAMES, MAX_HEAD_DIM, as_int, as_real
 
 
 @dataclass(frozen=True)
@@ -130,12 +130,12 @@ def check_window(window: object) -> tuple[int, int] | None:
         return None
     if not isinstance(window, (tuple, list)) or len(window) != 2:
         raise TypeError(f"window must be a pair (left, right) of ints, got {window!r}")
-    for side in window:
-        if isinstance(side, bool) or not isinstance(side, int):
-            raise TypeError(f"window must be a pair (left, right) of ints, got {window!r}")
-        if side < -1:
-            raise ValueError(f"window sides must be >= -1 (-1: unbounded), got {window!r}")
-    left, right = int(window[0]), int(window[1])
+    try:
+        left, right = (as_int("window", side) for side in window)
+    except TypeError:
+        raise TypeError(f"window must be a pair (left, right) of ints, got {window!r}") from None
+    if min(left, right) < -1:
+        raise ValueError(f"window sides must be >= -1 (-1: unbounded), got {window!r}")
     return None if (left, right) == (-1, -1) else (left, right)
 
 
@@ -143,11 +143,10 @@ def check_softcap(softcap: object) -> float | None:
     """None, or a finite real number > 0."""
     if softcap is None:
         return None
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-        raise TypeError(f"softcap must be a real number or None, got {type(softcap).__name__}")
+    softcap = as_real("softcap", softcap)
     if not math.isfinite(softcap) or softcap <= 0:
         raise ValueError(f"softcap must be a finite number > 0, got {softcap}")
-    return float(softcap)
+    return softcap
 
 
 def check_sinks(sinks: object, heads_q: int, dtype: torch.dtype,
@@ -317,10 +316,10 @@ def check_varlen(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: object, cu_seql
     if len(cq) != len(ck):
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), "
                          f"got {len(cq)} and {len(ck)}")
+    max_seqlen_q, max_seqlen_k = (as_int("max_seqlen_q", max_seqlen_q),
+                                  as_int("max_seqlen_k", max_seqlen_k))
     for name, bound, offsets in (("max_seqlen_q", max_seqlen_q, cq),
                                  ("max_seqlen_k", max_seqlen_k, ck)):
-        if isinstance(bound, bool) or not isinstance(bound, int):
-            raise TypeError(f"{name} must be an int, got {type(bound).__name__}")
         longest = _longest(offsets)
         if bound < longest:
             raise ValueError(f"{name} ({bound}) is smaller than the longest sequence "

@@ -136,9 +136,10 @@ def _warn_unreadable(path: Path, exc: BaseException) -> None:
         return
     _warned.add(where)
     problem = str(exc) or type(exc).__name__
-    warnings.warn(f"flashgen: cannot read the tuning database {where}: {problem}. Using the "
-                  f"shipped winners and the defaults instead; move or delete that file, or "
-                  f"point FLASHGEN_DB elsewhere.", DatabaseWarning, stacklevel=2)
+    warnings.warn(f"flashgen: cannot read the tuning database {where}: {problem}. Going on "
+                  f"without it (the other databases' winners, if any, and the defaults); move "
+                  f"or delete that file, or point FLASHGEN_DB elsewhere.", DatabaseWarning,
+                  stacklevel=2)
 
 
 def device_table(paths: Sequence[Path], device: DeviceInfo) -> dict[str, Any]:
