@@ -77,7 +77,7 @@ def test_dispatcher_and_return_lse_are_checked() -> None:
     attribute 'forward'), and `return_lse="no"` returned a tuple."""
     q, k, v = _qkv()
     for call in (flashgen.attention, flashgen.explain):
-        with pytest.raises(TypeError, match="dispatcher must be a flashgen.Dispatcher"):
+        with pytest.raises(TypeError, match=r"dispatcher must be a flashgen\.Dispatcher"):
             call(q, k, v, dispatcher="x")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="return_lse must be a bool"):
         flashgen.attention(q, k, v, return_lse="no")  # type: ignore[arg-type]
