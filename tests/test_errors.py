@@ -28,7 +28,8 @@ def _qkv(**kw: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         (lambda q, k, v: (q.half(), k, v), TypeError, "share a dtype"),
         (lambda q, k, v: (q.to("meta"), k, v), ValueError, "different devices"),
         (lambda q, k, v: (q.numpy(), k, v), TypeError, "torch.Tensor"),
-        (lambda q, k, v: (q[:, :, :0], k, v), ValueError, "empty"),
+        (lambda q, k, v: (q[..., :0], k[..., :0], v[..., :0]), ValueError, "empty"),
+        (lambda q, k, v: (q[:, :0], k[:, :0], v[:, :0]), ValueError, "no heads"),
     ],
 )
 def test_bad_inputs(make, error: type[Exception], match: str) -> None:
@@ -104,3 +105,26 @@ def test_numpy_and_tensor_scalars_are_numbers() -> None:
         flashgen.attention_varlen(packed, packed, packed, cu, cu, True, 8)
     with pytest.raises(TypeError, match="scale must be a real number"):
         flashgen.attention(q, k, v, scale=np.bool_(True))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("empty", ["batch", "queries", "keys"])
+def test_empty_calls_are_answered_as_sdpa_answers_them(empty: str) -> None:
+    """A batch, Nq or Nk of 0 (an empty batch from a data loader) once raised "empty input";
+    no kernel runs: rows that see no key give 0 and an LSE of -inf (the head's sink where
+    there is one), and every gradient is 0."""
+    b, nq, nk = {"batch": (0, 5, 7), "queries": (2, 0, 7), "keys": (2, 5, 0)}[empty]
+    q = torch.randn(b, 4, nq, 16, requires_grad=True)
+    k, v = (torch.randn(b, 2, nk, 16, requires_grad=True) for _ in range(2))
+    out, lse = flashgen.attention(q, k, v, causal=False, return_lse=True)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1))
+    assert out.shape == sdpa.shape == q.shape and lse.shape == (b, 4, nq)
+    assert not out.any() and (lse == float("-inf")).all()
+    out.sum().backward()
+    assert all(t.grad is not None and t.grad.shape == t.shape and not t.grad.any()
+               for t in (q, k, v))
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], requires_grad=True)
+    out, lse = flashgen.attention(q, k, v, sinks=sinks, window=(3, 0), return_lse=True)
+    assert not out.any() and torch.equal(lse, sinks.detach().view(1, 4, 1).expand(b, 4, nq))
+    with pytest.raises(ValueError, match="sinks must have shape"):
+        flashgen.attention(q, k, v, sinks=sinks[:2])

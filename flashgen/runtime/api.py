@@ -109,6 +109,9 @@ def attention(
         out, lse = _fp8(q, k, v, descales, out_dtype, causal, scale, window, softcap, sinks,
                         variant, dispatcher)
         return (out, lse) if return_lse else out
+    if _empty(q, k):
+        out, lse = _empty_call(q, k, v, window, softcap, sinks)
+        return (out, lse) if return_lse else out
     if window is not None or softcap is not None or sinks is not None:
         check_inputs(q, k, v)
         mods = Mods(check_window(window), check_softcap(softcap),
@@ -169,6 +172,25 @@ def attention_varlen(
     out, lse = _modified_call(q, k, v, sinks, causal, scale, mods, variant, bwd_variant,
                               dispatcher)
     return (out, lse) if return_lse else out
+
+
+def _empty(q: object, k: object) -> bool:
+    """A call with no rows or no keys (a batch, Nq or Nk of 0), which no kernel answers."""
+    return (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+            and (q.numel() == 0 or k.numel() == 0))
+
+
+def _empty_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                window: tuple[int, int] | None, softcap: float | None,
+                sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attention` of an empty call (`ops.EmptyAttention`), its inputs and modifiers checked
+    as any call's: SDPA answers such a call too (an empty batch from a data loader)."""
+    check_inputs(q, k, v, empty=True)
+    check_window(window)
+    check_softcap(softcap)
+    checked = check_sinks(sinks, q.shape[1], q.dtype, q.device)
+    out, lse = ops.EmptyAttention.apply(q, k, v, checked)
+    return out, lse
 
 
 def _kernel_sinks(sinks: torch.Tensor | None) -> torch.Tensor | None:

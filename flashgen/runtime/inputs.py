@@ -31,9 +31,11 @@ FP8_OUT_DTYPES = (torch.bfloat16, torch.float16)
 FP8_MIN_CAPABILITY = (8, 9)
 
 
-def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fp8: bool = False) -> None:
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fp8: bool = False,
+                 empty: bool = False) -> None:
     """Raise TypeError/ValueError naming the problem if q, k, v cannot go to a kernel
-    (`fp8`: `check_fp8` has vetted their dtypes)."""
+    (`fp8`: `check_fp8` has vetted their dtypes; `empty`: a batch or a length of 0 is fine,
+    for a call answered without one)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -69,7 +71,7 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fp8: bool = 
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hk})")
     if d > MAX_HEAD_DIM:
         raise ValueError(f"head dim {d} is over the supported maximum {MAX_HEAD_DIM}")
-    if min(bq, hq, hk, nq, nk, d) == 0:
+    if d == 0 or (min(bq, nq, nk) == 0 and not empty):
         raise ValueError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}")
 
 

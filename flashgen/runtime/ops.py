@@ -195,3 +195,30 @@ class ModifiedAttention(torch.autograd.Function):
                                         ctx.causal, ctx.scale, ctx.bwd_variant, ctx.mods)
         dsinks = grads[3].to(ctx.sinks_dtype) if ctx.sinks_dtype is not None else None
         return grads[0], grads[1], grads[2], dsinks, None, None, None, None, None, None
+
+
+class EmptyAttention(torch.autograd.Function):
+    """Attention where the batch, the queries or the keys number 0: no kernel runs. Each row
+    sees no key, so its output is 0 and its log-sum-exp -inf, or the head's sink where there
+    is one (the sink joins the denominator with no value); every gradient is 0."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.save_for_backward(q, k, v)
+        ctx.sinks_like = None if sinks is None else torch.zeros_like(sinks)
+        b, h, n, _ = q.shape
+        if sinks is None:
+            lse = torch.full((b, h, n), float("-inf"), device=q.device, dtype=torch.float32)
+        else:
+            lse = sinks.detach().float().view(1, h, 1).expand(b, h, n).contiguous()
+        ctx.mark_non_differentiable(lse)
+        return torch.zeros_like(q), lse
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None,  # type: ignore[override]
+                 ) -> tuple:
+        q, k, v = ctx.saved_tensors
+        return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), ctx.sinks_like)
