@@ -128,3 +128,13 @@ def test_empty_calls_are_answered_as_sdpa_answers_them(empty: str) -> None:
     assert not out.any() and torch.equal(lse, sinks.detach().view(1, 4, 1).expand(b, 4, nq))
     with pytest.raises(ValueError, match="sinks must have shape"):
         flashgen.attention(q, k, v, sinks=sinks[:2])
+
+
+def test_bf16_on_the_cpu_suggests_no_tuning(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+    """bf16 cannot run on the CPU: the call says so, and no longer first logs the untuned
+    device's notice suggesting `flashgen tune --device cpu ... --dtype bf16` (which fails)."""
+    q, k, v = (t.to(torch.bfloat16) for t in _qkv())
+    dispatcher = flashgen.Dispatcher(tmp_path / "none.db")
+    with caplog.at_level("INFO"), pytest.raises(TypeError, match="bf16"):
+        flashgen.attention(q, k, v, dispatcher=dispatcher)
+    assert "flashgen tune" not in caplog.text

@@ -299,6 +299,9 @@ class Dispatcher:
                                  "softcap, sinks and attention_varlen need flashgen itself")
             window, softcap, sinks, varlen = mods.flags
             shape = shape._replace(window=window, softcap=softcap, sinks=sinks, varlen=varlen)
+        # Before the lookup: its notice of an untuned device would suggest tuning a call
+        # that cannot run here (bf16 on the CPU).
+        check_runnable(q.device, q.dtype)
         table = self.table(q.device)
         if variant is None:
             choice, entry = self.lookup(table, mode, shape)
@@ -306,7 +309,6 @@ class Dispatcher:
             entry = self._explicit(mode, variant, shape, table)
             choice = Choice(variant, "explicit", f"{'bwd_' if mode == 'bwd' else ''}variant= "
                             "was given")
-        check_runnable(q.device, q.dtype)
         return choice, entry, shape
 
     def _kernels(self, entry: Entry, shape: Shape) -> Callable[[str], Any]:

@@ -306,7 +306,9 @@ class Table:
             return None
         grid = grids.get((shape.dtype, shape.causal, shape.head_dim))
         if grid is None:
-            have = ", ".join(sorted(f"{k[0]} causal={k[1]} D={k[2]}" for k in grids))
+            kinds = sorted(f"{k[0]} causal={k[1]} D={k[2]}" for k in grids)
+            have = ", ".join(kinds[:KINDS_NAMED]) + (
+                f" and {len(kinds) - KINDS_NAMED} more" if len(kinds) > KINDS_NAMED else "")
             raise ValueError(
                 f"no {mode} kernel for {shape.dtype} causal={shape.causal} head dim "
                 f"{shape.head_dim} in {self.name}; it holds: {have}. Export again from a "
@@ -317,6 +319,10 @@ class Table:
         low, high = self.lengths[0], self.lengths[-1]
         clamp = lambda n: min(high, max(low, bucket(n)))
         return grid[(clamp(shape.seq_q), clamp(shape.seq_k))]
+
+
+#: Kinds of problem a "no kernel" error lists before it says how many more there are.
+KINDS_NAMED = 6
 
 
 def decode_default_key(shape: Any) -> tuple[int, int]:
