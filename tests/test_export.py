@@ -937,3 +937,12 @@ def test_fp8_winners_ship_and_run(tmp_path: Path) -> None:
     checked = compare_fp8(out, qz, causal=True)
     assert checked.ok, checked.reason
     assert pkg.explain(qz.q, qz.k, qz.v, causal=True).how == "exact"
+
+
+def test_a_package_prints_its_variants_on_one_line() -> None:
+    """An exported package has no variant classes: its `explain` printed the knobs as a
+    dict (braces and quotes); they read as one line of name=value now."""
+    from flashgen.runtime.table import Choice
+
+    choice = Choice({"loop_order": "fa2", "block_m": 16}, "exact", "tuned")
+    assert str(choice) == "loop_order=fa2 block_m=16 (exact): tuned"

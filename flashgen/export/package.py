@@ -70,14 +70,14 @@ sources, and `table.json` says which of them serves which problem (see README.md
 """
 
 from .runtime import package as _package
-from .runtime.api import attention, attention_with_kvcache, explain
+from .runtime.api import attention, attention_varlen, attention_with_kvcache, explain
 from .runtime.sdpa import scaled_dot_product_attention
 from .runtime.table import Choice
 
 tuned_gpus = _package.tuned_gpus
 _package.install()
 
-__all__ = ["Choice", "attention", "attention_with_kvcache", "explain",
+__all__ = ["Choice", "attention", "attention_varlen", "attention_with_kvcache", "explain",
            "scaled_dot_product_attention", "tuned_gpus"]
 '''
 

@@ -41,12 +41,11 @@ def check_interpreter_ready() -> None:
 def _exact_e4m3(original: object) -> object:
     """Triton's fp32 -> fp8 conversion with the fp32 -> e4m3 case done as the GPU does it
     (round to nearest even, clamped to +-448); other conversions as before."""
-    import numpy as np
     import triton.language as tl
 
     def convert(data: object, src: object, dst: object, rounding: object) -> object:
-        if src == tl.float32 and dst == tl.float8e4nv:
-            values = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
+        if src == tl.float32 and dst == tl.float8e4nv:  # data: the interpreter's numpy array
+            values = torch.as_tensor(data, dtype=torch.float32)
             values = values.clamp(-E4M3_MAX, E4M3_MAX)  # NaN stays NaN
             return values.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
         return original(data, src, dst, rounding)  # type: ignore[operator]

@@ -113,7 +113,10 @@ class Choice:
 
     def __str__(self) -> str:
         where = f"\n  from: {self.source}" if self.source else ""
-        text = f"{self.variant} ({self.how}): {self.reason}{where}"
+        # A dict where no variant class is at hand (an exported package): one line of knobs.
+        variant = (" ".join(f"{k}={v}" for k, v in self.variant.items())
+                   if isinstance(self.variant, dict) else self.variant)
+        text = f"{variant} ({self.how}): {self.reason}{where}"
         return f"{text}\nbackward: {self.backward}" if self.backward else text
 
 
