@@ -747,3 +747,20 @@ def test_left_padding_bad_input() -> None:
         flashgen.attention_with_kvcache(pc.q, pc.k, pc.v, pc.seqlens,
                                         block_table=pc.block_table,
                                         cache_leftpad=torch.zeros(2, dtype=torch.int32))
+
+
+def test_explain_kvcache_takes_the_calls_modifiers() -> None:
+    """`explain_kvcache` took no window, softcap, sinks or cache_leftpad, though those calls
+    render kernels of their own; it takes them now, checked as the call checks them."""
+    from flashgen.serve import Dispatcher
+
+    q, k, v = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 300, 16), torch.randn(1, 2, 300, 16)
+    lengths = torch.tensor([250], dtype=torch.int32)
+    dispatcher = Dispatcher([])
+    plain = dispatcher.explain_kvcache(q, k, v, lengths)
+    modified = dispatcher.explain_kvcache(q, k, v, lengths, window=(31, -1), softcap=5.0,
+                                          sinks=torch.zeros(4),
+                                          cache_leftpad=torch.tensor([3], dtype=torch.int32))
+    assert modified.variant == plain.variant  # untuned: the same default, another kernel
+    with pytest.raises(ValueError, match="softcap must be"):
+        dispatcher.explain_kvcache(q, k, v, lengths, softcap=-1.0)

@@ -28,6 +28,7 @@ from .modifiers import (
     check_softcap,
     check_varlen,
     check_window,
+    kvcache_mods,
 )
 from .quantize import QUANT_BLOCK
 from .table import Choice
@@ -294,14 +295,7 @@ def attention_with_kvcache(
         warnings.warn("attention_with_kvcache is inference only: its output carries no "
                       "gradient to q, k_cache or v_cache; use flashgen.attention to train",
                       stacklevel=2)
-    mods = None
-    if window is not None or softcap is not None or sinks is not None:
-        if not isinstance(q, torch.Tensor) or q.dim() != 4:
-            raise TypeError("q must be a 4-D torch.Tensor (B, Hq, Nq, D)")
-        mods = Mods(check_window(window), check_softcap(softcap),
-                    _kernel_sinks(check_sinks(sinks, q.shape[1], q.dtype, q.device)))
-        if mods.flags == (False, False, False, False):
-            mods = None
+    mods = kvcache_mods(q, window, softcap, sinks)
     args = (q, k_cache, v_cache, cache_seqlens, block_table, causal, scale)
     if not torch.compiler.is_compiling():
         out, lse = (dispatcher or default_dispatcher()).kvcache(*args, variant, mods,

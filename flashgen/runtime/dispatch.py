@@ -50,7 +50,7 @@ from .kvcache import (
     prepare_decode,
     serves_as_decode,
 )
-from .modifiers import Mods
+from .modifiers import Mods, kvcache_mods
 from .table import Choice, Entry, Shape, Table, bucket, mix_bucket, modifier_key
 
 #: The package this runtime serves ("flashgen", or an exported package's name), which names
@@ -457,10 +457,15 @@ class Dispatcher:
 
     def explain_kvcache(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         cache_seqlens: torch.Tensor, block_table: torch.Tensor | None = None,
-                        causal: bool = True, variant: Any = None) -> Choice:
-        """Which decode variant `attention_with_kvcache` runs for these inputs, and why."""
+                        causal: bool = True, variant: Any = None, *,
+                        window: tuple[int, int] | None = None, softcap: float | None = None,
+                        sinks: torch.Tensor | None = None,
+                        cache_leftpad: torch.Tensor | None = None) -> Choice:
+        """Which decode variant `attention_with_kvcache` runs for these inputs (and
+        modifiers, which render kernels of their own), and why."""
         return self._decode_plan(q, k_cache, v_cache, cache_seqlens, block_table, causal,
-                                 variant).choice
+                                 variant, kvcache_mods(q, window, softcap, sinks),
+                                 cache_leftpad).choice
 
     def _bwd_plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                   variant: Any, mods: Mods | None = None) -> _Plan:

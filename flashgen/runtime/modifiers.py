@@ -167,6 +167,19 @@ def check_sinks(sinks: object, heads_q: int, dtype: torch.dtype,
     return sinks
 
 
+def kvcache_mods(q: object, window: object, softcap: object, sinks: object) -> Mods | None:
+    """The checked modifiers of a KV-cache call (sinks as the kernels read them: contiguous
+    fp32), None where it asks for none."""
+    if window is None and softcap is None and sinks is None:
+        return None
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise TypeError("q must be a 4-D torch.Tensor (B, Hq, Nq, D)")
+    sink = check_sinks(sinks, q.shape[1], q.dtype, q.device)
+    mods = Mods(check_window(window), check_softcap(softcap),
+                None if sink is None else sink.detach().float().contiguous())
+    return None if mods.flags == (False, False, False, False) else mods
+
+
 def check_packed(q: object, k: object, v: object) -> None:
     """q (total_q, Hq, D), k and v (total_k, Hkv, D): types, ranks, dtypes, heads, dims."""
     for name, t in (("q", q), ("k", k), ("v", v)):
