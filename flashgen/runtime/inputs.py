@@ -5,11 +5,10 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-import os
 
 import torch
 
-from .interpreter import check_interpreter_ready
+from .interpreter import check_interpreter_ready, on_interpreter
 from .quantize import FP8_DTYPE, QUANT_BLOCK
 
 #: The dtypes the kernels take, by the short names tables and tuning keys use.
@@ -131,7 +130,7 @@ def check_runnable(device: torch.device, dtype: torch.dtype | None = None) -> No
     """CPU tensors can only run under the Triton interpreter: say so instead of crashing. And
     the interpreter computes bf16 dot products wrongly (errors of order 1e8, no exception), so
     bf16 there is refused rather than answered with garbage."""
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    interpreted = on_interpreter()
     if device.type == "cpu" and not interpreted:
         raise ValueError(
             "CPU tensors run only under the Triton interpreter: set "
@@ -222,7 +221,7 @@ def check_fp8_device(device: torch.device, capability: tuple[int, int] | None = 
     interpreter runs it (it computes e4m3 products exactly: for tests, not speed).
     `capability` stands in for the device's (tests)."""
     if device.type != "cuda":
-        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        if device.type == "cpu" and on_interpreter():
             return
         raise TypeError("fp8 attention needs a GPU with fp8 tensor cores (compute capability "
                         f"8.9 or newer), or Triton's interpreter (TRITON_INTERPRET=1) for CPU "

@@ -19,7 +19,7 @@ import torch
 E4M3_MAX = 448.0
 
 
-def interpreted() -> bool:
+def on_interpreter() -> bool:
     """Whether kernels run on Triton's CPU interpreter in this process."""
     return os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -57,10 +57,10 @@ def _exact_e4m3(original: object) -> object:
 def exact_e4m3() -> Iterator[None]:
     """While open, the interpreter rounds fp32 to e4m3 as the GPU does.
 
-    Triton 3.6's interpreter adds a rounding carry to the 3-bit mantissa and ORs it into the
-    exponent, so 0.4872 becomes 0.25 instead of 0.5: an fp8 kernel's P (rounded to e4m3 for
-    its P V product) was then wrong in about 4% of entries, up to 14% of an output row. A
-    Triton without that function is left as it is."""
+    Triton 3.6's interpreter mishandles a rounding that carries into the exponent: 0.4872
+    becomes 0.46875 instead of 0.5, 0.01535 becomes 0.01367 instead of 0.015625. An fp8
+    kernel's P (rounded to e4m3 for its P V product) was then wrong in about 4% of entries,
+    output rows off by up to 14%. A Triton without that function is left as it is."""
     try:
         from triton.runtime import interpreter
     except ImportError:
