@@ -197,15 +197,16 @@ def test_portfolio_and_default_lead_with_fa3_on_hopper() -> None:
     short = flashgen.Problem(8, 32, 32, 2048, 2048, 64, "fp16", True)
     assert default_variant(short, HOPPER).loop_order == "fa2"
     # Without the mask, D64 takes three consumers from 2k keys. Under it the portfolio keeps
-    # only the 4-stage point (fastest at D64 N8k causal with the mask split off), not the
-    # 3-stage ones that spilled there.
+    # the plain (not ping-pong) 3- and 4-stage points: they spill there, yet led D64 N16k and
+    # N8k causal in sweeps (docs/forward-portfolio.md, items 9 and 11).
     three = default_variant(replace(short, causal=False), HOPPER)
     assert (three.loop_order, three.block_m, three.programs_per_sm, three.pingpong) == (
         "fa3", 192, 1, True)
     assert default_variant(replace(short, seq_q=1024, seq_k=1024, causal=False),
                            HOPPER).loop_order == "fa2"
     assert any(v.block_m == 192 for v in portfolio(replace(short, causal=False), HOPPER))
-    assert [v.num_stages for v in portfolio(short, HOPPER) if v.block_m == 192] == [4]
+    assert [v.num_stages for v in portfolio(short, HOPPER) if v.block_m == 192] == [3, 4]
+    assert not any(v.pingpong for v in portfolio(short, HOPPER) if v.block_m == 192)
     d128 = default_variant(flashgen.Problem(8, 16, 16, 512, 512, 128, "bf16", True), HOPPER)
     assert (d128.loop_order, d128.block_m, d128.pingpong) == ("fa3", 128, True)
     # Two consumers at D64 run slower taking turns: the D64 default does not.
