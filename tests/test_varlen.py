@@ -1171,6 +1171,19 @@ def test_explain_names_the_modifiers() -> None:
     assert choice.backward is not None and choice.backward.variant.fa3 == "none"
 
 
+def test_explain_answers_for_a_packed_call() -> None:
+    """`explain` took no packing arguments, so what `attention_varlen` runs could not be
+    asked; given them it answers for the packed call, checked as the call checks them."""
+    q, k, v = _packed(LENGTHS, LENGTHS, 2, 1, 16, torch.float32)
+    cu = torch.tensor([0, 5, 22, 23], dtype=torch.int32)
+    choice = flashgen.explain(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                              max_seqlen_q=17, max_seqlen_k=17)
+    assert choice.variant.loop_order in ("fa1", "fa2") and choice.backward is not None
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        flashgen.explain(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=3,
+                         max_seqlen_k=17)
+
+
 @pytest.mark.parametrize("seed", [0, 2])
 def test_fp32_softcap_passes_the_gate_near_zero_scores(seed: int) -> None:
     """fp32 kernels take `_cap_tanh`'s polynomial near 0: the exp form's ~1e-7 cancellation,

@@ -327,13 +327,27 @@ def explain(
     variant: Any = None,
     bwd_variant: Any = None,
     dispatcher: Dispatcher | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
 ) -> Choice:
     """Which variant `attention` would run for these inputs (and modifiers), why (exact hit,
     nearest bucket, fallback, explicit) and from which database row; its `backward` answers
     the same for the backward pass (none for fp8 inputs: forward only). `print()` it for a
-    short answer. `scale` is checked as `attention` checks it; it changes no choice."""
+    short answer. `scale` is checked as `attention` checks it; it changes no choice. Given
+    `cu_seqlens_q` (and the rest of `attention_varlen`'s packing arguments), it answers for
+    that packed call."""
     check_options(causal, scale)
     check_dispatcher(dispatcher, Dispatcher)
+    d = dispatcher or default_dispatcher()
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        check_packed(q, k, v)
+        lens = check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        packed = Mods(check_window(window), check_softcap(softcap),
+                      _kernel_sinks(check_sinks(sinks, q.shape[1], q.dtype, q.device)), lens)
+        return d.explain(q, k, v, causal=causal, variant=variant, bwd_variant=bwd_variant,
+                         mods=packed)
     mods = None
     if window is not None or softcap is not None or sinks is not None:
         check_inputs(q, k, v)
@@ -344,5 +358,5 @@ def explain(
         one = torch.ones((), device=q.device)
         mods = dataclasses.replace(mods or Mods(), fp8=Fp8.of(q, k, (one, one, one), None,
                                                               QUANT_BLOCK))
-    return (dispatcher or default_dispatcher()).explain(q, k, v, causal=causal, variant=variant,
-                                                        bwd_variant=bwd_variant, mods=mods)
+    return d.explain(q, k, v, causal=causal, variant=variant, bwd_variant=bwd_variant,
+                     mods=mods)
