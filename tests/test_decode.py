@@ -764,3 +764,21 @@ def test_explain_kvcache_takes_the_calls_modifiers() -> None:
     assert modified.variant == plain.variant  # untuned: the same default, another kernel
     with pytest.raises(ValueError, match="softcap must be"):
         dispatcher.explain_kvcache(q, k, v, lengths, softcap=-1.0)
+
+
+def test_a_call_without_queries_is_answered_without_a_kernel() -> None:
+    """A batch or Nq of 0 raised "empty input"; like `attention`, the KV-cache call now
+    answers it (an empty output and LSE), its inputs checked as any call's. A cache without
+    slots stays an error."""
+    k = v = torch.randn(2, 2, 64, 16)
+    lengths = torch.tensor([10, 20], dtype=torch.int32)
+    out, lse = flashgen.attention_with_kvcache(torch.randn(2, 4, 0, 16), k, v, lengths,
+                                               return_lse=True)
+    assert out.shape == (2, 4, 0, 16) and lse.shape == (2, 4, 0) and lse.dtype == torch.float32
+    none = flashgen.attention_with_kvcache(torch.randn(0, 4, 1, 16), k[:0], v[:0], lengths[:0])
+    assert none.shape == (0, 4, 1, 16)
+    with pytest.raises(ValueError, match="head dims differ"):
+        flashgen.attention_with_kvcache(torch.randn(2, 4, 0, 8), k, v, lengths)
+    with pytest.raises(ValueError, match="empty input"):
+        flashgen.attention_with_kvcache(torch.randn(2, 4, 1, 16), k[:, :, :0], v[:, :, :0],
+                                        lengths)

@@ -20,6 +20,7 @@ from .inputs import (
     check_inputs,
     check_options,
 )
+from .kvcache import check_kvcache
 from .modifiers import (
     Fp8,
     Mods,
@@ -296,6 +297,11 @@ def attention_with_kvcache(
                       "gradient to q, k_cache or v_cache; use flashgen.attention to train",
                       stacklevel=2)
     mods = kvcache_mods(q, window, softcap, sinks)
+    if isinstance(q, torch.Tensor) and q.numel() == 0:  # a batch or Nq of 0: no kernel
+        check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal, cache_leftpad,
+                      empty=True)
+        lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+        return (torch.empty_like(q), lse) if return_lse else torch.empty_like(q)
     args = (q, k_cache, v_cache, cache_seqlens, block_table, causal, scale)
     if not torch.compiler.is_compiling():
         out, lse = (dispatcher or default_dispatcher()).kvcache(*args, variant, mods,

@@ -97,8 +97,10 @@ def _tensor(name: str, t: object) -> torch.Tensor:
 
 def check_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
-                  causal: bool, cache_leftpad: torch.Tensor | None = None) -> DecodeShape:
-    """Raise TypeError/ValueError naming the problem, else the call's `DecodeShape`."""
+                  causal: bool, cache_leftpad: torch.Tensor | None = None,
+                  empty: bool = False) -> DecodeShape:
+    """Raise TypeError/ValueError naming the problem, else the call's `DecodeShape`
+    (`empty`: a batch or Nq of 0 is fine, for a call answered without a kernel)."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _tensor(name, t)
         if t.dim() != 4:
@@ -143,7 +145,9 @@ def check_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         n_max = table.shape[1] * page_size
     # With a block table the caches are read as paged: where a contiguous cache passed with
     # one fails these checks, the message says how its dims were read.
-    if min(b, hq, nq, d, *k_cache.shape) == 0:
+    # The caches' first dim is the batch (or the pages): empty with the call's batch.
+    if min(hq, d, *k_cache.shape[1:]) == 0 or (
+            min(b, nq, k_cache.shape[0]) == 0 and not empty):
         raise ValueError(f"empty input: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}")
     read_as = ("" if block_table is None else
                " (with block_table the caches are read as paged, (num_pages, page_size, Hkv, "
