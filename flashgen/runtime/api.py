@@ -29,6 +29,8 @@ from .modifiers import (
     check_softcap,
     check_varlen,
     check_window,
+    checked_mods,
+    kernel_sinks,
     kvcache_mods,
 )
 from .quantize import QUANT_BLOCK
@@ -116,8 +118,7 @@ def attention(
         return (out, lse) if return_lse else out
     if window is not None or softcap is not None or sinks is not None:
         check_inputs(q, k, v)
-        mods = Mods(check_window(window), check_softcap(softcap),
-                    _kernel_sinks(check_sinks(sinks, q.shape[1], q.dtype, q.device)))
+        mods = checked_mods(q, window, softcap, sinks)
         if mods.flags != (False, False, False, False):
             out, lse = _modified_call(q, k, v, sinks, causal, scale, mods, variant,
                                       bwd_variant, dispatcher)
@@ -169,8 +170,7 @@ def attention_varlen(
     check_dispatcher(dispatcher, Dispatcher)
     check_packed(q, k, v)
     lens = check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    mods = Mods(check_window(window), check_softcap(softcap),
-                _kernel_sinks(check_sinks(sinks, q.shape[1], q.dtype, q.device)), lens)
+    mods = checked_mods(q, window, softcap, sinks, lens)
     out, lse = _modified_call(q, k, v, sinks, causal, scale, mods, variant, bwd_variant,
                               dispatcher)
     return (out, lse) if return_lse else out
@@ -195,11 +195,6 @@ def _empty_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out, lse
 
 
-def _kernel_sinks(sinks: torch.Tensor | None) -> torch.Tensor | None:
-    """The kernels read the sinks as a contiguous fp32 (Hq,) vector."""
-    return None if sinks is None else sinks.detach().float().contiguous()
-
-
 def _fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descales: tuple[Any, ...],
          out_dtype: torch.dtype | None, causal: bool, scale: float | None,
          window: tuple[int, int] | None, softcap: float | None, sinks: torch.Tensor | None,
@@ -212,8 +207,7 @@ def _fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descales: tuple[Any,
                                   "bf16, or call it under torch.no_grad())")
     if torch.compiler.is_compiling():
         raise NotImplementedError("fp8 attention does not run under torch.compile yet")
-    sink = None if sinks is None else _kernel_sinks(
-        check_sinks(sinks, q.shape[1], torch.float32, q.device))
+    sink = kernel_sinks(check_sinks(sinks, q.shape[1], torch.float32, q.device))
     mods = Mods(check_window(window), check_softcap(softcap), sink,
                 fp8=Fp8.of(q, k, descales, out_dtype, QUANT_BLOCK))
     d = dispatcher or default_dispatcher()
@@ -350,15 +344,12 @@ def explain(
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         check_packed(q, k, v)
         lens = check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        packed = Mods(check_window(window), check_softcap(softcap),
-                      _kernel_sinks(check_sinks(sinks, q.shape[1], q.dtype, q.device)), lens)
         return d.explain(q, k, v, causal=causal, variant=variant, bwd_variant=bwd_variant,
-                         mods=packed)
+                         mods=checked_mods(q, window, softcap, sinks, lens))
     mods = None
     if window is not None or softcap is not None or sinks is not None:
         check_inputs(q, k, v)
-        mods = Mods(check_window(window), check_softcap(softcap),
-                    _kernel_sinks(check_sinks(sinks, q.shape[1], q.dtype, q.device)))
+        mods = checked_mods(q, window, softcap, sinks)
         mods = None if mods.flags == (False, False, False, False) else mods
     if getattr(q, "dtype", None) == FP8_DTYPE:  # the fp8 family; its descales change nothing
         one = torch.ones((), device=q.device)

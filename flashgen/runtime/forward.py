@@ -10,12 +10,11 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from contextlib import nullcontext
 from typing import Any
 
 import torch
 
-from .interpreter import exact_e4m3
+from .interpreter import exact_e4m3, on_interpreter
 from .launch import SPEC_ATTR, bind, descriptor_spec
 from .modifiers import Mods, Varlen
 from .table import Entry, Shape, knobs
@@ -276,16 +275,17 @@ def prepare_forward(entry: Entry, shape: Shape, kernel: KernelOf, strict: bool) 
         launcher = _prepare_tma(entry, shape, kernel, strict)
     else:
         launcher = _prepare_pointers(variant, shape, bind(kernel("fwd")))
-    return _interpreted_fp8(launcher) if shape.dtype == "fp8" else launcher
+    # In a process on Triton's interpreter (which never launches on a GPU) an fp8 kernel
+    # rounds P to e4m3 as the GPU does; elsewhere its launcher is left as it is.
+    return _exact_e4m3(launcher) if shape.dtype == "fp8" and on_interpreter() else launcher
 
 
-def _interpreted_fp8(launcher: Launcher) -> Launcher:
-    """`launcher` of an fp8 kernel, which on CPU tensors (Triton's interpreter) rounds P to
-    e4m3 as the GPU does (`interpreter.exact_e4m3`); on a GPU it is the same launch."""
+def _exact_e4m3(launcher: Launcher) -> Launcher:
+    """`launcher` run inside `interpreter.exact_e4m3`."""
 
-    def run(q: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        with exact_e4m3() if q.device.type == "cpu" else nullcontext():
-            return launcher(q, *args)
+    def run(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        with exact_e4m3():
+            return launcher(*args)
 
     return run
 

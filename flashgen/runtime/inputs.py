@@ -79,12 +79,12 @@ def as_int(name: str, value: object) -> int:
     tensors: `operator.index`), never a bool."""
     if type(value) is int:
         return value  # type: ignore[return-value]
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        return operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+    raise TypeError(f"{name} must be an int, got {type(value).__name__}")
 
 
 def as_real(name: str, value: object) -> float:

@@ -167,16 +167,25 @@ def check_sinks(sinks: object, heads_q: int, dtype: torch.dtype,
     return sinks
 
 
+def kernel_sinks(sinks: torch.Tensor | None) -> torch.Tensor | None:
+    """The kernels read the sinks as a contiguous fp32 (Hq,) vector."""
+    return None if sinks is None else sinks.detach().float().contiguous()
+
+
+def checked_mods(q: torch.Tensor, window: object, softcap: object, sinks: object,
+                 varlen: Varlen | None = None) -> Mods:
+    """A call's modifiers, each checked (sinks as the kernels read them), with its packing."""
+    return Mods(check_window(window), check_softcap(softcap),
+                kernel_sinks(check_sinks(sinks, q.shape[1], q.dtype, q.device)), varlen)
+
+
 def kvcache_mods(q: object, window: object, softcap: object, sinks: object) -> Mods | None:
-    """The checked modifiers of a KV-cache call (sinks as the kernels read them: contiguous
-    fp32), None where it asks for none."""
+    """The checked modifiers of a KV-cache call, None where it asks for none."""
     if window is None and softcap is None and sinks is None:
         return None
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise TypeError("q must be a 4-D torch.Tensor (B, Hq, Nq, D)")
-    sink = check_sinks(sinks, q.shape[1], q.dtype, q.device)
-    mods = Mods(check_window(window), check_softcap(softcap),
-                None if sink is None else sink.detach().float().contiguous())
+    mods = checked_mods(q, window, softcap, sinks)
     return None if mods.flags == (False, False, False, False) else mods
 
 

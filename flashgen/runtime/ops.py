@@ -227,8 +227,7 @@ class EmptyAttention(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        ctx.save_for_backward(q, k, v)
-        ctx.sinks_like = None if sinks is None else torch.zeros_like(sinks)
+        ctx.save_for_backward(q, k, v, sinks)
         b, h, n, _ = q.shape
         if sinks is None:
             lse = torch.full((b, h, n), float("-inf"), device=q.device, dtype=torch.float32)
@@ -241,5 +240,4 @@ class EmptyAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None,  # type: ignore[override]
                  ) -> tuple:
-        q, k, v = ctx.saved_tensors
-        return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), ctx.sinks_like)
+        return tuple(None if t is None else torch.zeros_like(t) for t in ctx.saved_tensors)
