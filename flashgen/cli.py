@@ -994,6 +994,12 @@ def export(
         "--fp8-out", metavar="LIST",
         help="aot: output dtypes to compile each fp8 kernel for, bf16 and/or fp16 "
              "(comma-separated; each is a cubin of its own). Default bf16.")] = None,
+    modifiers: Annotated[str | None, typer.Option(
+        "--modifiers", metavar="SETS",
+        help="python: also ship kernels for these modifier sets, comma-separated, each a "
+             "modifier or several joined by '+': window, softcap, sinks, varlen (packed "
+             "sequences), e.g. 'softcap,window+softcap'. The sets of modified winners are "
+             "always shipped.")] = None,
 ) -> None:
     """Write the tuned winners (and default variants for their kinds) as a self-contained
     package DIR/NAME that runs without flashgen. Without --db: the user database, then the
@@ -1003,14 +1009,21 @@ def export(
     if fmt == "python" and fp8_out is not None:
         raise _fail("--fp8-out is for --format aot: the python package compiles its fp8 "
                     "kernels on first use, for the out_dtype each call asks")
-    from flashgen.export.rows import select_winners
+    if fmt == "aot" and modifiers is not None:
+        raise _fail("--modifiers is for --format python: the AOT format compiles plain "
+                    "attention only")
+    from flashgen.export.rows import parse_modifier_sets, select_winners
     from flashgen.store.db import default_db_path
     from flashgen.store.table import shipped_db_path
 
     paths = [db] if db else [default_db_path(), shipped_db_path()]
     if db and not db.is_file():
         raise _fail(f"no tuning database at {db}")
-    selection = select_winners(paths, gpu)
+    try:
+        sets = parse_modifier_sets(modifiers or "")
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    selection = select_winners(paths, gpu, sets)
     for note in selection.notes:
         typer.echo(f"note: {note}", err=True)
     if not selection.gpus:

@@ -315,16 +315,18 @@ def test_selection_precedence_gpu_filter_and_stale_rows(tmp_path: Path) -> None:
     _store(second, P_FP16, loser, INTERPRETER)
     _store(second, P_FP32, loser, H200, stale=True)
     _store(second, P_FP32, BwdVariant(32, 64, 4, 1), H200, mode="bwd")
-    # A window problem's row of the same bucket: packages run plain attention only.
+    # A window problem's row of the same bucket: an entry of its own, and its set shipped.
     _store(first, P_FP16.with_(window=True), loser, H200)
-    sel = select_winners([first, second])
+    sel = select_winners([first, second], modifiers=["k"])
     assert [g.device.name for g in sel.gpus] == ["NVIDIA H200", "cpu-interpreter"]
     h200 = sel.gpus[0]
-    assert [s.winner.variant for s in h200.fwd] == [winner]
+    assert {(s.winner.variant, s.winner.key.modifiers) for s in h200.fwd} == {
+        (winner, ""), (loser, "w")}
     assert [s.winner.variant for s in h200.bwd] == [BwdVariant(32, 64, 4, 1)]
     assert h200.device.shared_memory == H200.shared_memory
     assert any("other template text" in n for n in sel.notes)
-    assert any("modified problems (modifiers w)" in n for n in sel.notes)
+    assert sel.modifier_sets == ["k"]
+    assert any("tuned with modifiers (window) ship as their own" in n for n in sel.notes)
     only = select_winners([first, second], gpu="cpu-interpreter")
     assert [g.device.name for g in only.gpus] == ["cpu-interpreter"]
 
@@ -776,6 +778,61 @@ def test_gpu_python_export_hit_miss_and_training(tmp_path: Path,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tuned", GPU_EXPORTED[2:], ids=str)
+def test_gpu_python_export_with_modifiers_trains(tmp_path: Path, tuned: flashgen.Variant) -> None:
+    """Exported with `--modifiers`, a Hopper winner's kernels run window, softcap and sinks
+    (the persistent one refuses them, so the sets' default grids serve), packed sequences
+    and the decode family's window, forward and backward, against the float64 reference."""
+    from flashgen.kernels.problem import DecodeProblem
+    from flashgen.tune.decode_bench import compare_kvcache, make_kvcache
+
+    dev = flashgen.device_info("cuda")
+    if not dev.is_hopper:
+        pytest.skip("fa3 needs Hopper")
+    problem = flashgen.Problem(2, 8, 2, 1024, 1024, 64, "bf16", True)
+    _store(tmp_path / "t.db", problem, tuned, dev)
+    name = f"fgk_gpu_mods_{GPU_EXPORTED.index(tuned)}"
+    _export("--db", str(tmp_path / "t.db"), "--out", str(tmp_path), "--name", name,
+            "--modifiers", "window,softcap,sinks,varlen")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        fgk = importlib.import_module(name)
+    finally:
+        sys.path.remove(str(tmp_path))
+    q, k, v = make_inputs(2, 8, 2, 1000, 1000, 64, torch.bfloat16, "cuda", seed=3)
+    sinks = torch.randn(8, device="cuda")
+    for mods in ({"window": (100, 0)}, {"softcap": 20.0}, {"sinks": sinks}):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        extra = {n: (m.clone().requires_grad_(True) if n == "sinks" else m)
+                 for n, m in mods.items()}
+        out, lse = fgk.attention(*leaves, causal=True, return_lse=True, **extra)
+        checked = compare(out.detach(), q, k, v, True, lse=lse, modifiers=mods)
+        assert checked.ok, (mods, checked.reason)
+        do = torch.randn_like(out)
+        out.backward(do)
+        grads = [t.grad for t in leaves] + ([extra["sinks"].grad] if "sinks" in extra else [])
+        checked = compare_grads(tuple(grads), q, k, v, do, True, modifiers=mods)
+        assert checked.ok, (mods, "backward", checked.reason)
+    cu = torch.tensor([0, 300, 1000, 1700], dtype=torch.int32, device="cuda")
+    pq, pk, pv = (t.reshape(-1, t.shape[2], 64)[:1700].contiguous()
+                  for t in (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)))
+    packed = [t.clone().requires_grad_(True) for t in (pq, pk, pv)]
+    out = fgk.attention_varlen(*packed, cu, cu, 700, 700, causal=True)
+    offsets = (cu.tolist(), cu.tolist())
+    checked = compare(out.detach(), pq, pk, pv, True, cu=offsets)
+    assert checked.ok, ("varlen", checked.reason)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    checked = compare_grads(tuple(t.grad for t in packed), pq, pk, pv, dout, True, cu=offsets)
+    assert checked.ok, ("varlen backward", checked.reason)
+    c = make_kvcache(DecodeProblem(4, 8, 2, 1, 4096, 64, "bf16", True), "cuda",
+                     seqlens=[4096, 1000, 17, 2500])
+    out = fgk.attention_with_kvcache(c.q, c.k, c.v, c.seqlens, window=(511, 0))
+    checked = compare_kvcache(out, c, True, modifiers={"window": (511, 0)})
+    assert checked.ok, ("decode window", checked.reason)
+
+
+@pytest.mark.gpu
 def test_gpu_exported_gluon_dq_on_its_own_tiles_trains(tmp_path: Path) -> None:
     """A backward winner whose Gluon dQ kernel streams its own tile (dq_block_streamed) runs from
     the exported package with that tile's TMA descriptors, aligned and not."""
@@ -937,6 +994,88 @@ def test_fp8_winners_ship_and_run(tmp_path: Path) -> None:
     checked = compare_fp8(out, qz, causal=True)
     assert checked.ok, checked.reason
     assert pkg.explain(qz.q, qz.k, qz.v, causal=True).how == "exact"
+
+
+@pytest.mark.interpreter
+def test_modified_and_packed_kernels_ship_and_run(tmp_path: Path) -> None:
+    """A softcap winner ships as a tuned entry of its own; `--modifiers` ships each set's
+    kernels: the plain winner's with window, sinks and softcap rendered in (and why its fa1
+    variant cannot take packing, which the set's default grid then serves), the backward's
+    and the decode family's defaults with them. Each call matches the float64 reference,
+    gradients included; a set that was not exported, and a left-padded cache, are named
+    errors."""
+    from flashgen.kernels.problem import DecodeProblem
+    from flashgen.tune.decode_bench import compare_kvcache, make_kvcache
+
+    db = tmp_path / "t.db"
+    _store(db, P_FP32, V_FP32, INTERPRETER)
+    soft = flashgen.Variant("fa2", 32, 16, 2, 1)
+    _store(db, P_FP32.with_(softcap=True), soft, INTERPRETER)
+    _export("--db", str(db), "--out", str(tmp_path), "--name", "fgk_mods",
+            "--modifiers", "window,sinks,varlen,softcap")
+    _export("--db", str(db), "--out", str(tmp_path), "--name", "fgk_softcap_only")
+    assert "softcap" not in json.loads(
+        (tmp_path / "fgk_softcap_only" / "table.json").read_text())["modifier_sets"]
+    table = json.loads((tmp_path / "fgk_mods" / "table.json").read_text())
+    assert table["modifier_sets"] == {"k": "softcap", "s": "sinks", "v": "varlen",
+                                      "w": "window"}
+    fwd = table["gpus"]["cpu-interpreter"]["fwd"]
+    plain = next(e for e in fwd if "modifiers" not in e)
+    assert set(plain["modified"]) == {"k", "s", "w"}
+    assert "fa1" in plain["refuses"]["v"]
+    assert next(e for e in fwd if e.get("modifiers") == "k")["variant"] == soft.to_dict()
+    sys.path.insert(0, str(tmp_path))
+    try:
+        pkg = importlib.import_module("fgk_mods")
+        other = importlib.import_module("fgk_softcap_only")
+    finally:
+        sys.path.remove(str(tmp_path))
+
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 2, 50, 32, generator=gen)
+    k, v = (torch.randn(1, 1, 60, 32, generator=gen) for _ in range(2))
+    do = torch.randn(1, 2, 50, 32, generator=gen)
+    sinks = torch.randn(2, generator=gen)
+    cases = {"window": ({"window": (8, 0)}, "nearest"), "softcap": ({"softcap": 5.0}, "exact"),
+             "sinks": ({"sinks": sinks}, "nearest")}
+    for name, (mods, how) in cases.items():
+        assert pkg.explain(q, k, v, causal=True, **mods).how == how, name
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        extra = {n: (m.clone().requires_grad_(True) if n == "sinks" else m)
+                 for n, m in mods.items()}
+        out, lse = pkg.attention(*leaves, causal=True, return_lse=True, **extra)
+        checked = compare(out.detach(), q, k, v, True, lse=lse, modifiers=mods)
+        assert checked.ok, (name, checked.reason)
+        out.backward(do)
+        grads = [t.grad for t in leaves] + ([extra["sinks"].grad] if "sinks" in extra else [])
+        checked = compare_grads(tuple(grads), q, k, v, do, True, modifiers=mods)
+        assert checked.ok, (name, "backward", checked.reason)
+
+    lens = [5, 17, 1]
+    cu = torch.tensor([0, 5, 22, 23], dtype=torch.int32)
+    pq = torch.randn(23, 2, 32, generator=gen)
+    pk, pv = (torch.randn(23, 1, 32, generator=gen) for _ in range(2))
+    packed = [t.clone().requires_grad_(True) for t in (pq, pk, pv)]
+    out = pkg.attention_varlen(*packed, cu, cu, max(lens), max(lens), causal=True)
+    assert pkg.explain(pq, pk, pv, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                       max_seqlen_q=17, max_seqlen_k=17).how == "fallback"
+    offsets = (cu.tolist(), cu.tolist())
+    assert compare(out.detach(), pq, pk, pv, True, cu=offsets).ok
+    dout = torch.randn(out.shape, generator=gen)
+    out.backward(dout)
+    checked = compare_grads(tuple(t.grad for t in packed), pq, pk, pv, dout, True, cu=offsets)
+    assert checked.ok, ("varlen backward", checked.reason)
+
+    c = make_kvcache(DecodeProblem(2, 4, 1, 1, 48, 32, "fp32", True), seqlens=[48, 21])
+    out = pkg.attention_with_kvcache(c.q, c.k, c.v, c.seqlens, window=(7, 0))
+    checked = compare_kvcache(out, c, True, modifiers={"window": (7, 0)})
+    assert checked.ok, ("decode window", checked.reason)
+
+    with pytest.raises(ValueError, match="--modifiers window"):
+        other.attention(q, k, v, causal=True, window=(8, 0))
+    pads = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="cache_leftpad"):
+        pkg.attention_with_kvcache(c.q, c.k, c.v, c.seqlens, cache_leftpad=pads)
 
 
 def test_a_package_prints_its_variants_on_one_line() -> None:

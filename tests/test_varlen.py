@@ -404,8 +404,9 @@ def test_tile_schedule_lists_every_tile_costliest_first(causal: bool) -> None:
 
 
 def test_a_package_without_modified_kernels_names_them() -> None:
-    """An exported package's runtime ships plain kernels: asked for a modifier, it says so
-    instead of launching a kernel of the wrong signature."""
+    """A dispatcher that renders no modifiers, asked for one, says so instead of launching
+    a kernel of the wrong signature (an exported package names the sets it lacks:
+    test_export.py)."""
     from flashgen.runtime.dispatch import Dispatcher
     from flashgen.runtime.modifiers import Mods
 

@@ -365,6 +365,12 @@ def _plan_gpu(comp: _Compiler, gpu: GpuWinners, families: list[Family],
         variant: AnyVariant = w.variant
         bucket = {"dtype": k.dtype, "causal": k.causal, "head_dim": k.head_dim, "gqa": k.gqa,
                   "seq_q_bucket": k.seq_q_bucket, "seq_k_bucket": k.seq_k_bucket}
+        if k.modifiers:
+            manifest["skipped"].append(_bucket_row(
+                gpu, **bucket, modifiers=k.modifiers, variant=variant.to_dict(),
+                reason="tuned with modifiers (window, softcap, sinks) or packed sequences, "
+                       "which the AOT format does not compile"))
+            continue
         if k.dtype == "fp8" and not fp8_ok:
             manifest["skipped"].append(_bucket_row(gpu, **bucket, variant=variant.to_dict(),
                                                    reason=NO_FP8))

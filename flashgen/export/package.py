@@ -21,6 +21,13 @@ Backward winners are exported where the database has them; the default backward 
 always exported, so every exported forward kind also trains. Decode winners are exported
 likewise, with a default decode grid (packed rows x page size) for every kind with a decode
 or forward winner, so `attention_with_kvcache` and `attention`'s decode dispatch run.
+
+Modifiers (window, softcap, sinks) and packed sequences are kernel structure, which the
+package cannot render. Winners tuned with them ship as tuned entries of their own (their
+kernels rendered with them), and `--modifiers` names sets whose kernels every plain entry
+carries ("modified", or "refuses" with why its variant cannot take the set) beside default
+grids of their own (entries with "modifiers"). A call with a set that was not exported is
+a named error that says which `--modifiers` to export with.
 """
 
 from __future__ import annotations
@@ -46,15 +53,18 @@ from flashgen.export.rows import (
     decode_default_grid,
     default_grid,
     tile_needs,
+    with_modifiers,
 )
 from flashgen.kernels.bwd_render import PREPROCESS_BLOCK_M, bwd_roles, render_bwd
 from flashgen.kernels.bwd_variant import BwdVariant
 from flashgen.kernels.decode_render import render_decode
 from flashgen.kernels.decode_variant import DecodeVariant
 from flashgen.kernels.hardware import DeviceInfo
+from flashgen.kernels.modes import space_of
 from flashgen.kernels.problem import Problem
 from flashgen.kernels.render import render, source_hash
 from flashgen.kernels.variant import Variant
+from flashgen.runtime.table import modified_untuned, modifier_names
 from flashgen.store.table import DETERMINISTIC_ROLE, entry, winner_entry
 from flashgen.version import __version__
 
@@ -129,66 +139,106 @@ class _Kernels:
         return kernels
 
 
+def takes(mode: str, letters: str, dtype: str) -> bool:
+    """Whether kernels of `mode` in `dtype` are exported with the modifiers of `letters`:
+    decode has no packed layout, and fp8 kernels ship plain (as in the AOT format)."""
+    return dtype != "fp8" and not (mode == "decode" and "v" in letters)
+
+
+def _why_not(mode: str, variant: AnyVariant, problem: Problem, device: DeviceInfo,
+             twin: AnyVariant | None) -> str | None:
+    """Why `variant` (or its twin) cannot serve `problem`, a modified problem, by flashgen's
+    validity rules and, for the forward, its rule for plain winners under modifiers."""
+    why_invalid = space_of(mode).why_invalid
+    reason = why_invalid(variant, problem, device)  # type: ignore[arg-type]
+    if reason is None and mode == "fwd":
+        reason = modified_untuned(variant)
+    if reason is None and twin is not None:
+        reason = why_invalid(twin, problem, device)  # type: ignore[arg-type]
+    return reason
+
+
 def _shipped(found: dict[str, Any], kernels: _Kernels, mode: str, variant: AnyVariant,
-             problem: Problem) -> dict[str, Any]:
+             problem: Problem, device: DeviceInfo, sets: list[str]) -> dict[str, Any]:
     """`found` (a table entry of `variant`) with what the package's runtime reads in place of
-    flashgen's renderer and rules: its kernel modules, and the lengths its tiles need."""
+    flashgen's renderer and rules: its kernel modules, the lengths its tiles need, and for a
+    plain entry, per modifier set of `sets`, its kernels with the set rendered in or why it
+    cannot take it."""
     twin = type(variant).from_dict(found["twin"]) if "twin" in found else None
     found["kernels"] = kernels.of(mode, variant, problem, twin)
     if mode != "decode":  # decode tiles are correct at any length (masked), only slower
         found["need"] = list(tile_needs(mode, variant, problem))
+    if problem.modifiers:  # tuned with its modifiers: its kernels already have them
+        return found
+    for letters in (s for s in sets if takes(mode, s, problem.dtype)):
+        modified = with_modifiers(problem, letters)
+        reason = _why_not(mode, variant, modified, device, twin)
+        if reason is not None:
+            found.setdefault("refuses", {})[letters] = reason
+        else:
+            found.setdefault("modified", {})[letters] = kernels.of(mode, variant, modified,
+                                                                   twin)
     return found
 
 
 def _entry(kernels: _Kernels, mode: str, variant: AnyVariant, problem: Problem,
            device: DeviceInfo) -> dict[str, Any]:
-    return _shipped(entry(variant, problem, device), kernels, mode, variant, problem)
+    return _shipped(entry(variant, problem, device), kernels, mode, variant, problem, device,
+                    [])
 
 
-def _tuned(kernels: _Kernels, mode: str, row: Sourced, device: DeviceInfo) -> list[dict[str, Any]]:
+def _tuned(kernels: _Kernels, mode: str, row: Sourced, device: DeviceInfo,
+           sets: list[str]) -> list[dict[str, Any]]:
     """The winner's entry, then its deterministic alternate's where it has one (the order
     the runtime tries them in)."""
     w = row.winner
     entries = [_shipped(winner_entry(w, row.source(), device), kernels, mode, w.variant,
-                        w.problem)]
+                        w.problem, device, sets)]
     if row.alternate is not None:
         a = row.alternate
         found = winner_entry(a, f"{row.source(a)} ({DETERMINISTIC_ROLE})", device,
                              DETERMINISTIC_ROLE)
-        entries.append(_shipped(found, kernels, mode, a.variant, a.problem))
+        entries.append(_shipped(found, kernels, mode, a.variant, a.problem, device, sets))
     return entries
 
 
 def _defaults(kernels: _Kernels, families: list[Family], decode_families: list[Family],
-              device: DeviceInfo) -> dict[str, Any]:
+              device: DeviceInfo, sets: list[str]) -> dict[str, Any]:
+    """The default grids of every family, plain and with each modifier set of `sets` (those
+    entries carry the set as "modifiers": their kernels are rendered with it)."""
     out: dict[str, Any] = {}
     for mode in ("fwd", "bwd"):
         out[f"{mode}_defaults"] = [
             {"dtype": fam[0], "causal": fam[1], "head_dim": fam[2],
+             **({"modifiers": letters} if letters else {}),
              "seq_q_bucket": nq, "seq_k_bucket": nk,
              **_entry(kernels, mode, variant, problem, device)}
+            for letters in ("", *sets)
             for fam in families if mode == "fwd" or fam[0] != "fp8"  # fp8: forward only
-            for nq, nk, variant, problem in default_grid(mode, fam, device)
+            if not letters or takes(mode, letters, fam[0])
+            for nq, nk, variant, problem in default_grid(mode, fam, device, letters)
         ]
     out["decode_defaults"] = [
-        {"dtype": fam[0], "causal": fam[1], "head_dim": fam[2], "rows": rows,
+        {"dtype": fam[0], "causal": fam[1], "head_dim": fam[2],
+         **({"modifiers": letters} if letters else {}), "rows": rows,
          "page_size": page, **_entry(kernels, "decode", variant, problem, device)}
-        for fam in decode_families
-        for rows, page, variant, problem in decode_default_grid(fam, device)
+        for letters in ("", *sets)
+        for fam in decode_families if not letters or takes("decode", letters, fam[0])
+        for rows, page, variant, problem in decode_default_grid(fam, device, letters)
     ]
     return out
 
 
 def _gpu_table(kernels: _Kernels, gpu: GpuWinners, families: list[Family],
-               decode_families: list[Family]) -> dict[str, Any]:
+               decode_families: list[Family], sets: list[str]) -> dict[str, Any]:
     major, minor = gpu.device.capability
     return {
         "capability": f"{major}.{minor}", "sm_count": gpu.device.sm_count,
         "device_key": gpu.device_key, "triton_version": gpu.triton_version,
-        "fwd": [e for s in gpu.fwd for e in _tuned(kernels, "fwd", s, gpu.device)],
-        "bwd": [e for s in gpu.bwd for e in _tuned(kernels, "bwd", s, gpu.device)],
-        "decode": [e for s in gpu.decode for e in _tuned(kernels, "decode", s, gpu.device)],
-        **_defaults(kernels, families, decode_families, gpu.device),
+        **{mode: [e for s in getattr(gpu, mode)
+                  for e in _tuned(kernels, mode, s, gpu.device, sets)]
+           for mode in ("fwd", "bwd", "decode")},
+        **_defaults(kernels, families, decode_families, gpu.device, sets),
     }
 
 
@@ -196,15 +246,17 @@ def build_table(selection: Selection) -> tuple[dict[str, Any], dict[str, str]]:
     """(table.json's content, kernel module name -> Triton source)."""
     kernels = _Kernels()
     families, decode_families = selection.families(), selection.decode_families()
+    sets = selection.modifier_sets
     table = {
         "format": TABLE_FORMAT,
         "flashgen_version": __version__,
         "preprocess_block_m": PREPROCESS_BLOCK_M,
         "lengths": list(LENGTHS),
-        "gpus": {g.device.name: _gpu_table(kernels, g, families, decode_families)
+        "modifier_sets": {letters: modifier_names(letters) for letters in sets},
+        "gpus": {g.device.name: _gpu_table(kernels, g, families, decode_families, sets)
                  for g in selection.gpus},
         "generic": {"device": GENERIC.to_dict(),
-                    **_defaults(kernels, families, decode_families, GENERIC)},
+                    **_defaults(kernels, families, decode_families, GENERIC, sets)},
     }
     return table, kernels.sources
 

@@ -31,8 +31,9 @@ from flashgen.kernels.fwd_space import (
     default_variant,
 )
 from flashgen.kernels.hardware import CPU_INTERPRETER, INTERPRETER, DeviceInfo
-from flashgen.kernels.problem import DecodeProblem, Problem
+from flashgen.kernels.problem import MODIFIER_LETTERS, MODIFIERS, DecodeProblem, Problem
 from flashgen.kernels.variant import Variant
+from flashgen.runtime.table import modifier_names
 from flashgen.store.current import row_is_current
 from flashgen.store.db import TuningDB, WinnerRow
 from flashgen.store.keys import Versions
@@ -98,6 +99,9 @@ class GpuWinners:
 class Selection:
     gpus: list[GpuWinners] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # rows left out, and why
+    #: The modifier sets whose kernels every plain entry and default grid carries, as letters
+    #: (`modifier_letters`): those asked for (`--modifiers`).
+    modifier_sets: list[str] = field(default_factory=list)
 
     def families(self) -> list[Family]:
         """Every (dtype, causal, head dim) with a winner on some GPU."""
@@ -123,7 +127,9 @@ def device_of(gpu_name: str, capability: str, sm_count: int) -> DeviceInfo:
     return DeviceInfo(gpu_name, (major, minor), sm_count, smem)
 
 
-def _read(paths: Sequence[Path], gpu: str | None, notes: list[str]) -> dict[str, list[Sourced]]:
+def _read(paths: Sequence[Path], gpu: str | None,
+          notes: list[str]) -> tuple[dict[str, list[Sourced]], set[str]]:
+    """The current winners by GPU, and the modifier sets (letters) of the modified ones."""
     found: dict[str, list[Sourced]] = {}
     stale = 0
     modified: set[str] = set()
@@ -138,18 +144,12 @@ def _read(paths: Sequence[Path], gpu: str | None, notes: list[str]) -> dict[str,
                     stale += 1
                     continue
                 if w.key.modifiers:
-                    # A package renders no modifiers and refuses modifier calls by name: it
-                    # has no use for these rows, whose buckets must not replace plain ones.
-                    modified.add(w.key.modifiers)
-                    continue
+                    modified.add(modifier_letters(w.key.modifiers))
                 found.setdefault(w.key.gpu_name, []).append(
                     Sourced(w, path, db.fastest_deterministic(w)))
     if stale:
         notes.append(f"{stale} winner(s) tuned on other template text left out (re-tune them)")
-    if modified:
-        notes.append(f"winners of modified problems (modifiers {', '.join(sorted(modified))}) "
-                     "left out: exported packages run plain attention only")
-    return found
+    return found, modified
 
 
 def _one_gpu(name: str, rows: list[Sourced], notes: list[str]) -> GpuWinners:
@@ -173,7 +173,7 @@ def _one_gpu(name: str, rows: list[Sourced], notes: list[str]) -> GpuWinners:
     for s in rows:  # in database precedence order
         k = s.winner.key
         bucket = (k.mode, k.dtype, k.causal, k.head_dim, k.gqa, k.seq_q_bucket, k.seq_k_bucket,
-                  k.page_size, k.bh_bucket)
+                  k.page_size, k.bh_bucket, k.modifiers)
         held = chosen.get(bucket)
         rank = lambda x: (x.winner.key.torch_version == torch_now, x.winner.updated_at)
         if held is None or (held.path == s.path and rank(s) > rank(held)):
@@ -190,13 +190,56 @@ def _one_gpu(name: str, rows: list[Sourced], notes: list[str]) -> GpuWinners:
     )
 
 
-def select_winners(paths: Sequence[Path], gpu: str | None = None) -> Selection:
+def select_winners(paths: Sequence[Path], gpu: str | None = None,
+                   modifiers: Sequence[str] = ()) -> Selection:
     """The winners to export from `paths` (highest precedence first), for GPU model `gpu`
-    (None: every GPU in the databases)."""
+    (None: every GPU in the databases), with kernels for the modifier sets `modifiers`
+    (letters, `parse_modifier_sets`) in every plain entry and default grid; winners tuned
+    with modifiers ship as entries of their own either way."""
     selection = Selection()
-    for name, rows in sorted(_read(paths, gpu, selection.notes).items()):
+    found, modified = _read(paths, gpu, selection.notes)
+    for name, rows in sorted(found.items()):
         selection.gpus.append(_one_gpu(name, rows, selection.notes))
+    selection.modifier_sets = sorted(set(modifiers), key=lambda m: (len(m), m))
+    if modified - set(modifiers):
+        # Each such winner ships and serves its own bucket; other calls with its modifiers
+        # need their kernels rendered into every entry and default grid.
+        names = ", ".join(modifier_names(m) for m in sorted(modified - set(modifiers)))
+        selection.notes.append(f"winners tuned with modifiers ({names}) ship as their own "
+                               "entries; --modifiers ships kernels for all other calls with "
+                               "them")
     return selection
+
+
+def modifier_letters(key: str) -> str:
+    """A modifiers key ("wv4": window and packed of mix 4) without its mix: the kernels'
+    structure, which the mix does not change."""
+    return key.rstrip("0123456789")
+
+
+def parse_modifier_sets(text: str) -> list[str]:
+    """`--modifiers`' sets as letters: comma-separated, each a modifier or several joined by
+    "+" (window, softcap, sinks, varlen), e.g. "softcap,window+softcap" -> ["k", "wk"]."""
+    sets: list[str] = []
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        names = {n.strip() for n in item.split("+")}
+        unknown = sorted(names - set(MODIFIERS))
+        if unknown:
+            raise ValueError(f"unknown modifier {unknown[0]!r} in --modifiers {text!r}; "
+                             f"use {', '.join(MODIFIERS)}, several joined by '+'")
+        letters = "".join(MODIFIER_LETTERS[n] for n in MODIFIERS if n in names)
+        if letters not in sets:
+            sets.append(letters)
+    return sets
+
+
+def with_modifiers(problem: Problem, letters: str) -> Problem:
+    """`problem` asking for the modifiers of `letters` (see `modifier_letters`)."""
+    return problem.with_(**{n: MODIFIER_LETTERS[n] in letters for n in MODIFIERS})
+
+
 
 
 def tile_needs(mode: str, variant: AnyVariant, problem: Problem) -> tuple[int, int]:
@@ -223,24 +266,27 @@ DECODE_ROWS = (16, 32, 64)
 DECODE_PAGES = (0, 16, 32, 64)
 
 
-def decode_default_grid(family: Family, device: DeviceInfo,
+def decode_default_grid(family: Family, device: DeviceInfo, letters: str = "",
                         ) -> list[tuple[int, int, DecodeVariant, DecodeProblem]]:
     """flashgen's default decode variant of `family` on `device` at every (rows, page) of
-    the grid: what `default_decode_variant` picks, evaluated ahead of time."""
+    the grid, with the modifiers of `letters`: what `default_decode_variant` picks,
+    evaluated ahead of time."""
     dtype, causal, head_dim = family
     grid = []
     for rows in DECODE_ROWS:
         for page in DECODE_PAGES:
             problem = DecodeProblem(1, rows, 1, 1, 4096, head_dim, dtype, causal,
                                     page_size=page)
+            problem = with_modifiers(problem, letters)  # type: ignore[assignment]
             grid.append((rows, page, default_decode_variant(problem, device), problem))
     return grid
 
 
-def default_grid(mode: str, family: Family,
-                 device: DeviceInfo) -> list[tuple[int, int, AnyVariant, Problem]]:
-    """flashgen's default variant of `family` on `device` for every pair of `LENGTHS`: the
-    `default_variant` logic, evaluated ahead of time so the runtime only looks it up."""
+def default_grid(mode: str, family: Family, device: DeviceInfo,
+                 letters: str = "") -> list[tuple[int, int, AnyVariant, Problem]]:
+    """flashgen's default variant of `family` on `device` for every pair of `LENGTHS`, with
+    the modifiers of `letters`: the `default_variant` logic, evaluated ahead of time so the
+    runtime only looks it up."""
     dtype, causal, head_dim = family
     choose = default_variant if mode == "fwd" else default_bwd_variant
     if dtype == "fp8" and device == GENERIC:
@@ -248,6 +294,6 @@ def default_grid(mode: str, family: Family,
     grid: list[tuple[int, int, AnyVariant, Problem]] = []
     for nq in LENGTHS:
         for nk in LENGTHS:
-            problem = Problem(1, 1, 1, nq, nk, head_dim, dtype, causal)
+            problem = with_modifiers(Problem(1, 1, 1, nq, nk, head_dim, dtype, causal), letters)
             grid.append((nq, nk, choose(problem, device), problem))
     return grid

@@ -93,7 +93,8 @@ class Dispatcher:
     #: its tuned kernels only.
     variant_types: ClassVar[Mapping[str, type]] = {}
     #: Whether `kernel` can give kernels rendered with modifiers (window, softcap, sinks) and
-    #: for packed sequences. An exported package ships plain kernels only.
+    #: for packed sequences: flashgen renders them on demand, an exported package has those
+    #: of the sets it was exported with (and names the others' `--modifiers`).
     renders_modifiers: ClassVar[bool] = False
 
     def __init__(self) -> None:

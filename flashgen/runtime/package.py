@@ -24,7 +24,7 @@ import triton
 
 from .dispatch import Dispatcher, default_dispatcher, serve
 from .forward import sm_count
-from .table import Entry, Shape, Table
+from .table import Entry, Shape, Table, modifier_letters, modifier_names
 
 #: The package's import name and folder: this file is <package>/runtime/package.py.
 PACKAGE = (__package__ or __name__).rpartition(".")[0]
@@ -48,7 +48,13 @@ def device_name(device: torch.device) -> str:
 
 
 class PackageDispatcher(Dispatcher):
-    """Serves table.json's entries with the kernels of the package's `kernels/` folder."""
+    """Serves table.json's entries with the kernels of the package's `kernels/` folder.
+
+    Modifiers and packed sequences run where the export rendered kernels for their set
+    (`flashgen export --modifiers`): a plain entry's "modified" kernels, an entry tuned with
+    the set, or the set's default grid. Elsewhere the call is a named error."""
+
+    renders_modifiers = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -77,8 +83,26 @@ class PackageDispatcher(Dispatcher):
                       stacklevel=2)
         return Table({**common, **data["generic"]}, f"{name} (generic default variants)", sms)
 
+    def reject(self, mode: str, entry: Entry, shape: Shape, table: Table) -> str | None:
+        """A plain entry serves a modified call only with kernels exported for its set."""
+        letters = modifier_letters(shape)
+        if not letters or entry.get("modifiers"):
+            return None
+        refused = entry.get("refuses", {}).get(letters)
+        if refused is not None:
+            return refused
+        if letters not in entry.get("modified", {}):
+            return f"exported without its kernels for {modifier_names(letters)}"
+        return None
+
     def kernel(self, entry: Entry, role: str, shape: Shape) -> Any:
-        module = importlib.import_module(f"{PACKAGE}.kernels.{entry['kernels'][role]}")
+        if getattr(shape, "leftpad", False):
+            raise ValueError(f"{PACKAGE} ships no cache_leftpad kernels: left-padded caches "
+                             "need flashgen itself")
+        letters = modifier_letters(shape)
+        modules = (entry["modified"][letters] if letters and not entry.get("modifiers")
+                   else entry["kernels"])
+        module = importlib.import_module(f"{PACKAGE}.kernels.{modules[role]}")
         base = role.removesuffix("_plain")
         if base in ("fwd", "decode", "decode_combine"):
             return getattr(module, f"attn_{base}")

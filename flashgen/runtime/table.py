@@ -59,6 +59,18 @@ def mix_bucket(batch: int, longest: int, tokens: int) -> int:
     return 1 << max(0, round(math.log2(max(1.0, ratio))))
 
 
+def modifier_letters(shape: Any) -> str:
+    """A call's modifiers as kernel structure: `modifier_key` without the length mix (which
+    changes no kernel), "" for plain attention."""
+    return "".join(_LETTERS[n] for n in MODIFIERS if getattr(shape, n, False))
+
+
+def modifier_names(letters: str) -> str:
+    """The modifiers of `letters` by name, joined by "+" (as `flashgen export --modifiers`
+    takes a set)."""
+    return "+".join(n for n in MODIFIERS if _LETTERS[n] in letters)
+
+
 def modifier_key(shape: Any) -> str:
     """A call's modifiers as its entries' "modifiers" field: "" for plain attention, else a
     letter each (window w, softcap k, sinks s, varlen v and its mix bucket), e.g. "wv4"."""
@@ -195,15 +207,19 @@ class Table:
         for mode in MODES:
             for e in data.get(mode, ()):
                 self.tuned[mode].setdefault(_kind(mode, e), []).append(e)
+            # Default grids by family and modifier set (an exported package's grids with
+            # the modifiers rendered in carry the set's letters, `modifier_letters`).
             if mode == "decode":
                 if "decode_defaults" in data:
                     grid = self.defaults.setdefault(mode, {})
                     for e in data["decode_defaults"]:
-                        grid.setdefault(_family(e), {})[(e["rows"], e["page_size"])] = e
+                        grid.setdefault((*_family(e), e.get("modifiers", "")), {})[
+                            (e["rows"], e["page_size"])] = e
             elif f"{mode}_defaults" in data:
                 grid = self.defaults.setdefault(mode, {})
                 for e in data[f"{mode}_defaults"]:
-                    grid.setdefault(_family(e), {})[(e["seq_q_bucket"], e["seq_k_bucket"])] = e
+                    grid.setdefault((*_family(e), e.get("modifiers", "")), {})[
+                        (e["seq_q_bucket"], e["seq_k_bucket"])] = e
         self.noticed = False  # whether the untuned notice was given
 
     def lookup(self, mode: str, shape: Shape, check: Check) -> tuple[Entry | None, str, str]:
@@ -307,15 +323,26 @@ class Table:
         grids = self.defaults.get(mode)
         if grids is None:
             return None
-        grid = grids.get((shape.dtype, shape.causal, shape.head_dim))
+        letters = modifier_letters(shape)
+        grid = grids.get((shape.dtype, shape.causal, shape.head_dim, letters))
         if grid is None:
-            kinds = sorted(f"{k[0]} causal={k[1]} D={k[2]}" for k in grids)
+            family = (shape.dtype, shape.causal, shape.head_dim, "")
+            if letters and family in grids:
+                names = modifier_names(letters)
+                raise ValueError(
+                    f"no {mode} kernel with {names.replace('+', ', ')} for {shape.dtype} "
+                    f"causal={shape.causal} head dim {shape.head_dim} in {self.name}: it was "
+                    f"exported without them. Export again with --modifiers {names}.")
+            kinds = sorted(f"{k[0]} causal={k[1]} D={k[2]}" + (f" {modifier_names(k[3])}"
+                                                                  if k[3] else "")
+                           for k in grids)
             have = ", ".join(kinds[:KINDS_NAMED]) + (
                 f" and {len(kinds) - KINDS_NAMED} more" if len(kinds) > KINDS_NAMED else "")
+            mods = f" {modifier_names(letters)}" if letters else ""
             raise ValueError(
                 f"no {mode} kernel for {shape.dtype} causal={shape.causal} head dim "
-                f"{shape.head_dim} in {self.name}; it holds: {have}. Export again from a "
-                "database tuned for this kind of problem."
+                f"{shape.head_dim}{mods} in {self.name}; it holds: {have}. Export again from "
+                "a database tuned for this kind of problem."
             )
         if mode == "decode":
             return grid[decode_default_key(shape)]
