@@ -16,6 +16,7 @@ import sqlite3
 import subprocess
 import sys
 import sysconfig
+import warnings
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -801,6 +802,8 @@ def test_gpu_python_export_with_modifiers_trains(tmp_path: Path, tuned: flashgen
         sys.path.remove(str(tmp_path))
     q, k, v = make_inputs(2, 8, 2, 1000, 1000, 64, torch.bfloat16, "cuda", seed=3)
     sinks = torch.randn(8, device="cuda")
+    if tuned.programs_per_sm:  # refused by the persistent kernel: its one-tile form runs
+        assert "one-tile" in fgk.explain(q, k, v, causal=True, window=(100, 0)).reason
     for mods in ({"window": (100, 0)}, {"softcap": 20.0}, {"sinks": sinks}):
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
         extra = {n: (m.clone().requires_grad_(True) if n == "sinks" else m)
@@ -994,6 +997,41 @@ def test_fp8_winners_ship_and_run(tmp_path: Path) -> None:
     checked = compare_fp8(out, qz, causal=True)
     assert checked.ok, checked.reason
     assert pkg.explain(qz.q, qz.k, qz.v, causal=True).how == "exact"
+
+
+def test_a_persistent_winner_ships_its_one_tile_form_for_modifiers(tmp_path: Path) -> None:
+    """The persistent fa3 kernel takes a window nowhere and softcap only where tuned with it,
+    so flashgen runs such a winner's one-tile form (same tiles, warps and stages) for those
+    calls: the export renders that form per set, and the package picks what flashgen picks."""
+    from flashgen.runtime.table import Shape
+    from flashgen.serve import Dispatcher
+
+    db = tmp_path / "t.db"
+    persistent = flashgen.Variant("fa3", 128, 128, 4, 2, programs_per_sm=1, pingpong=True)
+    _store(db, P_FA3, persistent, H200)
+    _export("--db", str(db), "--out", str(tmp_path), "--name", "fgk_one_tile",
+            "--modifiers", "window,softcap")
+    table = json.loads((tmp_path / "fgk_one_tile" / "table.json").read_text())
+    (tuned,) = table["gpus"]["NVIDIA H200"]["fwd"]
+    assert set(tuned["refuses"]) == set(tuned["one_tile"]) == {"w", "k"}
+    sys.path.insert(0, str(tmp_path))
+    try:
+        with warnings.catch_warnings():  # no H200 here: the import says so (not asked)
+            warnings.simplefilter("ignore", RuntimeWarning)
+            pkg = importlib.import_module("fgk_one_tile")
+    finally:
+        sys.path.remove(str(tmp_path))
+    ours = pkg.runtime.package.PackageDispatcher()
+    theirs = Dispatcher([db])
+    for mods in ({"window": True}, {"softcap": True}):
+        shape = Shape(1, 2, 2, 300, 300, 64, "bf16", False, **mods)
+        choice, found = ours.lookup(ours._open("NVIDIA H200", 132), "fwd", shape)
+        assert choice.how == "nearest" and "one-tile" in choice.reason, choice
+        assert found["variant"] == {**persistent.to_dict(), "programs_per_sm": 0,
+                                    "pingpong": False}
+        expected, _ = theirs.lookup(theirs.table_for(H200), "fwd", shape)
+        assert expected.variant.to_dict() == found["variant"]
+        assert found["kernels"]["fwd"] != tuned["kernels"]["fwd"]
 
 
 @pytest.mark.interpreter

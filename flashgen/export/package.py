@@ -37,7 +37,7 @@ import keyword
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,7 @@ from flashgen.export.rows import (
     Sourced,
     decode_default_grid,
     default_grid,
+    modifier_letters,
     tile_needs,
     with_modifiers,
 )
@@ -175,9 +176,33 @@ def _shipped(found: dict[str, Any], kernels: _Kernels, mode: str, variant: AnyVa
         reason = _why_not(mode, variant, modified, device, twin)
         if reason is not None:
             found.setdefault("refuses", {})[letters] = reason
+            one = _one_tile(kernels, variant, modified, device)
+            if one is not None:
+                found.setdefault("one_tile", {})[letters] = one
         else:
             found.setdefault("modified", {})[letters] = kernels.of(mode, variant, modified,
                                                                    twin)
+    return found
+
+
+def _one_tile(kernels: _Kernels, variant: AnyVariant, problem: Problem,
+              device: DeviceInfo) -> dict[str, Any] | None:
+    """flashgen's one-tile form of a persistent fa3 forward winner (`Dispatcher.
+    _one_tile_form`: the same tiles, warps and stages), which takes the modifiers of
+    `problem` where the persistent kernel does not, as an entry of its own with them
+    rendered in (None: not such a winner, or the form is invalid too)."""
+    if not (isinstance(variant, Variant) and variant.loop_order == "fa3"
+            and variant.programs_per_sm):
+        return None
+    one = replace(variant, programs_per_sm=0, pingpong=False, head_units=False)
+    found = entry(one, problem, device)
+    twin = Variant.from_dict(found["twin"]) if "twin" in found else None
+    if _why_not("fwd", one, problem, device, twin) is not None:
+        return None
+    # Its kernels have the modifiers rendered in, as a modified default's have.
+    found.update(modifiers=modifier_letters(problem.modifier_key),
+                 kernels=kernels.of("fwd", one, problem, twin),
+                 need=list(tile_needs("fwd", one, problem)))
     return found
 
 

@@ -218,19 +218,18 @@ class Dispatcher:
         nearest of them runs as the one-tile fa3 kernel of the same tiles, warps and stages,
         which takes every modifier. It comes closer to the tuned kernel than the untuned
         default does (docs/varlen-and-modifiers.md)."""
-        if self.variant_types.get("fwd") is None:
-            return None
         made: dict[int, Entry] = {}
 
         def check(e: Entry) -> str | None:
             data = e["variant"]
             if not (data.get("loop_order") == "fa3" and data.get("programs_per_sm")):
                 return "not a persistent fa3 kernel"
-            one = made[id(e)] = self.entry("fwd", self.present("fwd", {
-                **data, "programs_per_sm": 0, "pingpong": False, "head_units": False}),
-                shape, table)
+            one = self.one_tile_entry(e, shape, table)
+            if one is None:
+                return "no one-tile form here"
             if "source" in e:  # `explain` names the row whose tiles these are
-                one["source"] = e["source"]
+                one = {**one, "source": e["source"]}
+            made[id(e)] = one
             return self._stale("fwd", e) or self.reject("fwd", one, shape, table)
 
         found = table.nearest_plain("fwd", shape, check)
@@ -241,6 +240,15 @@ class Dispatcher:
             f"nothing tuned with modifiers {modifier_key(shape)!r}; the persistent fa3 "
             f"winner of plain attention, bucket {got}, run as the one-tile fa3 kernel of its "
             f"tiles, warps and stages")
+
+    def one_tile_entry(self, e: Entry, shape: Shape, table: Table) -> Entry | None:
+        """The entry of persistent fa3 winner `e`'s one-tile form (its tiles, warps and
+        stages on the one-tile kernel) for `shape` (None: this dispatcher has none)."""
+        if self.variant_types.get("fwd") is None:
+            return None
+        return self.entry("fwd", self.present("fwd", {
+            **e["variant"], "programs_per_sm": 0, "pingpong": False, "head_units": False}),
+            shape, table)
 
     def _refuse_nondeterministic(self, entry: Entry, what: str) -> None:
         """Under deterministic algorithms, a RuntimeError (a warning with warn_only) where

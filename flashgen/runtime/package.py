@@ -95,6 +95,10 @@ class PackageDispatcher(Dispatcher):
             return f"exported without its kernels for {modifier_names(letters)}"
         return None
 
+    def one_tile_entry(self, e: Entry, shape: Shape, table: Table) -> Entry | None:
+        """The one-tile form the export rendered for this call's modifier set."""
+        return e.get("one_tile", {}).get(modifier_letters(shape))
+
     def kernel(self, entry: Entry, role: str, shape: Shape) -> Any:
         if getattr(shape, "leftpad", False):
             raise ValueError(f"{PACKAGE} ships no cache_leftpad kernels: left-padded caches "
