@@ -74,14 +74,34 @@ def _export(*args: str) -> str:
     return result.output
 
 
-def _export_and_import(tmp_path: Path, name: str) -> ModuleType:
-    """Export the winners of tmp_path/t.db as package `name` and import it from there."""
-    _export("--db", str(tmp_path / "t.db"), "--out", str(tmp_path), "--name", name)
-    sys.path.insert(0, str(tmp_path))
+def _check_modified(pkg: ModuleType, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    mods: dict[str, Any], do: torch.Tensor) -> None:
+    """`pkg.attention` (causal) with modifiers `mods`, output, LSE and gradients (dsinks
+    too) against the float64 reference."""
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    extra = {n: (m.clone().requires_grad_(True) if n == "sinks" else m) for n, m in mods.items()}
+    out, lse = pkg.attention(*leaves, causal=True, return_lse=True, **extra)
+    checked = compare(out.detach(), q, k, v, True, lse=lse, modifiers=mods)
+    assert checked.ok, (mods, checked.reason)
+    out.backward(do)
+    grads = [t.grad for t in leaves] + ([extra["sinks"].grad] if "sinks" in extra else [])
+    checked = compare_grads(tuple(grads), q, k, v, do, True, modifiers=mods)
+    assert checked.ok, (mods, "backward", checked.reason)
+
+
+def _import_from(folder: Path, name: str) -> ModuleType:
+    """Package `name`, imported from `folder`."""
+    sys.path.insert(0, str(folder))
     try:
         return importlib.import_module(name)
     finally:
-        sys.path.remove(str(tmp_path))
+        sys.path.remove(str(folder))
+
+
+def _export_and_import(tmp_path: Path, name: str) -> ModuleType:
+    """Export the winners of tmp_path/t.db as package `name` and import it from there."""
+    _export("--db", str(tmp_path / "t.db"), "--out", str(tmp_path), "--name", name)
+    return _import_from(tmp_path, name)
 
 
 # ---- the Python package, run where flashgen and its tuning stack cannot be imported --------
@@ -795,27 +815,13 @@ def test_gpu_python_export_with_modifiers_trains(tmp_path: Path, tuned: flashgen
     name = f"fgk_gpu_mods_{GPU_EXPORTED.index(tuned)}"
     _export("--db", str(tmp_path / "t.db"), "--out", str(tmp_path), "--name", name,
             "--modifiers", "window,softcap,sinks,varlen")
-    sys.path.insert(0, str(tmp_path))
-    try:
-        fgk = importlib.import_module(name)
-    finally:
-        sys.path.remove(str(tmp_path))
+    fgk = _import_from(tmp_path, name)
     q, k, v = make_inputs(2, 8, 2, 1000, 1000, 64, torch.bfloat16, "cuda", seed=3)
     sinks = torch.randn(8, device="cuda")
     if tuned.programs_per_sm:  # refused by the persistent kernel: its one-tile form runs
         assert "one-tile" in fgk.explain(q, k, v, causal=True, window=(100, 0)).reason
     for mods in ({"window": (100, 0)}, {"softcap": 20.0}, {"sinks": sinks}):
-        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-        extra = {n: (m.clone().requires_grad_(True) if n == "sinks" else m)
-                 for n, m in mods.items()}
-        out, lse = fgk.attention(*leaves, causal=True, return_lse=True, **extra)
-        checked = compare(out.detach(), q, k, v, True, lse=lse, modifiers=mods)
-        assert checked.ok, (mods, checked.reason)
-        do = torch.randn_like(out)
-        out.backward(do)
-        grads = [t.grad for t in leaves] + ([extra["sinks"].grad] if "sinks" in extra else [])
-        checked = compare_grads(tuple(grads), q, k, v, do, True, modifiers=mods)
-        assert checked.ok, (mods, "backward", checked.reason)
+        _check_modified(fgk, q, k, v, mods, torch.randn_like(q))
     cu = torch.tensor([0, 300, 1000, 1700], dtype=torch.int32, device="cuda")
     pq, pk, pv = (t.reshape(-1, t.shape[2], 64)[:1700].contiguous()
                   for t in (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)))
@@ -1014,13 +1020,9 @@ def test_a_persistent_winner_ships_its_one_tile_form_for_modifiers(tmp_path: Pat
     table = json.loads((tmp_path / "fgk_one_tile" / "table.json").read_text())
     (tuned,) = table["gpus"]["NVIDIA H200"]["fwd"]
     assert set(tuned["refuses"]) == set(tuned["one_tile"]) == {"w", "k"}
-    sys.path.insert(0, str(tmp_path))
-    try:
-        with warnings.catch_warnings():  # no H200 here: the import says so (not asked)
-            warnings.simplefilter("ignore", RuntimeWarning)
-            pkg = importlib.import_module("fgk_one_tile")
-    finally:
-        sys.path.remove(str(tmp_path))
+    with warnings.catch_warnings():  # no H200 here: the import says so (not asked)
+        warnings.simplefilter("ignore", RuntimeWarning)
+        pkg = _import_from(tmp_path, "fgk_one_tile")
     ours = pkg.runtime.package.PackageDispatcher()
     theirs = Dispatcher([db])
     for mods in ({"window": True}, {"softcap": True}):
@@ -1062,12 +1064,7 @@ def test_modified_and_packed_kernels_ship_and_run(tmp_path: Path) -> None:
     assert set(plain["modified"]) == {"k", "s", "w"}
     assert "fa1" in plain["refuses"]["v"]
     assert next(e for e in fwd if e.get("modifiers") == "k")["variant"] == soft.to_dict()
-    sys.path.insert(0, str(tmp_path))
-    try:
-        pkg = importlib.import_module("fgk_mods")
-        other = importlib.import_module("fgk_softcap_only")
-    finally:
-        sys.path.remove(str(tmp_path))
+    pkg, other = _import_from(tmp_path, "fgk_mods"), _import_from(tmp_path, "fgk_softcap_only")
 
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(1, 2, 50, 32, generator=gen)
@@ -1078,16 +1075,7 @@ def test_modified_and_packed_kernels_ship_and_run(tmp_path: Path) -> None:
              "sinks": ({"sinks": sinks}, "nearest")}
     for name, (mods, how) in cases.items():
         assert pkg.explain(q, k, v, causal=True, **mods).how == how, name
-        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-        extra = {n: (m.clone().requires_grad_(True) if n == "sinks" else m)
-                 for n, m in mods.items()}
-        out, lse = pkg.attention(*leaves, causal=True, return_lse=True, **extra)
-        checked = compare(out.detach(), q, k, v, True, lse=lse, modifiers=mods)
-        assert checked.ok, (name, checked.reason)
-        out.backward(do)
-        grads = [t.grad for t in leaves] + ([extra["sinks"].grad] if "sinks" in extra else [])
-        checked = compare_grads(tuple(grads), q, k, v, do, True, modifiers=mods)
-        assert checked.ok, (name, "backward", checked.reason)
+        _check_modified(pkg, q, k, v, mods, do)
 
     lens = [5, 17, 1]
     cu = torch.tensor([0, 5, 22, 23], dtype=torch.int32)
