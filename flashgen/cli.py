@@ -998,8 +998,8 @@ def export(
         "--modifiers", metavar="SETS",
         help="python: also ship kernels for these modifier sets, comma-separated, each a "
              "modifier or several joined by '+': window, softcap, sinks, varlen (packed "
-             "sequences), e.g. 'softcap,window+softcap'. The sets of modified winners are "
-             "always shipped.")] = None,
+             "sequences), e.g. 'softcap,window+softcap', into every entry and default. "
+             "Winners tuned with modifiers ship either way, for their own buckets.")] = None,
 ) -> None:
     """Write the tuned winners (and default variants for their kinds) as a self-contained
     package DIR/NAME that runs without flashgen. Without --db: the user database, then the

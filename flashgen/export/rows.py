@@ -240,8 +240,6 @@ def with_modifiers(problem: Problem, letters: str) -> Problem:
     return problem.with_(**{n: MODIFIER_LETTERS[n] in letters for n in MODIFIERS})
 
 
-
-
 def tile_needs(mode: str, variant: AnyVariant, problem: Problem) -> tuple[int, int]:
     """The smallest power-of-two (>= 16) query and key lengths `variant`'s tiles are valid
     for, by flashgen's own length rules; the exported runtime compares lengths with these."""
