@@ -1000,6 +1000,11 @@ def export(
              "modifier or several joined by '+': window, softcap, sinks, varlen (packed "
              "sequences), e.g. 'softcap,window+softcap', into every entry and default. "
              "Winners tuned with modifiers ship either way, for their own buckets.")] = None,
+    kinds: Annotated[str | None, typer.Option(
+        "--kinds", metavar="LIST",
+        help="Also ship default kernels for these kinds of problem, which no winner covers: "
+             "comma-separated DTYPE:HEAD_DIM, each causal and not, e.g. 'bf16:128,fp16:80' "
+             "(a kind without them is a named error in the package).")] = None,
 ) -> None:
     """Write the tuned winners (and default variants for their kinds) as a self-contained
     package DIR/NAME that runs without flashgen. Without --db: the user database, then the
@@ -1012,7 +1017,7 @@ def export(
     if fmt == "aot" and modifiers is not None:
         raise _fail("--modifiers is for --format python: the AOT format compiles plain "
                     "attention only")
-    from flashgen.export.rows import parse_modifier_sets, select_winners
+    from flashgen.export.rows import parse_kinds, parse_modifier_sets, select_winners
     from flashgen.store.db import default_db_path
     from flashgen.store.table import shipped_db_path
 
@@ -1021,9 +1026,10 @@ def export(
         raise _fail(f"no tuning database at {db}")
     try:
         sets = parse_modifier_sets(modifiers or "")
+        extra = parse_kinds(kinds or "")
     except ValueError as exc:
         raise _fail(str(exc)) from None
-    selection = select_winners(paths, gpu, sets)
+    selection = select_winners(paths, gpu, sets, extra)
     for note in selection.notes:
         typer.echo(f"note: {note}", err=True)
     if not selection.gpus:

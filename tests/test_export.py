@@ -450,6 +450,37 @@ def test_cli_refusals(tmp_path: Path) -> None:
     fp32 = runner.invoke(app, ["export", "--db", str(db), "--out", str(tmp_path), "--format",
                                "aot", "--fp8-out", "bf16,fp32"])
     assert fp32.exit_code == 2 and "bf16, fp16, got bf16, fp32" in fp32.output
+    for args, says in ((["--modifiers", "softcap,tilt"], "unknown modifier 'tilt'"),
+                       (["--kinds", "bf16:300"], "not DTYPE:HEAD_DIM"),
+                       (["--kinds", "bf17:64"], "not DTYPE:HEAD_DIM"),
+                       (["--format", "aot", "--modifiers", "window"], "--modifiers is for")):
+        refused = runner.invoke(app, ["export", "--db", str(db), "--out", str(tmp_path),
+                                      "--name", "pkg_r", *args])
+        assert refused.exit_code == 2 and says in refused.output, (args, refused.output)
+
+
+@pytest.mark.interpreter
+def test_kinds_ship_default_kernels_where_no_winner_is(tmp_path: Path) -> None:
+    """`--kinds` gives a kind no winner covers its default grids: the call that was a named
+    error (which says so) runs the default, matches the reference and trains."""
+    _store(tmp_path / "t.db", P_FP16, V_FP16, INTERPRETER)
+    plain = _export_and_import(tmp_path, "fgk_no_kinds")
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 40, 24, generator=gen) for _ in range(3))
+    with pytest.raises(ValueError, match="--kinds fp32:24"):
+        plain.attention(q, k, v)
+    _export("--db", str(tmp_path / "t.db"), "--out", str(tmp_path), "--name", "fgk_kinds",
+            "--kinds", "fp32:24")
+    pkg = _import_from(tmp_path, "fgk_kinds")
+    for causal in (False, True):
+        assert pkg.explain(q, k, v, causal=causal).how == "fallback"
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = pkg.attention(*leaves, causal=causal)
+        assert compare(out.detach(), q, k, v, causal).ok
+        do = torch.randn(out.shape, generator=gen)
+        out.backward(do)
+        checked = compare_grads(tuple(t.grad for t in leaves), q, k, v, do, causal)
+        assert checked.ok, checked.reason
 
 
 # ---- AOT: cubins for a GPU this machine does not have --------------------------------------

@@ -470,7 +470,8 @@ def write_aot(selection: Selection, out: Path, name: str, force: bool = False,
     try:
         (tmp / "kernels").mkdir()
         comp = _Compiler(tmp)
-        families = Selection(gpus).families()  # the compiled GPUs' kinds only
+        # The compiled GPUs' kinds only, and those asked for (`--kinds`).
+        families = Selection(gpus, extra_families=selection.extra_families).families()
         for gpu in gpus:
             _plan_gpu(comp, gpu, families, manifest, fp8_out)
         _drop_failed(manifest, comp.compile(workers))

@@ -31,7 +31,14 @@ from flashgen.kernels.fwd_space import (
     default_variant,
 )
 from flashgen.kernels.hardware import CPU_INTERPRETER, INTERPRETER, DeviceInfo
-from flashgen.kernels.problem import MODIFIER_LETTERS, MODIFIERS, DecodeProblem, Problem
+from flashgen.kernels.problem import (
+    DTYPES,
+    MAX_HEAD_DIM,
+    MODIFIER_LETTERS,
+    MODIFIERS,
+    DecodeProblem,
+    Problem,
+)
 from flashgen.kernels.variant import Variant
 from flashgen.runtime.table import modifier_names
 from flashgen.store.current import row_is_current
@@ -102,20 +109,22 @@ class Selection:
     #: The modifier sets whose kernels every plain entry and default grid carries, as letters
     #: (`modifier_letters`): those asked for (`--modifiers`).
     modifier_sets: list[str] = field(default_factory=list)
+    #: Kinds given default grids though no winner covers them (`--kinds`).
+    extra_families: list[Family] = field(default_factory=list)
 
     def families(self) -> list[Family]:
-        """Every (dtype, causal, head dim) with a winner on some GPU."""
+        """Every (dtype, causal, head dim) with a winner on some GPU, and the extra kinds."""
         found = {(s.winner.key.dtype, s.winner.key.causal, s.winner.key.head_dim)
                  for g in self.gpus for s in (*g.fwd, *g.bwd)}
-        return sorted(found)
+        return sorted(found | set(self.extra_families))
 
     def decode_families(self) -> list[Family]:
         """Every (dtype, causal, head dim) with a decode winner, or a forward one: `attention`
         runs the decode family for a few queries against many keys (fp8 has no decode
-        kernels: its forward serves every length)."""
+        kernels: its forward serves every length); and the extra kinds."""
         found = {(s.winner.key.dtype, s.winner.key.causal, s.winner.key.head_dim)
                  for g in self.gpus for s in (*g.fwd, *g.decode) if s.winner.key.dtype != "fp8"}
-        return sorted(found)
+        return sorted(found | {f for f in self.extra_families if f[0] != "fp8"})
 
 
 def device_of(gpu_name: str, capability: str, sm_count: int) -> DeviceInfo:
@@ -191,12 +200,13 @@ def _one_gpu(name: str, rows: list[Sourced], notes: list[str]) -> GpuWinners:
 
 
 def select_winners(paths: Sequence[Path], gpu: str | None = None,
-                   modifiers: Sequence[str] = ()) -> Selection:
+                   modifiers: Sequence[str] = (), kinds: Sequence[Family] = ()) -> Selection:
     """The winners to export from `paths` (highest precedence first), for GPU model `gpu`
     (None: every GPU in the databases), with kernels for the modifier sets `modifiers`
-    (letters, `parse_modifier_sets`) in every plain entry and default grid; winners tuned
-    with modifiers ship as entries of their own either way."""
-    selection = Selection()
+    (letters, `parse_modifier_sets`) in every plain entry and default grid (winners tuned
+    with modifiers ship as entries of their own either way), and default grids for `kinds`
+    beside those of the winners' kinds."""
+    selection = Selection(extra_families=list(kinds))
     found, modified = _read(paths, gpu, selection.notes)
     for name, rows in sorted(found.items()):
         selection.gpus.append(_one_gpu(name, rows, selection.notes))
@@ -233,6 +243,21 @@ def parse_modifier_sets(text: str) -> list[str]:
         if letters not in sets:
             sets.append(letters)
     return sets
+
+
+def parse_kinds(text: str) -> list[Family]:
+    """`--kinds`: comma-separated DTYPE:HEAD_DIM items (e.g. "bf16:128,fp16:80"), each a
+    kind causal and not."""
+    kinds: list[Family] = []
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        dtype, _, dim = item.partition(":")
+        if dtype not in DTYPES or not dim.isdigit() or not 1 <= int(dim) <= MAX_HEAD_DIM:
+            raise ValueError(f"--kinds item {item!r} is not DTYPE:HEAD_DIM with a dtype of "
+                             f"{', '.join(DTYPES)} and a head dim of 1 to {MAX_HEAD_DIM}")
+        kinds += [(dtype, causal, int(dim)) for causal in (False, True)]
+    return sorted(set(kinds))
 
 
 def with_modifiers(problem: Problem, letters: str) -> Problem:

@@ -342,7 +342,8 @@ class Table:
             raise ValueError(
                 f"no {mode} kernel for {shape.dtype} causal={shape.causal} head dim "
                 f"{shape.head_dim}{mods} in {self.name}; it holds: {have}. Export again from "
-                "a database tuned for this kind of problem."
+                f"a database tuned for this kind of problem, or with --kinds "
+                f"{shape.dtype}:{shape.head_dim} for its default kernels."
             )
         if mode == "decode":
             return grid[decode_default_key(shape)]
