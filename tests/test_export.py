@@ -1142,3 +1142,25 @@ def test_a_package_prints_its_variants_on_one_line() -> None:
 
     choice = Choice({"loop_order": "fa2", "block_m": 16}, "exact", "tuned")
     assert str(choice) == "loop_order=fa2 block_m=16 (exact): tuned"
+
+
+def test_a_package_names_what_a_modified_call_lacks() -> None:
+    """Where a package has no default for a modified call, its error says why: the set was
+    not exported (and the --modifiers that would ship it), it was for other kinds only (fp8
+    ships plain), or the kind itself is missing (and the --kinds that would ship it)."""
+    from flashgen.runtime.table import Shape, Table
+
+    def grid(dtype: str, mods: str = "") -> dict[str, Any]:
+        return {"dtype": dtype, "causal": False, "head_dim": 64, "seq_q_bucket": 16,
+                "seq_k_bucket": 16, "variant": {}, **({"modifiers": mods} if mods else {})}
+
+    table = Table({"preprocess_block_m": 64, "lengths": [16],
+                   "fwd_defaults": [grid("fp8"), grid("bf16"), grid("bf16", "k")]}, "pkg", 1)
+    cases = {("fp8", "softcap"): "for other kinds only (fp8 kernels ship plain)",
+             ("bf16", "window"): "exported without them. Export again with --modifiers window",
+             ("fp16", "softcap"): "or with --kinds fp16:64"}
+    for (dtype, mod), says in cases.items():
+        with pytest.raises(ValueError, match=re.escape(says)):
+            table.default("fwd", Shape(1, 1, 1, 16, 16, 64, dtype, False, **{mod: True}))
+    assert table.default("fwd", Shape(1, 1, 1, 16, 16, 64, "bf16", False, softcap=True))[
+        "modifiers"] == "k"

@@ -329,10 +329,13 @@ class Table:
             family = (shape.dtype, shape.causal, shape.head_dim, "")
             if letters and family in grids:
                 names = modifier_names(letters)
-                raise ValueError(
-                    f"no {mode} kernel with {names.replace('+', ', ')} for {shape.dtype} "
-                    f"causal={shape.causal} head dim {shape.head_dim} in {self.name}: it was "
-                    f"exported without them. Export again with --modifiers {names}.")
+                what = (f"no {mode} kernel with {names.replace('+', ', ')} for {shape.dtype} "
+                        f"causal={shape.causal} head dim {shape.head_dim} in {self.name}")
+                if any(k[3] == letters for k in grids):  # exported, not for this kind
+                    raise ValueError(f"{what}: the package has them for other kinds only "
+                                     "(fp8 kernels ship plain)")
+                raise ValueError(f"{what}: it was exported without them. Export again with "
+                                 f"--modifiers {names}.")
             kinds = sorted(f"{k[0]} causal={k[1]} D={k[2]}" + (f" {modifier_names(k[3])}"
                                                                   if k[3] else "")
                            for k in grids)
