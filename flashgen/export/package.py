@@ -52,7 +52,6 @@ from flashgen.export.rows import (
     Sourced,
     decode_default_grid,
     default_grid,
-    modifier_letters,
     tile_needs,
     with_modifiers,
 )
@@ -65,7 +64,7 @@ from flashgen.kernels.modes import space_of
 from flashgen.kernels.problem import Problem
 from flashgen.kernels.render import render, source_hash
 from flashgen.kernels.variant import Variant
-from flashgen.runtime.table import modified_untuned, modifier_names
+from flashgen.runtime.table import modified_untuned, modifier_letters, modifier_names
 from flashgen.store.table import DETERMINISTIC_ROLE, entry, winner_entry
 from flashgen.version import __version__
 
@@ -140,7 +139,7 @@ class _Kernels:
         return kernels
 
 
-def takes(mode: str, letters: str, dtype: str) -> bool:
+def _takes(mode: str, letters: str, dtype: str) -> bool:
     """Whether kernels of `mode` in `dtype` are exported with the modifiers of `letters`:
     decode has no packed layout, and fp8 kernels ship plain (as in the AOT format)."""
     return dtype != "fp8" and not (mode == "decode" and "v" in letters)
@@ -171,7 +170,7 @@ def _shipped(found: dict[str, Any], kernels: _Kernels, mode: str, variant: AnyVa
         found["need"] = list(tile_needs(mode, variant, problem))
     if problem.modifiers:  # tuned with its modifiers: its kernels already have them
         return found
-    for letters in (s for s in sets if takes(mode, s, problem.dtype)):
+    for letters in (s for s in sets if _takes(mode, s, problem.dtype)):
         modified = with_modifiers(problem, letters)
         reason = _why_not(mode, variant, modified, device, twin)
         if reason is not None:
@@ -200,7 +199,7 @@ def _one_tile(kernels: _Kernels, variant: AnyVariant, problem: Problem,
     if _why_not("fwd", one, problem, device, twin) is not None:
         return None
     # Its kernels have the modifiers rendered in, as a modified default's have.
-    found.update(modifiers=modifier_letters(problem.modifier_key),
+    found.update(modifiers=modifier_letters(problem),
                  kernels=kernels.of("fwd", one, problem, twin),
                  need=list(tile_needs("fwd", one, problem)))
     return found
@@ -240,7 +239,7 @@ def _defaults(kernels: _Kernels, families: list[Family], decode_families: list[F
              **_entry(kernels, mode, variant, problem, device)}
             for letters in ("", *sets)
             for fam in families if mode == "fwd" or fam[0] != "fp8"  # fp8: forward only
-            if not letters or takes(mode, letters, fam[0])
+            if not letters or _takes(mode, letters, fam[0])
             for nq, nk, variant, problem in default_grid(mode, fam, device, letters)
         ]
     out["decode_defaults"] = [
@@ -248,7 +247,7 @@ def _defaults(kernels: _Kernels, families: list[Family], decode_families: list[F
          **({"modifiers": letters} if letters else {}), "rows": rows,
          "page_size": page, **_entry(kernels, "decode", variant, problem, device)}
         for letters in ("", *sets)
-        for fam in decode_families if not letters or takes("decode", letters, fam[0])
+        for fam in decode_families if not letters or _takes("decode", letters, fam[0])
         for rows, page, variant, problem in decode_default_grid(fam, device, letters)
     ]
     return out

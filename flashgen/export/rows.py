@@ -40,7 +40,7 @@ from flashgen.kernels.problem import (
     Problem,
 )
 from flashgen.kernels.variant import Variant
-from flashgen.runtime.table import modifier_names
+from flashgen.runtime.table import modifier_letters, modifier_names
 from flashgen.store.current import row_is_current
 from flashgen.store.db import TuningDB, WinnerRow
 from flashgen.store.keys import Versions
@@ -153,7 +153,7 @@ def _read(paths: Sequence[Path], gpu: str | None,
                     stale += 1
                     continue
                 if w.key.modifiers:
-                    modified.add(modifier_letters(w.key.modifiers))
+                    modified.add(modifier_letters(w.problem))
                 found.setdefault(w.key.gpu_name, []).append(
                     Sourced(w, path, db.fastest_deterministic(w)))
     if stale:
@@ -219,12 +219,6 @@ def select_winners(paths: Sequence[Path], gpu: str | None = None,
                                "entries; --modifiers ships kernels for all other calls with "
                                "them")
     return selection
-
-
-def modifier_letters(key: str) -> str:
-    """A modifiers key ("wv4": window and packed of mix 4) without its mix: the kernels'
-    structure, which the mix does not change."""
-    return key.rstrip("0123456789")
 
 
 def parse_modifier_sets(text: str) -> list[str]:
