@@ -1032,6 +1032,7 @@ def export(
     selection = select_winners(paths, gpu, sets, extra)
     for note in selection.notes:
         typer.echo(f"note: {note}", err=True)
+    shown = len(selection.notes)
     if not selection.gpus:
         where = f" for GPU {gpu!r}" if gpu else ""
         raise _fail(f"no current winners{where} in {', '.join(map(str, paths))}")
@@ -1040,6 +1041,8 @@ def export(
             from flashgen.export.package import write_package
 
             report = write_package(selection, out, name, force)
+            for note in selection.notes[shown:]:  # the defaults' notes, found while writing
+                typer.echo(f"note: {note}", err=True)
             typer.echo(f"wrote {report.path}: {report.tuned} tuned entries for "
                        f"{', '.join(report.gpus)}; {report.kernels} kernel sources")
         else:

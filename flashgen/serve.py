@@ -79,6 +79,7 @@ class Dispatcher(dispatch.Dispatcher):
     variant_types: ClassVar[Mapping[str, type]] = {"fwd": Variant, "bwd": BwdVariant,
                                                     "decode": DecodeVariant}
     renders_modifiers: ClassVar[bool] = True
+    renders_leftpad: ClassVar[bool] = True
 
     def __init__(self, db: str | Path | Sequence[str | Path] | None = None) -> None:
         super().__init__()

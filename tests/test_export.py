@@ -28,7 +28,13 @@ from typer.testing import CliRunner
 import flashgen
 from flashgen.cli import app
 from flashgen.export.package import runtime_files
-from flashgen.export.rows import GENERIC, LENGTHS, select_winners, tile_needs
+from flashgen.export.rows import (
+    FWD_KEY_LENGTHS,
+    GENERIC,
+    LENGTHS,
+    select_winners,
+    tile_needs,
+)
 from flashgen.kernels.bwd_render import render_bwd
 from flashgen.kernels.bwd_space import bwd_pointer_twin, default_bwd_variant, why_invalid_bwd
 from flashgen.kernels.bwd_variant import BwdVariant
@@ -242,8 +248,10 @@ def test_package_layout(exported: dict[str, Any]) -> None:
     assert set(tma["kernels"]) == {"fwd", "fwd_plain"}
     (bwd,) = table["gpus"]["cpu-interpreter"]["bwd"]
     assert bwd["variant"] == BWD_FP16.to_dict() and "dq" not in bwd["kernels"]
-    # Defaults for both exported kinds over the 5 x 5 length buckets, per GPU and generic.
-    assert len(table["generic"]["fwd_defaults"]) == 2 * len(LENGTHS) ** 2
+    # Defaults for both exported kinds over the 5 x 9 forward length buckets (keys to 4096),
+    # 5 x 5 backward ones, per GPU and generic.
+    assert len(table["generic"]["fwd_defaults"]) == 2 * len(LENGTHS) * len(FWD_KEY_LENGTHS)
+    assert len(table["generic"]["bwd_defaults"]) == 2 * len(LENGTHS) ** 2
 
 
 @pytest.mark.interpreter
@@ -1131,8 +1139,9 @@ def test_modified_and_packed_kernels_ship_and_run(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--modifiers window"):
         other.attention(q, k, v, causal=True, window=(8, 0))
     pads = torch.zeros(2, dtype=torch.int32)
-    with pytest.raises(ValueError, match="cache_leftpad"):
-        pkg.attention_with_kvcache(c.q, c.k, c.v, c.seqlens, cache_leftpad=pads)
+    for mods in ({}, {"window": (7, 0)}):  # no export helps: named before the modifiers' error
+        with pytest.raises(ValueError, match="ships no cache_leftpad kernels"):
+            pkg.attention_with_kvcache(c.q, c.k, c.v, c.seqlens, cache_leftpad=pads, **mods)
 
 
 def test_a_package_prints_its_variants_on_one_line() -> None:
@@ -1145,22 +1154,95 @@ def test_a_package_prints_its_variants_on_one_line() -> None:
 
 
 def test_a_package_names_what_a_modified_call_lacks() -> None:
-    """Where a package has no default for a modified call, its error says why: the set was
-    not exported (and the --modifiers that would ship it), it was for other kinds only (fp8
-    ships plain), or the kind itself is missing (and the --kinds that would ship it)."""
+    """Where a package has no default for a call, its error says why and what export would
+    ship it: the set was not exported (the --modifiers to add), the kind is missing (the
+    --kinds, and --modifiers where the set is missing too, in one message), fp8 kernels take
+    no sets (no export helps), or the export found no default for the kind (its reason)."""
     from flashgen.runtime.table import Shape, Table
 
     def grid(dtype: str, mods: str = "") -> dict[str, Any]:
         return {"dtype": dtype, "causal": False, "head_dim": 64, "seq_q_bucket": 16,
                 "seq_k_bucket": 16, "variant": {}, **({"modifiers": mods} if mods else {})}
 
-    table = Table({"preprocess_block_m": 64, "lengths": [16],
-                   "fwd_defaults": [grid("fp8"), grid("bf16"), grid("bf16", "k")]}, "pkg", 1)
-    cases = {("fp8", "softcap"): "for other kinds only (fp8 kernels ship plain)",
+    no_default = {"mode": "fwd", "dtype": "fp32", "causal": False, "head_dim": 64,
+                  "modifiers": "k", "reason": "none fits"}
+    table = Table({"preprocess_block_m": 64, "lengths": [16], "modifier_sets": {"k": "softcap"},
+                   "fwd_defaults": [grid("fp8"), grid("bf16"), grid("bf16", "k")],
+                   "no_defaults": [no_default]}, "pkg", 1)
+    cases = {("fp8", "softcap"): "render modifiers into no fp8 kernel",
              ("bf16", "window"): "exported without them. Export again with --modifiers window",
-             ("fp16", "softcap"): "or with --kinds fp16:64"}
+             ("fp16", "softcap"): "or with --kinds fp16:64 for its default kernels",
+             ("fp16", "window"): "or with --kinds fp16:64 --modifiers window for its default",
+             ("fp32", "softcap"): "found no default variant for this kind (none fits)"}
     for (dtype, mod), says in cases.items():
         with pytest.raises(ValueError, match=re.escape(says)):
             table.default("fwd", Shape(1, 1, 1, 16, 16, 64, dtype, False, **{mod: True}))
     assert table.default("fwd", Shape(1, 1, 1, 16, 16, 64, "bf16", False, softcap=True))[
         "modifiers"] == "k"
+
+
+def test_kinds_without_a_default_are_noted_not_a_crash(tmp_path: Path) -> None:
+    """A kind flashgen has no default for on a GPU (fp8 below sm89; fp32 head dims above 128
+    in the generic backward's shared memory) gets no default grid: the export says so in a
+    note, and the package's error for such a call quotes the reason."""
+    a100 = DeviceInfo("NVIDIA A100-SXM4-80GB", (8, 0), 108, 166912)
+    _store(tmp_path / "a.db", P_FA3.with_(dtype="fp16"), flashgen.Variant("fa2", 64, 64, 4, 2),
+           a100)
+    out = _export("--db", str(tmp_path / "a.db"), "--out", str(tmp_path), "--name", "fg_a100",
+                  "--kinds", "fp8:128")
+    assert "A100-SXM4-80GB: no default kernels for fp8:128 fwd" in out
+    assert "no fp8 tensor cores" in out
+    _store(tmp_path / "i.db", P_FP16, V_FP16, INTERPRETER)
+    out = _export("--db", str(tmp_path / "i.db"), "--out", str(tmp_path), "--name", "fg_d256",
+                  "--kinds", "fp32:256")
+    assert "generic: no default kernels for fp32:256 bwd" in out
+    table = json.loads((tmp_path / "fg_d256" / "table.json").read_text())
+    assert {(e["mode"], e["head_dim"]) for e in table["generic"]["no_defaults"]} == {
+        ("bwd", 256)}
+    assert any(e["head_dim"] == 256 for e in table["generic"]["fwd_defaults"])
+
+
+def test_plain_rows_choose_the_exported_triton(tmp_path: Path) -> None:
+    """Where a GPU's rows span Triton versions (none installed here), the plain rows decide:
+    one softcap row tuned on a newer Triton does not push out the plain winners."""
+    db = tmp_path / "t.db"
+    _store(db, P_FA3, flashgen.Variant("fa2", 64, 32, 4, 2), H200)
+    _store(db, P_FA3.with_(seq_q=1024, seq_k=1024, causal=True),
+           flashgen.Variant("fa2", 128, 64, 4, 2), H200)
+    _store(db, P_FA3.with_(softcap=True), flashgen.Variant("fa2", 64, 64, 4, 2), H200)
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE winners SET triton_version = '3.0.0', updated_at = "
+                     "'2026-01-01T00:00:00' WHERE modifiers = ''")
+        conn.execute("UPDATE winners SET triton_version = '3.1.0', updated_at = "
+                     "'2026-06-01T00:00:00' WHERE modifiers != ''")
+    selection = select_winners([db])
+    (gpu,) = selection.gpus
+    assert gpu.triton_version == "3.0.0"
+    assert sorted(s.winner.key.modifiers for s in gpu.fwd) == ["", ""]
+    assert any("rows of Triton ['3.1.0'] left out" in n for n in selection.notes)
+
+
+def test_long_key_defaults_match_flashgen() -> None:
+    """flashgen's defaults choose by key count past the tiles' lengths (persistent fa3 at
+    D64 from 2048 or 4096 keys): an exported table's forward default at any length is the
+    variant flashgen's own default_variant gives."""
+    from flashgen.export.package import build_table
+    from flashgen.export.rows import GpuWinners, Selection
+    from flashgen.runtime.table import Shape, Table
+
+    families = [("bf16", causal, d) for causal in (False, True) for d in (64, 128)]
+    gpu = GpuWinners(device=H200, device_key="k", triton_version="t", fwd=[], bwd=[],
+                     decode=[])
+    table, _ = build_table(Selection(gpus=[gpu], extra_families=families))
+    common = {k: table[k] for k in ("lengths", "preprocess_block_m", "fwd_key_lengths")}
+    for name, data, device in (("h200", table["gpus"]["NVIDIA H200"], H200),
+                               ("generic", table["generic"], GENERIC)):
+        runtime = Table({**common, **data}, name, 132)
+        for dtype, causal, d in families:
+            for nq in (100, 256, 4096):
+                for nk in (100, 300, 2047, 2048, 3000, 4096, 70000):
+                    p = flashgen.Problem(1, 1, 1, nq, nk, d, dtype, causal)
+                    got = runtime.default("fwd", Shape(*vars(p).values()))
+                    assert got is not None
+                    assert flashgen.Variant(**got["variant"]) == flashgen.default_variant(
+                        p, device), (name, p)

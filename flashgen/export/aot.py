@@ -48,6 +48,7 @@ from flashgen.export.rows import (
     AnyVariant,
     Family,
     GpuWinners,
+    NoDefault,
     Selection,
     default_grid,
     tile_needs,
@@ -402,7 +403,14 @@ def _plan_gpu(comp: _Compiler, gpu: GpuWinners, families: list[Family],
                 gpu, dtype="fp8", causal=family[1], head_dim=family[2],
                 reason=f"defaults: {NO_FP8}"))
             continue
-        for nq, nk, variant, problem in default_grid("fwd", family, gpu.device):
+        try:
+            grid = default_grid("fwd", family, gpu.device)
+        except NoDefault as exc:
+            manifest["skipped"].append(_bucket_row(
+                gpu, dtype=family[0], causal=family[1], head_dim=family[2],
+                reason=f"defaults: {exc}"))
+            continue
+        for nq, nk, variant, problem in grid:
             assert isinstance(variant, Variant)
             for out in _out_dtypes(family[0], fp8_out):
                 job = comp.kernel(variant.pointer_twin() if variant.needs_tma else variant,

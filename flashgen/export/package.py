@@ -43,11 +43,13 @@ from typing import Any
 
 import flashgen.runtime
 from flashgen.export.rows import (
+    FWD_KEY_LENGTHS,
     GENERIC,
     LENGTHS,
     AnyVariant,
     Family,
     GpuWinners,
+    NoDefault,
     Selection,
     Sourced,
     decode_default_grid,
@@ -141,7 +143,8 @@ class _Kernels:
 
 def _takes(mode: str, letters: str, dtype: str) -> bool:
     """Whether kernels of `mode` in `dtype` are exported with the modifiers of `letters`:
-    decode has no packed layout, and fp8 kernels ship plain (as in the AOT format)."""
+    decode has no packed layout, and `--modifiers` sets are not rendered into fp8 kernels
+    (fp8 winners tuned with modifiers still ship with them)."""
     return dtype != "fp8" and not (mode == "decode" and "v" in letters)
 
 
@@ -227,21 +230,37 @@ def _tuned(kernels: _Kernels, mode: str, row: Sourced, device: DeviceInfo,
 
 
 def _defaults(kernels: _Kernels, families: list[Family], decode_families: list[Family],
-              device: DeviceInfo, sets: list[str]) -> dict[str, Any]:
+              device: DeviceInfo, sets: list[str], notes: list[str]) -> dict[str, Any]:
     """The default grids of every family, plain and with each modifier set of `sets` (those
-    entries carry the set as "modifiers": their kernels are rendered with it)."""
-    out: dict[str, Any] = {}
+    entries carry the set as "modifiers": their kernels are rendered with it). A family
+    flashgen has no default for on `device` gets none: "no_defaults" says why (the package's
+    error for such a call quotes it), and so does a note."""
+    out: dict[str, Any] = {"fwd_defaults": [], "bwd_defaults": [], "no_defaults": []}
     for mode in ("fwd", "bwd"):
-        out[f"{mode}_defaults"] = [
-            {"dtype": fam[0], "causal": fam[1], "head_dim": fam[2],
-             **({"modifiers": letters} if letters else {}),
-             "seq_q_bucket": nq, "seq_k_bucket": nk,
-             **_entry(kernels, mode, variant, problem, device)}
-            for letters in ("", *sets)
-            for fam in families if mode == "fwd" or fam[0] != "fp8"  # fp8: forward only
-            if not letters or _takes(mode, letters, fam[0])
-            for nq, nk, variant, problem in default_grid(mode, fam, device, letters)
-        ]
+        for fam in families:
+            if mode == "bwd" and fam[0] == "fp8":  # fp8: forward only
+                continue
+            for letters in ("", *(s for s in sets if _takes(mode, s, fam[0]))):
+                try:
+                    grid = default_grid(mode, fam, device, letters,
+                                        FWD_KEY_LENGTHS if mode == "fwd" else LENGTHS)
+                except NoDefault as exc:
+                    out["no_defaults"].append({"mode": mode, "dtype": fam[0],
+                                               "causal": fam[1], "head_dim": fam[2],
+                                               **({"modifiers": letters} if letters else {}),
+                                               "reason": str(exc)})
+                    continue
+                out[f"{mode}_defaults"] += [
+                    {"dtype": fam[0], "causal": fam[1], "head_dim": fam[2],
+                     **({"modifiers": letters} if letters else {}),
+                     "seq_q_bucket": nq, "seq_k_bucket": nk,
+                     **_entry(kernels, mode, variant, problem, device)}
+                    for nq, nk, variant, problem in grid]
+    skipped = sorted({f"{e['dtype']}:{e['head_dim']} {e['mode']}"
+                      f"{' with ' + modifier_names(e['modifiers']) if 'modifiers' in e else ''}"
+                      f" ({e['reason']})" for e in out["no_defaults"]})
+    if skipped:
+        notes.append(f"{device.name}: no default kernels for {'; '.join(skipped)}")
     out["decode_defaults"] = [
         {"dtype": fam[0], "causal": fam[1], "head_dim": fam[2],
          **({"modifiers": letters} if letters else {}), "rows": rows,
@@ -254,7 +273,8 @@ def _defaults(kernels: _Kernels, families: list[Family], decode_families: list[F
 
 
 def _gpu_table(kernels: _Kernels, gpu: GpuWinners, families: list[Family],
-               decode_families: list[Family], sets: list[str]) -> dict[str, Any]:
+               decode_families: list[Family], sets: list[str],
+               notes: list[str]) -> dict[str, Any]:
     major, minor = gpu.device.capability
     return {
         "capability": f"{major}.{minor}", "sm_count": gpu.device.sm_count,
@@ -262,7 +282,7 @@ def _gpu_table(kernels: _Kernels, gpu: GpuWinners, families: list[Family],
         **{mode: [e for s in getattr(gpu, mode)
                   for e in _tuned(kernels, mode, s, gpu.device, sets)]
            for mode in ("fwd", "bwd", "decode")},
-        **_defaults(kernels, families, decode_families, gpu.device, sets),
+        **_defaults(kernels, families, decode_families, gpu.device, sets, notes),
     }
 
 
@@ -276,11 +296,14 @@ def build_table(selection: Selection) -> tuple[dict[str, Any], dict[str, str]]:
         "flashgen_version": __version__,
         "preprocess_block_m": PREPROCESS_BLOCK_M,
         "lengths": list(LENGTHS),
+        "fwd_key_lengths": list(FWD_KEY_LENGTHS),
         "modifier_sets": {letters: modifier_names(letters) for letters in sets},
-        "gpus": {g.device.name: _gpu_table(kernels, g, families, decode_families, sets)
+        "gpus": {g.device.name: _gpu_table(kernels, g, families, decode_families, sets,
+                                           selection.notes)
                  for g in selection.gpus},
         "generic": {"device": GENERIC.to_dict(),
-                    **_defaults(kernels, families, decode_families, GENERIC, sets)},
+                    **_defaults(kernels, families, decode_families, GENERIC, sets,
+                                selection.notes)},
     }
     return table, kernels.sources
 

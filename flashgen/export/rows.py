@@ -26,6 +26,7 @@ from flashgen.kernels.bwd_variant import BwdVariant
 from flashgen.kernels.decode_space import default_decode_variant
 from flashgen.kernels.decode_variant import DecodeVariant
 from flashgen.kernels.fwd_space import (
+    DEFAULTS,
     block_m_longer_than_queries,
     block_n_longer_than_keys,
     default_variant,
@@ -48,6 +49,13 @@ from flashgen.store.keys import Versions
 #: Length buckets of the default tables. Tiles are at most 256 long and the tile rules only
 #: look at the next power of two (>= 16) of a length, so these five cover every length.
 LENGTHS: tuple[int, ...] = (16, 32, 64, 128, 256)
+#: Key lengths of the forward's default grids: LENGTHS, then every power of two up to the
+#: most keys a default row starts at (`Pick.min_keys`, powers of two), where beyond the
+#: tiles the defaults choose by key count. The runtime takes a longer call's keys down to
+#: the grid's next length below (`Table.default`).
+FWD_KEY_LENGTHS: tuple[int, ...] = LENGTHS + tuple(
+    1 << n for n in range(LENGTHS[-1].bit_length(),
+                          max(p.min_keys for p in DEFAULTS).bit_length()))
 
 #: The device the generic defaults are chosen for, so they run on any GPU Triton supports:
 #: no Hopper-only knobs, and Turing's 64 KiB of shared memory per block, the smallest opt-in.
@@ -164,16 +172,20 @@ def _read(paths: Sequence[Path], gpu: str | None,
 def _one_gpu(name: str, rows: list[Sourced], notes: list[str]) -> GpuWinners:
     installed = Versions.current().triton
     versions = {s.winner.key.triton_version for s in rows}
-    newest = max(rows, key=lambda s: s.winner.updated_at).winner.key.triton_version
+    # Plain rows decide which Triton (and device key) a GPU exports where they can: one row
+    # tuned with modifiers on a newer Triton must not push out every plain winner.
+    plain = [s for s in rows if not s.winner.key.modifiers] or rows
+    newest = max(plain, key=lambda s: s.winner.updated_at).winner.key.triton_version
     triton = installed if installed in versions else newest
     if len(versions) > 1:
         notes.append(f"{name}: rows of Triton {sorted(versions - {triton})} left out; "
                      f"exporting those of Triton {triton}")
     rows = [s for s in rows if s.winner.key.triton_version == triton]
-    counts = Counter(s.winner.key.device_key for s in rows)
-    device_key = counts.most_common(1)[0][0]
-    if len(counts) > 1:
-        notes.append(f"{name}: rows of {sorted(set(counts) - {device_key})} left out; "
+    keys = {s.winner.key.device_key for s in rows}
+    device_key = Counter(s.winner.key.device_key for s in (
+        [s for s in rows if not s.winner.key.modifiers] or rows)).most_common(1)[0][0]
+    if len(keys) > 1:
+        notes.append(f"{name}: rows of {sorted(keys - {device_key})} left out; "
                      f"exporting those of {device_key}")
     rows = [s for s in rows if s.winner.key.device_key == device_key]
 
@@ -217,7 +229,10 @@ def select_winners(paths: Sequence[Path], gpu: str | None = None,
         names = ", ".join(modifier_names(m) for m in sorted(modified - set(modifiers)))
         selection.notes.append(f"winners tuned with modifiers ({names}) ship as their own "
                                "entries; --modifiers ships kernels for all other calls with "
-                               "them")
+                               "them (but fp8 ones)")
+    if modifiers and any(f[0] == "fp8" for f in selection.families()):
+        selection.notes.append("--modifiers sets are not rendered into fp8 kernels: fp8 calls "
+                               "with modifiers run only where fp8 winners were tuned with them")
     return selection
 
 
@@ -299,18 +314,35 @@ def decode_default_grid(family: Family, device: DeviceInfo, letters: str = "",
     return grid
 
 
-def default_grid(mode: str, family: Family, device: DeviceInfo,
-                 letters: str = "") -> list[tuple[int, int, AnyVariant, Problem]]:
-    """flashgen's default variant of `family` on `device` for every pair of `LENGTHS`, with
-    the modifiers of `letters`: the `default_variant` logic, evaluated ahead of time so the
-    runtime only looks it up."""
+class NoDefault(ValueError):
+    """flashgen has no default variant for a kind of problem on a device (fp8 below sm89,
+    or no tile of the defaults fits its shared memory): the kind gets no default grid."""
+
+
+def default_grid(mode: str, family: Family, device: DeviceInfo, letters: str = "",
+                 key_lengths: Sequence[int] = LENGTHS,
+                 ) -> list[tuple[int, int, AnyVariant, Problem]]:
+    """flashgen's default variant of `family` on `device` for every query length of
+    `LENGTHS` and key length of `key_lengths`, with the modifiers of `letters`: the
+    `default_variant` logic, evaluated ahead of time so the runtime only looks it up.
+    NoDefault where that logic has none for the kind."""
     dtype, causal, head_dim = family
     choose = default_variant if mode == "fwd" else default_bwd_variant
     if dtype == "fp8" and device == GENERIC:
         device = GENERIC_FP8
+    if dtype == "fp8" and not device.is_interpreter and device.capability < (8, 9):
+        major, minor = device.capability
+        raise NoDefault(f"{device.name} (compute capability {major}.{minor}) has no fp8 "
+                        "tensor cores")
     grid: list[tuple[int, int, AnyVariant, Problem]] = []
     for nq in LENGTHS:
-        for nk in LENGTHS:
+        for nk in key_lengths:
             problem = with_modifiers(Problem(1, 1, 1, nq, nk, head_dim, dtype, causal), letters)
-            grid.append((nq, nk, choose(problem, device), problem))
+            try:
+                variant = choose(problem, device)
+            except AssertionError:  # flashgen's own defaults always fit the GPUs it serves
+                raise NoDefault(f"none of flashgen's default {mode} variants is valid for "
+                                f"it on {device.name} ({device.shared_memory // 1024} KiB of "
+                                "shared memory a block)") from None
+            grid.append((nq, nk, variant, problem))
     return grid

@@ -21,7 +21,11 @@ What differs between flashgen and an exported package is data and these methods:
 - `entry`: the entry that runs a given variant, or the default where the table holds none
   (exports: precomputed defaults, no explicit variants; flashgen: its default variants);
 - `reject`: why an entry cannot serve a call beyond the rules the table carries (flashgen: its
-  named validity rules; exports carry each entry's tile needs precomputed);
+  named validity rules; exports: whether the entry was exported with kernels for the call's
+  modifier set, or why its variant refuses that set);
+- `one_tile_entry`: the one-tile form that runs a persistent fa3 entry's tiles where the
+  persistent kernel refuses the call's modifiers (flashgen: renders it; exports: the form
+  exported for the set);
 - `kernel_is_current`: whether a tuned row still names the kernel it was tuned with, asked
   once per row per process when the row is first considered;
 - `portable`: what runs where a chosen kernel fails to build on its first launch (exports:
@@ -96,6 +100,9 @@ class Dispatcher:
     #: for packed sequences: flashgen renders them on demand, an exported package has those
     #: of the sets it was exported with (and names the others' `--modifiers`).
     renders_modifiers: ClassVar[bool] = False
+    #: Whether the decode family's kernels for left-padded caches (`cache_leftpad`) are
+    #: there: flashgen renders them, exported packages ship none.
+    renders_leftpad: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._tables: dict[torch.device, Table] = {}
@@ -301,8 +308,8 @@ class Dispatcher:
             check_inputs(q, k, v)
             shape = Shape.of(q, k, causal)
         if mods is not None:
-            # fp8 kernels ship like any other (their dtype is the entry's); the modifiers
-            # are rendered on demand, which only flashgen can do.
+            # fp8 kernels ship like any other (their dtype is the entry's); modifiers need
+            # kernels rendered with them (`renders_modifiers`).
             if not self.renders_modifiers and any(mods.flags):
                 raise ValueError(f"{PACKAGE} ships plain attention kernels only: window, "
                                  "softcap, sinks and attention_varlen need flashgen itself")
@@ -424,9 +431,10 @@ class Dispatcher:
             return plan
         check_options(causal, None)
         shape = check_kvcache(q, k, v, seqlens, block_table, causal, leftpad)
-        if shape.leftpad and not self.renders_modifiers:
-            raise ValueError(f"{PACKAGE} ships plain decode kernels only: cache_leftpad needs "
-                             "flashgen itself")
+        if shape.leftpad and not self.renders_leftpad:
+            # Before the lookup, whose errors would suggest an export that cannot help.
+            raise ValueError(f"{PACKAGE} ships no cache_leftpad kernels: left-padded caches "
+                             "need flashgen itself")
         if mods is not None:  # the structure its kernels render
             window, softcap, sinks, _ = mods.flags
             shape = shape._replace(window=window, softcap=softcap, sinks=sinks)

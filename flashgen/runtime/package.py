@@ -69,7 +69,9 @@ class PackageDispatcher(Dispatcher):
 
     def _open(self, name: str, sms: int) -> Table:
         data = table_json()
-        common = {"lengths": data["lengths"], "preprocess_block_m": data["preprocess_block_m"]}
+        common = {"lengths": data["lengths"], "preprocess_block_m": data["preprocess_block_m"],
+                  "modifier_sets": data.get("modifier_sets", {}),
+                  "fwd_key_lengths": data.get("fwd_key_lengths", data["lengths"])}
         gpu = data["gpus"].get(name)
         if gpu is None:
             why = f"kernels were tuned for {sorted(data['gpus']) or 'no GPU'}, not {name}"
@@ -100,9 +102,6 @@ class PackageDispatcher(Dispatcher):
         return e.get("one_tile", {}).get(modifier_letters(shape))
 
     def kernel(self, entry: Entry, role: str, shape: Shape) -> Any:
-        if getattr(shape, "leftpad", False):
-            raise ValueError(f"{PACKAGE} ships no cache_leftpad kernels: left-padded caches "
-                             "need flashgen itself")
         letters = modifier_letters(shape)
         modules = (entry["modified"][letters] if letters and not entry.get("modifiers")
                    else entry["kernels"])

@@ -6,6 +6,9 @@ in flashgen):
     {"fwd": [entry, ...], "bwd": [entry, ...],     tuned entries, highest precedence first
      "fwd_defaults": [...], "bwd_defaults": [...],  optional: defaults per clamped bucket
      "lengths": [16, ..., 256],                     the buckets the defaults are given for
+     "fwd_key_lengths": [16, ..., 4096],            optional: the forward's key buckets
+     "modifier_sets": {"k": "softcap", ...},        optional: an export's modifier sets
+     "no_defaults": [...],                          optional: kinds without defaults, and why
      "preprocess_block_m": 64,                      rows per backward preprocessing program
      "untuned": {"fwd": "...", "bwd": "..."}}       optional: logged once if a mode has none
 
@@ -201,6 +204,9 @@ class Table:
                  device: Any = None) -> None:
         self.data, self.name, self.sm_count, self.device = data, name, sm_count, device
         self.lengths: list[int] = list(data.get("lengths", ()))
+        #: The forward default grids' key lengths: `lengths`, then powers of two up to where
+        #: flashgen's defaults stop choosing by key count.
+        self.fwd_key_lengths: list[int] = list(data.get("fwd_key_lengths", self.lengths))
         self.preprocess_block_m: int = data["preprocess_block_m"]
         self.tuned: dict[str, dict[tuple, list[Entry]]] = {m: {} for m in MODES}
         self.defaults: dict[str, dict[tuple, dict[tuple[int, int], Entry]]] = {}
@@ -221,6 +227,12 @@ class Table:
                     grid.setdefault((*_family(e), e.get("modifiers", "")), {})[
                         (e["seq_q_bucket"], e["seq_k_bucket"])] = e
         self.noticed = False  # whether the untuned notice was given
+        #: An exported package's modifier sets (letters -> names; None: not recorded, as in
+        #: flashgen's own tables), and the kinds its export found no default for, with why.
+        self.exported_sets: Mapping[str, str] | None = data.get("modifier_sets")
+        self.no_defaults: dict[tuple, str] = {
+            (e["mode"], e["dtype"], e["causal"], e["head_dim"], e.get("modifiers", "")):
+            e["reason"] for e in data.get("no_defaults", ())}
 
     def lookup(self, mode: str, shape: Shape, check: Check) -> tuple[Entry | None, str, str]:
         """(entry, how, reason): the exact or nearest tuned entry that `check` and the tile
@@ -326,33 +338,49 @@ class Table:
         letters = modifier_letters(shape)
         grid = grids.get((shape.dtype, shape.causal, shape.head_dim, letters))
         if grid is None:
-            family = (shape.dtype, shape.causal, shape.head_dim, "")
-            if letters and family in grids:
-                names = modifier_names(letters)
-                what = (f"no {mode} kernel with {names.replace('+', ', ')} for {shape.dtype} "
-                        f"causal={shape.causal} head dim {shape.head_dim} in {self.name}")
-                if any(k[3] == letters for k in grids):  # exported, not for this kind
-                    raise ValueError(f"{what}: the package has them for other kinds only "
-                                     "(fp8 kernels ship plain)")
-                raise ValueError(f"{what}: it was exported without them. Export again with "
-                                 f"--modifiers {names}.")
-            kinds = sorted(f"{k[0]} causal={k[1]} D={k[2]}" + (f" {modifier_names(k[3])}"
-                                                                  if k[3] else "")
-                           for k in grids)
-            have = ", ".join(kinds[:KINDS_NAMED]) + (
-                f" and {len(kinds) - KINDS_NAMED} more" if len(kinds) > KINDS_NAMED else "")
-            mods = f" {modifier_names(letters)}" if letters else ""
-            raise ValueError(
-                f"no {mode} kernel for {shape.dtype} causal={shape.causal} head dim "
-                f"{shape.head_dim}{mods} in {self.name}; it holds: {have}. Export again from "
-                f"a database tuned for this kind of problem, or with --kinds "
-                f"{shape.dtype}:{shape.head_dim} for its default kernels."
-            )
+            raise ValueError(self._no_default(mode, shape, letters, grids))
         if mode == "decode":
             return grid[decode_default_key(shape)]
         low, high = self.lengths[0], self.lengths[-1]
         clamp = lambda n: min(high, max(low, bucket(n)))
-        return grid[(clamp(shape.seq_q), clamp(shape.seq_k))]
+        keys = clamp(shape.seq_k)
+        if mode == "fwd" and shape.seq_k > high:
+            # Past the tiles' lengths the defaults choose by key counts (powers of two): the
+            # grid's length at or below the call's keys.
+            keys = min(self.fwd_key_lengths[-1], 1 << (shape.seq_k.bit_length() - 1))
+        return grid[(clamp(shape.seq_q), keys)]
+
+    def _no_default(self, mode: str, shape: Shape, letters: str,
+                    grids: Mapping[tuple, Any]) -> str:
+        """Why an exported package has no default for this call, and what export would
+        ship one."""
+        kind = f"{shape.dtype} causal={shape.causal} head dim {shape.head_dim}"
+        why = self.no_defaults.get((mode, shape.dtype, shape.causal, shape.head_dim, letters))
+        if why is not None:
+            return (f"no {mode} kernel for {kind} in {self.name}: its export found no default "
+                    f"variant for this kind ({why})")
+        names = modifier_names(letters)
+        with_mods = f"no {mode} kernel with {names.replace('+', ', ')} for {kind} in {self.name}"
+        if letters and shape.dtype == "fp8":
+            return (f"{with_mods}: exported packages render modifiers into no fp8 kernel (only "
+                    "fp8 winners tuned with them ship them); run this call with flashgen")
+        # The sets the package was exported with (older packages: guessed from the grids).
+        exported = (letters in self.exported_sets if self.exported_sets is not None
+                    else any(k[3] == letters for k in grids))
+        if letters and (shape.dtype, shape.causal, shape.head_dim, "") in grids:
+            if exported:
+                return f"{with_mods}: the package has them for other calls only"
+            return (f"{with_mods}: it was exported without them. Export again with "
+                    f"--modifiers {names}.")
+        kinds = sorted(f"{k[0]} causal={k[1]} D={k[2]}" + (f" {modifier_names(k[3])}"
+                                                          if k[3] else "") for k in grids)
+        have = ", ".join(kinds[:KINDS_NAMED]) + (
+            f" and {len(kinds) - KINDS_NAMED} more" if len(kinds) > KINDS_NAMED else "")
+        fix = f"--kinds {shape.dtype}:{shape.head_dim}" + (
+            f" --modifiers {names}" if letters and not exported else "")
+        return (f"no {mode} kernel for {kind}{f' {names}' if letters else ''} in {self.name}; "
+                f"it holds: {have}. Export again from a database tuned for this kind of "
+                f"problem, or with {fix} for its default kernels.")
 
 
 #: Kinds of problem a "no kernel" error lists before it says how many more there are.
