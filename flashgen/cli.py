@@ -92,13 +92,19 @@ LABELS_HELP = (
     "of N keys) or contig; stored decode winners add bhN (the batch x KV heads bucket)."
 )
 
+def _expand(path: Path | None) -> Path | None:
+    """A path option with `~` expanded: the shell leaves `--db=~/x.db` alone, and a folder
+    named `~` in the working directory is one `rm -rf ~` away from a deleted home."""
+    return path.expanduser() if path is not None else None
+
+
 #: The one --db option of tune, show, bench and export. No envvar= on purpose: the default
 #: is resolved by `default_db_path()` (which reads $FLASHGEN_DB), so a command can tell a
 #: file given on the command line from the default, which dispatch reads with the shipped
 #: database behind it.
 DbOption = Annotated[
     Path | None,
-    typer.Option("--db", dir_okay=False, metavar="FILE",
+    typer.Option("--db", dir_okay=False, metavar="FILE", callback=_expand,
                  help="Tuning database file (default: $FLASHGEN_DB, else the user database "
                       "~/.cache/flashgen/tuning.db)."),
 ]
@@ -128,6 +134,8 @@ def main(
     $XDG_CACHE_HOME where it is set.
     """
 
+#: The largest --seed: numpy's and Optuna's generators take 0 to 2**32 - 1.
+SEED_MAX = 2**32 - 1
 #: Trials per problem when neither --trials nor --timeout is given.
 DEFAULT_TRIALS = 50
 
@@ -222,6 +230,7 @@ def tune(
         help="cuda, or cpu to run tiny problems through the Triton interpreter (tests the "
              "pipeline; its timings say nothing about GPUs).")] = "cuda",
     seed: Annotated[int, typer.Option(
+        min=0, max=SEED_MAX,
         help="Seed of the sampler and of all random inputs: equal seeds repeat a run.")] = 0,
     compile_workers: Annotated[int, typer.Option(
         min=1, help="Threads compiling candidates ahead of timing; also how many trials are "
@@ -439,6 +448,9 @@ def _worker_slots(run: RunOptions, gpus: str | None, workers: int | None) -> lis
     from flashgen.tune.workers import parse_gpus
 
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus is None and visible == 0:
+        raise _fail("no CUDA GPU is visible: --workers runs its workers on --gpu; use "
+                    "--device cpu for the Triton interpreter")
     try:
         if gpus is not None:
             return list(parse_gpus(gpus, visible))
@@ -677,13 +689,10 @@ def pull(
     from flashgen.tune.pull import pull as pull_rows
     from flashgen.tune.storage import StorageError, open_storage
 
-    if storage.endswith(".log") and "://" not in storage and not Path(storage).expanduser(
-            ).is_file():
-        # Opening a journal creates it: a mistyped path would pull nothing, silently.
-        raise _fail(f"--storage {storage}: journal file does not exist (`flashgen tune "
-                    f"--storage` writes it)")
     try:
-        shared = open_storage(storage)
+        # must_exist: opening a file storage creates it, so a mistyped path would pull
+        # nothing, silently.
+        shared = open_storage(storage, must_exist=True)
     except StorageError as exc:
         raise _fail(str(exc)) from None
     with TuningDB(db) as database:
@@ -824,13 +833,15 @@ def bench(
         help="cuda, or cpu to run tiny problems through the Triton interpreter (tests the "
              "pipeline; its timings say nothing about GPUs).")] = "cuda",
     out: Annotated[Path, typer.Option(
-        file_okay=False, help="Folder for bench.csv, bench.png and memory.csv.")]
-        = Path("flashgen-bench"),
+        file_okay=False, callback=_expand,
+        help="Folder for bench.csv, bench.png and memory.csv.")] = Path("flashgen-bench"),
     csv_path: Annotated[Path | None, typer.Option(
-        "--csv", dir_okay=False, help="Timing CSV (default: OUT/bench.csv).")] = None,
+        "--csv", dir_okay=False, callback=_expand,
+        help="Timing CSV (default: OUT/bench.csv).")] = None,
     plot: Annotated[Path | None, typer.Option(
-        dir_okay=False, help="PNG plot of TFLOP/s against N (default: OUT/bench.png); "
-                             "needs matplotlib, else skipped with a note.")] = None,
+        dir_okay=False, callback=_expand,
+        help="PNG plot of TFLOP/s against N (default: OUT/bench.png); needs matplotlib, else "
+             "skipped with a note.")] = None,
     no_plot: Annotated[bool, typer.Option("--no-plot", help="Write no plot.")] = False,
     memory: Annotated[bool, typer.Option(
         "--memory", help="Also measure peak memory of flashgen and sdpa-math at N = 32k, 64k "
@@ -977,7 +988,8 @@ def _bench_decode(shapes: list[str], preset_names: list[str], dtype: str | None,
 @app.command()
 def export(
     out: Annotated[Path, typer.Option(
-        "--out", file_okay=False, help="Directory to write the package into.")],
+        "--out", file_okay=False, callback=_expand,
+        help="Directory to write the package into.")],
     db: DbOption = None,
     gpu: Annotated[str | None, typer.Option(
         metavar="NAME", help="Export only this GPU model's winners, e.g. 'NVIDIA H200' "

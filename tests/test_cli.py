@@ -82,6 +82,17 @@ def test_bad_arguments_are_explained(args: list[str], message: str) -> None:
     assert message in result.output
 
 
+def test_path_options_expand_the_home_folder(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--db=~/x.db` reaches the command unexpanded by the shell: flashgen expands it, where
+    it made a folder named `~` in the working directory."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["show", "--db=~/x.db"])
+    assert str(tmp_path / "home" / "x.db") in result.output
+    assert not (tmp_path / "~").exists()
+
+
 def test_show_without_a_database_says_so(tmp_path: Path) -> None:
     result = runner.invoke(app, ["show", "--db", str(tmp_path / "none.db")])
     assert result.exit_code == 2 and "no tuning database" in result.output

@@ -709,3 +709,59 @@ def test_a_missing_gpu_is_one_error_line(tmp_path: Path) -> None:
                                           "--storage", str(journal)])
         assert result.exit_code == 2 and "no GPU 5" in result.output
         assert not journal.exists()
+
+
+def test_storage_files_that_are_not_optuna_storages_are_refused_unchanged(
+        tmp_path: Path) -> None:
+    """An SQLite storage file that is a flashgen tuning database (both have a `trials`
+    table), another program's database or not SQLite at all is refused in one line and left
+    as it was; a journal that is not one is a named error, not a traceback; `pull` refuses a
+    storage file that does not exist (opening one creates it)."""
+    import sqlite3
+
+    ours = tmp_path / "tuning.db"
+    with TuningDB(ours):
+        pass
+    foreign = tmp_path / "notes.db"
+    with sqlite3.connect(foreign) as conn:
+        conn.execute("CREATE TABLE notes (x)")
+    text = tmp_path / "text.db"
+    text.write_text("hello\n")
+    garbled = tmp_path / "build.log"
+    garbled.write_text("garbage line\n")
+    cases = {f"sqlite:///{ours}": "is a flashgen tuning database",
+             f"sqlite:///{foreign}": "another program's SQLite database (it holds tables notes)",
+             f"sqlite:///{text}": "is not an SQLite database",
+             str(garbled): "is not an Optuna journal file"}
+    before = {p: p.read_bytes() for p in (ours, foreign, text, garbled)}
+    for url, needle in cases.items():
+        for command in (["tune", "--device", "cpu", "--shape", "1,2,1,32,32,16", "--storage",
+                         url, "--db", str(tmp_path / "t.db")],
+                        ["pull", "--storage", url, "--db", str(tmp_path / "t.db")]):
+            result = CliRunner().invoke(app, command)
+            assert result.exit_code == 2, result.output
+            lines = result.output.strip().splitlines()
+            assert len(lines) == 1 and needle in lines[0], (url, result.output)
+    assert {p: p.read_bytes() for p in before} == before
+    missing = tmp_path / "typo.db"
+    result = CliRunner().invoke(app, ["pull", "--storage", f"sqlite:///{missing}", "--db",
+                                      str(tmp_path / "t.db")])
+    assert result.exit_code == 2 and "does not exist" in result.output
+    assert not missing.exists()
+    open_storage(f"sqlite:///{tmp_path / 'fresh.db'}")  # a new file is the tuner's to make
+    open_storage(f"sqlite:///{tmp_path / 'fresh.db'}", must_exist=True)  # an Optuna one
+
+
+def test_worker_seeds_wrap_into_the_generators_range() -> None:
+    """Worker i seeds with the run's seed + i; at the top of --seed's range that wraps."""
+    import flashgen.tune.workers as workers
+
+    assert (2**32 - 1 + 1) % workers.SEEDS == 0
+    result = CliRunner().invoke(app, ["tune", "--device", "cpu", "--shape", "1,2,1,32,32,16",
+                                      "--seed", str(2**32)])
+    assert result.exit_code == 2 and "--seed" in result.output
+    if shutil.which("nvidia-smi") is None:
+        result = CliRunner().invoke(app, ["tune", "--shape", "1,2,1,32,32,16", "--workers",
+                                          "2"])
+        assert result.exit_code == 2
+        assert result.output.strip().startswith("error: no CUDA GPU is visible")

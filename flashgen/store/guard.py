@@ -96,6 +96,16 @@ def read_only_connection(path: Path, timeout: float) -> sqlite3.Connection:
     return conn
 
 
+def file_identity(path: Path) -> tuple[int, int, list[str], list[str]]:
+    """`_identity` of the SQLite file at `path`, read without changing it (sqlite3's
+    DatabaseError where it is not an SQLite file)."""
+    conn = read_only_connection(path, 5.0)
+    try:
+        return _identity(conn)
+    finally:
+        conn.close()
+
+
 def _identity(conn: sqlite3.Connection) -> tuple[int, int, list[str], list[str]]:
     """The file's application id, user version, tables and flashgen migrations applied."""
     app_id = conn.execute("PRAGMA application_id").fetchone()[0]

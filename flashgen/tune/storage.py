@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sqlite3
 import threading
 import time
 import warnings
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+import sqlalchemy.engine
 import sqlalchemy.exc
 from optuna.exceptions import DuplicatedStudyError, UpdateFinishedTrialError
 from optuna.storages import BaseStorage, JournalStorage, RDBStorage
@@ -83,30 +85,45 @@ def redact(url: str) -> str:
     return url
 
 
-def open_storage(url: str, *, heartbeat_s: int = HEARTBEAT_S,
-                 grace_s: int = GRACE_S) -> BaseStorage:
+def open_storage(url: str, *, heartbeat_s: int = HEARTBEAT_S, grace_s: int = GRACE_S,
+                 must_exist: bool = False) -> BaseStorage:
     """The storage `url` names, reached and ready, or a one-line `StorageError`.
 
     A path ending in `.log` is a journal file (Optuna's `JournalFileBackend`, with the
     open-lock that works on NFS); anything else must be an SQLAlchemy URL of PostgreSQL
     (`postgresql+psycopg://user:pw@host/db`), MySQL or SQLite. Connecting happens here, so
-    a bad URL fails before any GPU work."""
+    a bad URL fails before any GPU work. An SQLite file that is a flashgen tuning database
+    or another program's is refused unchanged; `must_exist` (a reader: `flashgen pull`)
+    refuses a file path that does not exist, which opening would create."""
     if not url:
         raise StorageError("--storage is empty")
     if url.endswith(".log") and "://" not in url:
         path = Path(url).expanduser()
         if not path.parent.is_dir():
             raise StorageError(f"--storage {url}: folder {path.parent} does not exist")
+        if must_exist and not path.is_file():
+            raise StorageError(f"--storage {url}: journal file does not exist (`flashgen tune "
+                               "--storage` writes it)")
         try:
+            _check_journal_start(path)
             backend = JournalFileBackend(str(path), lock_obj=JournalFileOpenLock(str(path)))
-            return _HeartbeatJournal(backend, heartbeat_s, grace_s)
+            journal = _HeartbeatJournal(backend, heartbeat_s, grace_s)
+            journal.get_all_studies()  # reads the log now: a broken one fails here
+            return journal
         except OSError as exc:
             raise StorageError(f"--storage {url}: {exc.strerror or exc}") from None
+        except (ValueError, KeyError, TypeError) as exc:  # a line that is not a journal op
+            raise StorageError(f"--storage {url} is not an Optuna journal file "
+                               f"({type(exc).__name__}: {str(exc).splitlines()[0][:80]}); "
+                               "give the .log that `flashgen tune --storage` wrote, or a "
+                               "new file") from None
     scheme = url.split("://", 1)[0] if "://" in url else ""
     if scheme.split("+", 1)[0] not in _RDB_DIALECTS:
         raise StorageError(
             f"--storage {redact(url)!r} is neither a journal file path ending in .log nor a "
             f"postgresql://, mysql:// or sqlite:// URL")
+    if scheme.split("+", 1)[0] == "sqlite":
+        _check_sqlite_file(url, must_exist)
     engine: dict[str, Any] = {}
     if scheme.startswith("postgresql"):
         engine = {"connect_args": {"connect_timeout": 10}}
@@ -140,6 +157,61 @@ def open_storage(url: str, *, heartbeat_s: int = HEARTBEAT_S,
         first = (str(getattr(exc, "orig", None) or exc).strip().splitlines() or [""])[0]
         raise StorageError(f"--storage {redact(url)}: cannot connect: "
                            f"{type(exc).__name__}: {first}") from None
+
+
+def _check_journal_start(path: Path) -> None:
+    """A ValueError where `path` holds something other than an Optuna journal: Optuna reads
+    a file whose only line is not a journal operation as empty (a torn last write), and the
+    tuner's writes after it would then fail every read."""
+    if not path.is_file():
+        return
+    with path.open("rb") as f:
+        first = f.readline(1 << 20)
+    if first.strip():
+        op = json.loads(first)
+        if not isinstance(op, dict) or "op_code" not in op:
+            raise ValueError(f"line 1 is not a journal operation: {first[:40]!r}")
+
+
+#: Tables every Optuna RDB storage has: an SQLite file holding others is not one.
+_OPTUNA_TABLES = frozenset({"studies", "trials", "version_info"})
+
+
+def _check_sqlite_file(url: str, must_exist: bool) -> None:
+    """Refuse, unchanged, an SQLite storage file that Optuna would add its tables to but
+    that is not an Optuna storage: a flashgen tuning database (both have a `trials` table,
+    and the tuning database is what --db names) or another program's database; and, for a
+    reader, a file that does not exist."""
+    from flashgen.store.guard import APPLICATION_ID, file_identity
+
+    try:
+        name = sqlalchemy.engine.make_url(url).database
+    except sqlalchemy.exc.ArgumentError as exc:
+        raise StorageError(f"--storage {url}: {exc}") from None
+    if not name or name == ":memory:" or name.startswith("file:"):
+        return
+    path = Path(name).expanduser()
+    if not path.exists():
+        if must_exist:
+            raise StorageError(f"--storage {url}: {path} does not exist (`flashgen tune "
+                               "--storage` writes it)")
+        return
+    if not path.is_file():
+        raise StorageError(f"--storage {url}: {path} is not a file")
+    try:
+        app_id, _, tables, applied = file_identity(path)
+    except sqlite3.DatabaseError as exc:
+        raise StorageError(f"--storage {url}: {path} is not an SQLite database ({exc}); "
+                           "flashgen did not change it") from None
+    if app_id == APPLICATION_ID or applied:
+        raise StorageError(f"--storage {url}: {path} is a flashgen tuning database, not an "
+                           "Optuna storage; flashgen did not change it: give --storage a new "
+                           "file (or a .log journal) and the tuning database to --db")
+    if tables and not _OPTUNA_TABLES.issubset(tables):
+        held = ", ".join(tables[:4]) + (", ..." if len(tables) > 4 else "")
+        raise StorageError(f"--storage {url}: {path} is another program's SQLite database "
+                           f"(it holds tables {held}); flashgen did not change it: give "
+                           "--storage a new file or a .log journal")
 
 
 def _retry_stale(study: optuna.Study, trial: FrozenTrial) -> None:

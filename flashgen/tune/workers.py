@@ -49,6 +49,10 @@ from flashgen.tune.fwd_bench import Bench
 from flashgen.tune.search import RunOptions, TuneOptions, TuneResult, tune_problem
 from flashgen.tune.storage import GRACE_S, HEARTBEAT_S, Shared, open_storage
 
+#: Seeds numpy's and Optuna's generators take: 0 to 2**32 - 1; worker i seeds with the run's
+#: seed + i, wrapped into that range.
+SEEDS = 2**32
+
 #: Makes the bench of one (mode, problem, device, seed, compile threads, db path).
 BenchFactory = Callable[[str, Problem, Any, int, int, Path], Bench]
 
@@ -195,9 +199,9 @@ def _work(index: int, gpu: int | None, plan: WorkerPlan, report: Any) -> str:
 
     def tune(problem: Problem) -> None:
         for mode in run.modes:
-            bench = plan.bench_factory(mode, problem, target, run.seed + index,
+            bench = plan.bench_factory(mode, problem, target, (run.seed + index) % SEEDS,
                                        run.compile_workers, database.path)
-            options = TuneOptions(mode, run.trials, run.timeout, run.seed + index, batch,
+            options = TuneOptions(mode, run.trials, run.timeout, (run.seed + index) % SEEDS, batch,
                                   exhaustive=run.exhaustive, deterministic=run.deterministic)
             result = tune_problem(
                 problem, bench, database, info, options, run_id=run_id,
