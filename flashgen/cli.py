@@ -134,6 +134,9 @@ def main(
     $XDG_CACHE_HOME where it is set.
     """
 
+#: Why --dtype bf16 is refused with --device cpu (`verb`: tune or bench).
+BF16_ON_CPU = ("--dtype bf16 needs a GPU: Triton's interpreter computes bf16 dot products "
+               "wrongly, so flashgen's kernels fail their check; {verb} fp16 or fp32 on the CPU")
 #: The largest --seed: numpy's and Optuna's generators take 0 to 2**32 - 1.
 SEED_MAX = 2**32 - 1
 #: Trials per problem when neither --trials nor --timeout is given.
@@ -352,9 +355,7 @@ def tune(
     except (ValueError, TypeError) as exc:
         raise _fail(str(exc)) from None
     if device == "cpu" and any(p.dtype == "bf16" for p in problems):
-        raise _fail("--dtype bf16 needs a GPU: Triton's interpreter computes bf16 dot products "
-                    "wrongly, so every candidate would fail its check; tune fp16 or fp32 on "
-                    "the CPU")
+        raise _fail(BF16_ON_CPU.format(verb="tune"))
     if any(p.dtype == "fp8" for p in problems):
         if mode != "fwd":
             raise _fail(f"--dtype fp8 tunes the forward only (fp8 has no backward or decode "
@@ -397,9 +398,9 @@ def _modified(problems: list[Problem], window: str | None, softcap: float | None
     for p in problems:
         p = p.with_(window=window is not None, softcap=softcap is not None, sinks=sinks)
         if varlen is not None:
-            if p.seq_q != p.seq_k:
-                raise ValueError(f"--varlen packs self-attention: {p} has Nq != Nk")
-            lengths = Layout(None, varlen).lengths(p, seed)
+            layout = Layout(None, varlen)
+            layout.apply(p)  # the problems it cannot pack are named errors
+            lengths = layout.lengths(p, seed)
             longest = max(lengths)
             p = p.with_(batch=len(lengths), seq_q=longest, seq_k=longest, varlen=True,
                         mix=mix_bucket(len(lengths), longest, sum(lengths)))
@@ -496,11 +497,14 @@ def _run_workers(problems: list[Problem], run: RunOptions, slots: list[int | Non
                 f"{where} (db: {run.db_path})")
             tasks = [progress.add_task(w, total=run.trials, best="-", last="") for w in labels]
 
+            logs: dict[tuple[int, str], _LogLines] = {}  # plain lines off a terminal
+
             def show(index: int, r: TuneResult) -> None:
                 best = f"{tflops_text(r.best_tflops)} TFLOP/s" if r.best_tflops else "-"
+                label = f"{labels[index]} {r.mode} {problem_label(r.problem)}"
                 progress.update(tasks[index], completed=r.measured, best=best,
-                                last=r.last[:50], description=(
-                                    f"{labels[index]} {r.mode} {problem_label(r.problem)}"))
+                                last=r.last[:50], description=label)
+                logs.setdefault((index, label), _LogLines(progress)).step(label, r)
 
             def skip(index: int, problem: Problem, kind: str) -> None:
                 why = "done by the campaign" if kind == "done" else "led elsewhere"
@@ -614,6 +618,7 @@ def _run_tuning(problems: list[Problem], run: RunOptions) -> None:
     with TuningDB(run.db_path) as database, Progress(
         *progress_columns(run.wide, longest, stderr.width), console=stderr,
     ) as progress:
+        logged = _LogLines(progress)
         progress.console.print(f"tuning {len(problems)} problem(s) on {info.name} "
                                f"(db: {database.path})")
         database.start_run(run_id, info)
@@ -621,13 +626,14 @@ def _run_tuning(problems: list[Problem], run: RunOptions) -> None:
         try:
             for problem, mode in ((p, m) for p in problems for m in run.modes):
                 current, reported[:] = (problem, mode), []
-                task = progress.add_task(f"{mode} {problem_label(problem)}", total=run.trials,
-                                         best="-", last="")
+                label = f"{mode} {problem_label(problem)}"
+                task = progress.add_task(label, total=run.trials, best="-", last="")
 
-                def show(r: TuneResult, task: int = task) -> None:
+                def show(r: TuneResult, task: int = task, label: str = label) -> None:
                     reported[:] = [r]
                     best = f"{tflops_text(r.best_tflops)} TFLOP/s" if r.best_tflops else "-"
                     progress.update(task, completed=r.measured, best=best, last=r.last[:50])
+                    logged.step(label, r)
 
                 bench = make_bench(mode, problem, target, run.seed, run.compile_workers,
                                    database.path)
@@ -635,6 +641,7 @@ def _run_tuning(problems: list[Problem], run: RunOptions) -> None:
                                       run.remeasure, run.exhaustive, run.deterministic)
                 results.append(tune_problem(problem, bench, database, info, options,
                                            run_id=run_id, on_progress=show))
+                logged.done(label, results[-1])
             status = "ok"
         except KeyboardInterrupt:
             interrupted = True
@@ -649,6 +656,48 @@ def _run_tuning(problems: list[Problem], run: RunOptions) -> None:
         typer.echo(line, err=True)
     if interrupted:
         raise typer.Exit(130)  # as a shell reports a process that SIGINT stopped
+
+
+def _exit_interrupted() -> None:
+    """After an interrupted bench has printed and written what it finished: exit 130, as a
+    shell reports a process SIGINT stopped (and as `tune` does), so a script can tell a
+    partial CSV from a whole one."""
+    raise typer.Exit(130)
+
+
+class _LogLines:
+    """Progress as plain lines where stderr is no terminal (a batch job's log, `| tee`):
+    rich draws its bars there only when they stop, so a long run's log stayed empty until
+    its end, and a run killed by a time limit left none. A line every LOG_EVERY measured
+    trials of a problem, and one when it is done."""
+
+    LOG_EVERY = 10
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+        self.live = progress.console.is_terminal
+        self.logged = 0
+
+    def step(self, label: str, r: TuneResult) -> None:
+        if not self.live and r.measured >= self.logged + self.LOG_EVERY:
+            self.logged = r.measured - r.measured % self.LOG_EVERY
+            self.progress.console.print(f"{label}: {r.measured} measured, best "
+                                        f"{self._best(r)}", soft_wrap=True)
+
+    def done(self, label: str, r: TuneResult) -> None:
+        self.logged = 0
+        if not self.live:
+            self.progress.console.print(
+                f"{label}: done, {r.measured} measured ({r.failed} failed, {r.pruned} "
+                f"pruned, {r.resumed} resumed) in {r.seconds:.0f} s, best {self._best(r)}",
+                soft_wrap=True)
+
+    @staticmethod
+    def _best(r: TuneResult) -> str:
+        from flashgen.tune.report import tflops_text
+
+        return (f"{tflops_text(r.best_tflops)} TFLOP/s ({r.best})"
+                if r.best_tflops and r.best is not None else "-")
 
 
 def _interrupted(problem: Problem, mode: str, info: DeviceInfo, trials: int | None,
@@ -921,6 +970,8 @@ def bench(
     try:
         target = resolve_device(device, gpu)
         dtypes = presets.parse_dtypes(dtype or ("fp16,bf16" if device == "cuda" else "fp16"))
+        if device == "cpu" and "bf16" in dtypes:
+            raise ValueError(BF16_ON_CPU.format(verb="bench"))
         problems = presets.expand(shape or [], preset or [], dtypes,
                                   presets.parse_causal(causal))
         modes = parse_modes(mode)
@@ -936,7 +987,7 @@ def bench(
         run_bench(problems, modes, target, names, outputs,
                   timing=timing, memory=memory, seed=seed, rep_ms=rep_ms, timer=timer,
                   console=_console(), layout=layout if layout else None,
-                  dispatcher=dispatcher)
+                  dispatcher=dispatcher, on_interrupt=_exit_interrupted)
 
 
 def _bench_decode(shapes: list[str], preset_names: list[str], dtype: str | None, causal: str,
@@ -982,7 +1033,8 @@ def _bench_decode(shapes: list[str], preset_names: list[str], dtype: str | None,
     with _terminate_as_interrupt():
         run_decode_bench(problems, target, names, seed=seed, rep_ms=rep_ms, timer=timer,
                          csv_path=target_csv, console=_console(),
-                         dispatcher=Dispatcher([db, shipped_db_path()]) if db else None)
+                         dispatcher=Dispatcher([db, shipped_db_path()]) if db else None,
+                         on_interrupt=_exit_interrupted)
 
 
 @app.command()

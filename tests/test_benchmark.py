@@ -403,3 +403,26 @@ def test_progress_lines_fit_80_columns() -> None:
     short = [_row("flashgen", 2.0), _row("sdpa-cudnn", 1.0), _row("flex", 4.0, "n/a")]
     assert _progress_lines("[1/1]", P, short) == (
         f"[1/1] {short_problem(P)}: fwd 0.5 (0.50x) vs sdpa-cudnn")
+
+
+def test_an_interrupted_bench_writes_what_it_finished_and_exits_130(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C (or SIGTERM) after the first problem: its rows are printed and in the CSV, the
+    memory part is not started, and the command exits 130 as `tune` does (it exited 0, so a
+    script could not tell a partial CSV from a whole one)."""
+    from flashgen.bench import command
+    from flashgen.cli import app
+
+    def suite(problems, modes, device, competitors, *, on_problem, **kwargs):
+        on_problem(problems[0], [])
+        raise KeyboardInterrupt
+
+    def memory(*args: object, **kwargs: object) -> None:
+        raise AssertionError("memory measured after an interrupt")
+
+    monkeypatch.setattr(command, "run_suite", suite)
+    monkeypatch.setattr(command, "run_memory", memory)
+    result = CliRunner().invoke(app, ["bench", "--device", "cpu", "--shape", "1,2,1,32,32,16",
+                                      "--no-plot", "--out", str(tmp_path)])
+    assert result.exit_code == 130, result.output
+    assert "interrupted: reporting" in result.output and (tmp_path / "bench.csv").exists()

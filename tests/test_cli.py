@@ -75,6 +75,9 @@ def test_presets_are_listed() -> None:
      "--causal"),
     (["tune", "--device", "tpu", "--shape", "1,2,1,8,8,16"], "--device"),
     (["tune", "--device", "cpu", "--shape", "1,2,1,8,8,16", "--dtype", "bf16"], "needs a GPU"),
+    (["bench", "--device", "cpu", "--shape", "1,2,1,8,8,16", "--dtype", "bf16"], "needs a GPU"),
+    (["tune", "--device", "cpu", "--shape", "1,2,1,8,8,16", "--varlen", "100"],
+     "only 8 tokens"),
 ])
 def test_bad_arguments_are_explained(args: list[str], message: str) -> None:
     result = runner.invoke(app, args)
@@ -683,3 +686,14 @@ def test_decode_winners_fit_80_columns() -> None:
     assert variant_label(fused) == "m16 n32 xauto w2 s1 +f"
     assert variant_label(fused, wide=True) == str(fused)
     assert "+f combine fused" in legend([], decode=True)
+
+
+@pytest.mark.interpreter
+def test_tune_logs_plain_progress_lines_off_a_terminal(tmp_path: Path) -> None:
+    """Where stderr is no terminal (a batch job's log), rich drew the progress bars only when
+    they stopped; tune now logs a plain line when a problem is done."""
+    result = runner.invoke(app, ["tune", "--device", "cpu", "--shape", "1,2,1,32,32,16",
+                                 "--trials", "2", "--db", str(tmp_path / "t.db")])
+    assert result.exit_code == 0, result.output
+    line = next(x for x in result.output.splitlines() if ": done, " in x)
+    assert line.startswith("fwd fp16 f D16") and "2 measured" in line and "TFLOP/s" in line

@@ -6,7 +6,7 @@ command stays a thin layer, as `tune` is over the tuner.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,6 +119,7 @@ def run_bench(
     log: Console | None = None,
     dispatcher: Dispatcher | None = None,
     layout: Layout | None = None,
+    on_interrupt: Callable[[], None] | None = None,
 ) -> list[Row]:
     """Time (and with `memory`, measure the peak memory of) the competitors; print and write.
     `rep_ms`: milliseconds of timed calls per measurement on a GPU and `timer` how they are
@@ -130,13 +131,15 @@ def run_bench(
     Tables go to `console`, progress to `log` (stderr by default). The CSV files are
     rewritten after every problem, so a run killed by a time limit leaves what it measured;
     Ctrl-C (SIGINT), or SIGTERM through `flashgen bench`, keeps it too, printed and written
-    like a finished run.
+    like a finished run; then `on_interrupt` is called (the command exits 130, so a script
+    can tell a partial CSV from a whole one) and nothing more is measured.
     """
     console = console or Console()
     log = log or Console(stderr=True)
     competitors = resolve(competitor_names, dispatcher)
     name = device_name(device)
     rows: list[Row] = []
+    interrupted = False
     if timing:
         log.print(wrapped(f"benchmarking {len(problems)} problem(s) x {', '.join(modes)} on "
                           f"{name}: {', '.join(c.name for c in competitors)}"),
@@ -155,6 +158,7 @@ def run_bench(
                       layout=layout)
         except KeyboardInterrupt:
             log.print("interrupted: reporting the problems finished so far")
+            interrupted = True
         summaries = summarize(rows)
         for mode in modes:
             console.print(timing_table(summaries, mode, [c.name for c in competitors],
@@ -173,7 +177,7 @@ def run_bench(
             elif any(r.status == "ok" for r in rows):
                 bench_plot.plot(records, outputs.plot, title=f"flashgen bench ({name})")
                 console.print(f"plot: {outputs.plot}")
-    if memory:
+    if memory and not interrupted:
         targets = memory_problems(problems)
         mem_modes = memory_modes(modes)
         log.print(f"peak memory: {len(targets)} problem(s) x {', '.join(mem_modes)}",
@@ -189,6 +193,9 @@ def run_bench(
                        seed=seed, on_row=note)
         except KeyboardInterrupt:
             log.print("interrupted: reporting the memory measured so far")
+            interrupted = True
         console.print(memory_table(mem_rows, name))
         console.print(f"memory CSV: {outputs.memory_csv}")
+    if interrupted and on_interrupt is not None:
+        on_interrupt()
     return rows

@@ -117,10 +117,13 @@ def run_decode_bench(problems: Sequence[DecodeProblem], device: torch.device,
                      rep_ms: float = 100.0, timer: str = "wall",
                      csv_path: Path | None = None,
                      console: Console | None = None,
-                     dispatcher: Dispatcher | None = None) -> list[DecodeRow]:
+                     dispatcher: Dispatcher | None = None,
+                     on_interrupt: Callable[[], None] | None = None) -> list[DecodeRow]:
     """Check and time each competitor on each problem; print one table, write the CSV.
     `timer` as `flashgen bench --timer` takes it: "wall" (calls back to back, a call's host
-    launch cost counting where it exceeds its GPU work, as do_bench times) or "gpu"."""
+    launch cost counting where it exceeds its GPU work, as do_bench times) or "gpu".
+    Interrupted (Ctrl-C, or SIGTERM through the command), it reports the problems finished,
+    then calls `on_interrupt`."""
     console = console or Console()
     dispatcher = dispatcher or default_dispatcher()
     gpu = device.type == "cuda"
@@ -128,6 +131,7 @@ def run_decode_bench(problems: Sequence[DecodeProblem], device: torch.device,
     if rate is not None:
         console.print(f"copy rate: {rate / 1e9:.0f} GB/s (device-to-device, read + write)")
     rows: list[DecodeRow] = []
+    interrupted = False
     try:
         for problem in problems:
             _bench_one(problem, names, rows, device, dispatcher, seed, rep_ms, timer)
@@ -142,10 +146,13 @@ def run_decode_bench(problems: Sequence[DecodeProblem], device: torch.device,
         console.print("interrupted: reporting the problems finished so far")
         done = {r.problem for r in rows if r.competitor == names[-1]}
         rows = [r for r in rows if r.problem in done]  # a half-measured problem is dropped
+        interrupted = True
     console.print(decode_table(rows, names, rate))
     if csv_path is not None:
         write_decode_csv(rows, csv_path, rate, timer if gpu else "cpu")
         console.print(f"CSV: {csv_path}")
+    if interrupted and on_interrupt is not None:
+        on_interrupt()
     return rows
 
 

@@ -52,6 +52,9 @@ class Layout:
         causal = p.causal or self.window is not None
         if self.sequences is not None and p.seq_q != p.seq_k:
             raise ValueError(f"--varlen packs self-attention: {p} has Nq != Nk")
+        if self.sequences is not None and self.sequences > p.batch * p.seq_q:
+            raise ValueError(f"--varlen {self.sequences}: {p} has only {p.batch * p.seq_q} "
+                             "tokens (B x N) to cut into sequences")
         return p.with_(causal=causal, window=self.window is not None,
                        varlen=self.sequences is not None)
 
