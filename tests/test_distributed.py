@@ -765,3 +765,45 @@ def test_worker_seeds_wrap_into_the_generators_range() -> None:
                                           "2"])
         assert result.exit_code == 2
         assert result.output.strip().startswith("error: no CUDA GPU is visible")
+
+
+def test_workers_stop_when_their_parent_is_killed(tmp_path: Path) -> None:
+    """A parent killed with SIGKILL (the OOM killer, a lost session) cannot forward an
+    interrupt: its workers notice it is gone, stop as on SIGTERM, record their runs as
+    interrupted and exit, where they tuned their whole budget unwatched and then hung at
+    exit writing to the dead parent's pipe."""
+    mark, db = tmp_path / "hang", tmp_path / "tuning.db"
+    parent = tmp_path / "parent.py"
+    parent.write_text(f"""
+import os, sys
+from pathlib import Path
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+os.environ["HANG_MARK"] = {str(mark)!r}
+from test_distributed import BEAT_S, GRACE_S, PROBLEM, hanging_bench
+from flashgen.tune.search import RunOptions
+from flashgen.tune.workers import WorkerPlan, run_workers
+
+if __name__ == "__main__":
+    run = RunOptions("cpu", trials=10, db_path=Path({str(db)!r}))
+    plan = WorkerPlan((PROBLEM,), run, {str(tmp_path / "studies.log")!r}, "orphan",
+                      "0.1.test", BEAT_S, GRACE_S, hanging_bench)
+    run_workers(plan, [None])
+""")
+    proc = subprocess.Popen([sys.executable, str(parent)], cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while not mark.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert mark.exists(), "the worker never reached its hanging measurement"
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 60
+        statuses: set[str] = {"running"}
+        while "running" in statuses and time.monotonic() < deadline:
+            time.sleep(0.5)
+            with TuningDB(db) as database:
+                statuses = {r.status for r in database.runs()}
+        assert statuses == {"interrupted"}, statuses
+    finally:
+        if proc.poll() is None:
+            proc.kill()

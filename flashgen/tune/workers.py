@@ -153,6 +153,27 @@ def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+#: Set in a worker whose parent process died: nobody reads its reports any more.
+_ORPHANED = threading.Event()
+
+
+def _watch_parent() -> None:
+    """Stop this worker, as SIGTERM does, once its parent process is gone (killed with
+    SIGKILL, by the OOM killer, or with a lost session): its finished trials are stored,
+    and nobody would read its results. Without it the workers tuned their whole budget
+    unwatched, then blocked for good at exit writing to the parent's pipe."""
+    parent = multiprocessing.parent_process()
+    if parent is None or threading.current_thread() is not threading.main_thread():
+        return
+
+    def watch() -> None:
+        parent.join()  # returns when the parent's end of the sentinel pipe closes
+        _ORPHANED.set()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, daemon=True, name="flashgen-parent-watch").start()
+
+
 def worker_main(index: int, gpu: int | None, plan: WorkerPlan, report: Any) -> None:
     """One worker: tune every problem of `plan` on `gpu` (None: the CPU interpreter),
     sending ("progress", index, TuneResult), ("result", index, TuneResult), ("skipped",
@@ -164,6 +185,7 @@ def worker_main(index: int, gpu: int | None, plan: WorkerPlan, report: Any) -> N
     # process's.)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _raise_interrupt)
+        _watch_parent()
     status, message = "failed", ""
     try:
         status = _work(index, gpu, plan, report)
@@ -174,6 +196,8 @@ def worker_main(index: int, gpu: int | None, plan: WorkerPlan, report: Any) -> N
         traceback.print_exc()
     finally:
         report.put(("done", index, status, message))
+        if _ORPHANED.is_set():  # the pipe's reader is gone: exit without flushing to it
+            report.cancel_join_thread()
 
 
 def _work(index: int, gpu: int | None, plan: WorkerPlan, report: Any) -> str:
