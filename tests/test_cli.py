@@ -697,3 +697,26 @@ def test_tune_logs_plain_progress_lines_off_a_terminal(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     line = next(x for x in result.output.splitlines() if ": done, " in x)
     assert line.startswith("fwd fp16 f D16") and "2 measured" in line and "TFLOP/s" in line
+
+
+def test_a_path_through_a_file_is_one_error_line(tmp_path: Path) -> None:
+    """`--db results.db/x.db` or `--out bench.csv/sub`: one line naming the path, not a
+    traceback; bench says so before it measures anything."""
+    blocker = tmp_path / "file.db"
+    blocker.write_text("")
+    db = tmp_path / "t.db"
+    with TuningDB(db) as database:
+        key = TuningKey.for_problem(Problem(1, 2, 1, 32, 32, 16), INTERPRETER)
+        database.record_trial(key, Problem(1, 2, 1, 32, 32, 16), Variant("fa2", 32, 32, 2, 1),
+                              "ok", timing=Timing(1.0, 0.9, 1.1, 5), tflops=1.0)
+        database.update_winner(key)
+    for args in (["tune", "--device", "cpu", "--shape", "1,2,1,32,32,16", "--trials", "1",
+                  "--db", str(blocker / "x.db")],
+                 ["bench", "--device", "cpu", "--shape", "1,2,1,32,32,16", "--out",
+                  str(blocker / "sub")],
+                 ["export", "--db", str(db), "--out", str(blocker / "sub")]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 1, (args, result.output)
+        lines = result.output.strip().splitlines()
+        assert lines[-1].startswith("error: cannot") and str(blocker) in lines[-1], lines
+        assert "benchmarking" not in result.output

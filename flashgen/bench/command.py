@@ -6,6 +6,7 @@ command stays a thin layer, as `tune` is over the tuner.
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,11 +77,19 @@ class Outputs:
     def check(self, timing: bool = True, memory: bool = False) -> None:
         """Raise ValueError, before anything is measured, if a CSV the run would write
         (`timing`: the timing CSV, `memory`: the memory CSV) would replace a file that is
-        not an earlier bench's: see `report.check_csv_target`."""
+        not an earlier bench's: see `report.check_csv_target`; and the OSError of a folder
+        it cannot make or write (a path through a file, a read-only place), which once came
+        after the first problem's measurements and lost them."""
         if timing:
             check_csv_target(self.csv)
         if memory:
             check_csv_target(self.memory_csv, MEMORY_CSV_FIELDS, option="--out")
+        written = [p for p, on in ((self.csv, timing), (self.plot, timing),
+                                   (self.memory_csv, memory)) if on and p is not None]
+        for folder in dict.fromkeys(p.parent for p in written):
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=folder):
+                pass
 
 
 def _progress_lines(head: str, problem: Problem, rows: list[Row], width: int = 80) -> str:

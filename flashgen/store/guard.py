@@ -254,6 +254,11 @@ _OS_ADVICE: dict[int, str] = {
     errno.ENOSPC: "no space left on the device writing {path}; free some space and run again",
     errno.EDQUOT: "disk quota exceeded writing {path}; free some space and run again",
     errno.EISDIR: "{path} is a folder; name a database file (--db, $FLASHGEN_DB)",
+    errno.ENOTDIR: "cannot use {path}: a part of its folder path is a file, not a folder; "
+                   "choose another place (--db, --out)",
+    # mkdir(exist_ok=True) where a file has the folder's name.
+    errno.EEXIST: "cannot make the folder {path}: a file of that name is in the way; choose "
+                  "another place (--db, --out)",
 }
 
 
