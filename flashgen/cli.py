@@ -16,6 +16,7 @@ import sqlite3
 import sys
 import threading
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -196,6 +197,9 @@ def _use_interpreter() -> None:
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
         raise _fail("triton was imported before --device cpu could select its interpreter")
     os.environ["TRITON_INTERPRET"] = "1"
+    # The interpreter's own numpy noise (log2 of 0 in its integer helpers), which landed in
+    # the middle of the progress lines; flashgen's results do not depend on it.
+    warnings.filterwarnings("ignore", "divide by zero encountered in log2", RuntimeWarning)
 
 
 #: Options that `tune` and `bench` share.
@@ -717,8 +721,10 @@ def _interrupted(problem: Problem, mode: str, info: DeviceInfo, trials: int | No
     result.seconds = (progress.tasks[-1].elapsed or 0.0) if progress.tasks else 0.0
     best = (f"best so far {result.best} ({result.best_tflops:.3g} TFLOP/s)"
             if result.best is not None and result.best_tflops else "nothing passed yet")
-    progress.console.print(f"interrupted: {mode} {problem}: {best}; results so far are in "
-                           f"the database")
+    from flashgen.kernels.presets import problem_label
+
+    progress.console.print(f"interrupted: {mode} {problem_label(problem)}: {best}; results "
+                           f"so far are in the database")
     return result
 
 
@@ -819,7 +825,7 @@ def _show_runs(sources: list[tuple[str, Path, list[Any]]], as_json: bool) -> Non
     from flashgen.tune.report import runs_table
 
     if as_json:
-        typer.echo(json.dumps([{**vars(r), "db": str(path), "source": source}
+        typer.echo(json.dumps([{**vars(r), "died": r.died, "db": str(path), "source": source}
                                for source, path, rows in sources for r in rows], indent=2))
         return
     console = _console()
@@ -827,7 +833,14 @@ def _show_runs(sources: list[tuple[str, Path, list[Any]]], as_json: bool) -> Non
         if i:
             console.print()
         console.print(f"{source}: {path}", highlight=False, markup=False, soft_wrap=True)
+        if not rows:
+            console.print("no runs recorded")
+            continue
         console.print(runs_table(rows), width=min(80, console.width))
+        if any(r.died for r in rows):
+            console.print("died: marked running, but its process on this host is gone (killed "
+                          "or crashed); its trials are stored, and a rerun resumes it",
+                          highlight=False, soft_wrap=True)
 
 
 @app.command("presets")

@@ -720,3 +720,27 @@ def test_a_path_through_a_file_is_one_error_line(tmp_path: Path) -> None:
         lines = result.output.strip().splitlines()
         assert lines[-1].startswith("error: cannot") and str(blocker) in lines[-1], lines
         assert "benchmarking" not in result.output
+
+
+def test_show_runs_names_a_run_that_died_without_a_word(tmp_path: Path) -> None:
+    """A run killed with SIGKILL stays marked running; `show --runs` says it died (its
+    process on this host is gone) and counts the trials it wrote; a live run stays running."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    db = tmp_path / "t.db"
+    with TuningDB(db) as database:
+        database.start_run("gone", INTERPRETER)
+        database.start_run("live", INTERPRETER)
+        database.db["runs"].update("gone", {"pid": dead.pid})
+        key = TuningKey.for_problem(Problem(1, 2, 1, 32, 32, 16), INTERPRETER)
+        database.record_trial(key, Problem(1, 2, 1, 32, 32, 16), Variant("fa2", 32, 32, 2, 1),
+                              "ok", timing=Timing(1.0, 0.9, 1.1, 5), tflops=1.0, run_id="gone")
+        runs = {r.id: r for r in database.runs()}
+    assert runs["gone"].died and runs["gone"].trials == 1
+    assert not runs["live"].died and runs["live"].status == "running"
+    result = runner.invoke(app, ["show", "--runs", "--db", str(db)])
+    assert result.exit_code == 0 and "died" in result.output and "running" in result.output
+    empty = tmp_path / "e.db"
+    with TuningDB(empty):
+        pass
+    assert "no runs recorded" in runner.invoke(app, ["show", "--runs", "--db", str(empty)]).output

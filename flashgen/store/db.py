@@ -30,12 +30,13 @@ import errno
 import json
 import os
 import shlex
+import socket
 import sqlite3
 import sys
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
@@ -301,7 +302,16 @@ def m012_visible_pair_tflops(db: sqlite_utils.Database) -> None:
 
 
 #: The number of migrations above; a test checks that a fresh file reaches it.
-SCHEMA_VERSION = 12
+@migrations()
+def m013_run_process(db: sqlite_utils.Database) -> None:
+    """The host and process id of each run, so that `flashgen show --runs` can tell a run
+    that died without a word (SIGKILL, a crash) from one still going."""
+    if db["runs"].exists():
+        db["runs"].add_column("host", str)
+        db["runs"].add_column("pid", int)
+
+
+SCHEMA_VERSION = 13
 
 
 def _migration_names() -> list[str]:
@@ -401,10 +411,26 @@ class RunRow:
     command: str | None
     trials: int | None
     winners: int | None
+    host: str | None = None  # None: a run recorded before m013
+    pid: int | None = None
 
     @classmethod
     def from_columns(cls, row: dict[str, Any]) -> RunRow:
-        return cls(**{f.name: row[f.name] for f in fields(cls)})
+        return cls(**{f.name: row.get(f.name) for f in fields(cls)})
+
+    @property
+    def died(self) -> bool:
+        """Still marked running, though its process, on this host, is gone: it ended
+        without a word (SIGKILL, a crash). Runs of other hosts cannot be asked."""
+        if self.status != "running" or self.pid is None or self.host != socket.gethostname():
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:  # alive, another user's
+            return False
+        return False
 
 
 def settles(row: TrialRow) -> bool:
@@ -623,6 +649,7 @@ class TuningDB:
             "torch_version": versions.torch, "flashgen_version": package_version("flashgen"),
             "command": command if command is not None else shlex.join(
                 ["flashgen", *sys.argv[1:]]),
+            "host": socket.gethostname(), "pid": os.getpid(),
         }
         with self._write():
             self.db["runs"].insert(row)
@@ -644,8 +671,12 @@ class TuningDB:
         """Every recorded run, oldest first (none in a file older than the runs table)."""
         if not self.db["runs"].exists():
             return []
-        return [RunRow.from_columns(r) for r in self.db["runs"].rows_where(
+        runs = [RunRow.from_columns(r) for r in self.db["runs"].rows_where(
             order_by="started_at, id")]
+        # A run still marked running has no counts yet: those it has written so far.
+        return [replace(r, trials=self.db.execute(
+            "SELECT count(*) FROM trials WHERE run_id = ?", [r.id]).fetchone()[0])
+                if r.status == "running" else r for r in runs]
 
     # ---- baselines ---------------------------------------------------------------------
 

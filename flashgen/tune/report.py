@@ -348,8 +348,9 @@ def runs_table(runs: Iterable[RunRow]) -> Table:
             f"{name} {value}" for name, value in (
                 ("triton", run.triton_version), ("torch", run.torch_version),
                 ("flashgen", run.flashgen_version)) if value]
+        status = "died" if run.died else run.status  # no process left to end it
         table.add_row(
-            f"{run.started_at[:16].replace('T', ' ')}\n{run.status} {_took(run)}".rstrip(),
+            f"{run.started_at[:16].replace('T', ' ')}\n{status} {_took(run)}".rstrip(),
             "\n".join(stack), f"{_num(run.trials, 'd')} trials\n{_num(run.winners, 'd')} won",
             run.command or "-",
         )
