@@ -26,6 +26,7 @@ from typer.testing import CliRunner
 from flashgen.cli import app
 from flashgen.kernels.fwd_space import default_variant, search_space, why_invalid
 from flashgen.kernels.hardware import INTERPRETER
+from flashgen.kernels.presets import problem_label
 from flashgen.kernels.problem import Problem
 from flashgen.kernels.variant import Variant
 from flashgen.store import claims, guard
@@ -359,7 +360,8 @@ def test_ctrl_c_exits_130_and_reports_the_interrupted_problem(
     assert len(bench.measured) == 3
     best = min(bench.measured, key=ms_of)
     said = " ".join(result.output.split())  # as one line, however the console wrapped it
-    assert f"interrupted: fwd {PROBLEM}: best so far {best}" in said
+    # The problem as the tables beside it label it.
+    assert f"interrupted: fwd {problem_label(PROBLEM)}: best so far {best}" in said
     with TuningDB(path) as db:
         assert len([r for r in db.trials() if r.status == "ok"]) == 3
         key = TuningKey.for_problem(PROBLEM, INTERPRETER, "fwd")
@@ -387,7 +389,7 @@ def test_sigterm_stops_a_tune_as_ctrl_c_does(tmp_path: Path, fake_bench: Benches
     assert result.exit_code == 130, (result.output, result.exception)
     (bench,) = fake_bench.made
     said = " ".join(result.output.split())
-    assert f"interrupted: fwd {PROBLEM}: best so far" in said
+    assert f"interrupted: fwd {problem_label(PROBLEM)}: best so far" in said
     with TuningDB(path) as db:
         assert len([r for r in db.trials() if r.status == "ok"]) == 3 == len(bench.measured)
         assert [r.status for r in db.runs()] == ["interrupted"]
