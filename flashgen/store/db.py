@@ -301,7 +301,6 @@ def m012_visible_pair_tflops(db: sqlite_utils.Database) -> None:
                    "WHERE modifiers LIKE '%w%' OR modifiers LIKE '%v%'")
 
 
-#: The number of migrations above; a test checks that a fresh file reaches it.
 @migrations()
 def m013_run_process(db: sqlite_utils.Database) -> None:
     """The host and process id of each run, so that `flashgen show --runs` can tell a run
@@ -311,6 +310,7 @@ def m013_run_process(db: sqlite_utils.Database) -> None:
         db["runs"].add_column("pid", int)
 
 
+#: The number of migrations above; a test checks that a fresh file reaches it.
 SCHEMA_VERSION = 13
 
 

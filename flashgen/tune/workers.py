@@ -221,11 +221,13 @@ def _work(index: int, gpu: int | None, plan: WorkerPlan, report: Any) -> str:
     run_id = plan.run_id(index)
     status = "failed"
 
+    seed = (run.seed + index) % SEEDS
+
     def tune(problem: Problem) -> None:
         for mode in run.modes:
-            bench = plan.bench_factory(mode, problem, target, (run.seed + index) % SEEDS,
-                                       run.compile_workers, database.path)
-            options = TuneOptions(mode, run.trials, run.timeout, (run.seed + index) % SEEDS, batch,
+            bench = plan.bench_factory(mode, problem, target, seed, run.compile_workers,
+                                       database.path)
+            options = TuneOptions(mode, run.trials, run.timeout, seed, batch,
                                   exhaustive=run.exhaustive, deterministic=run.deterministic)
             result = tune_problem(
                 problem, bench, database, info, options, run_id=run_id,
