@@ -344,6 +344,8 @@ def tune(
     from flashgen.kernels import presets
 
     causal = causal or ("yes" if mode == "decode" else "no")
+    if mode != "decode" and page_size != "0":
+        raise _fail("--page-size is for --mode decode (KV-cache problems)")
     try:
         if mode == "decode":
             problems: list[Problem] = list(presets.decode_problems(
@@ -789,6 +791,9 @@ def show(
     named = [("db", db)] if db else [("user", default_db_path()), ("shipped", shipped_db_path())]
     sources = []
     for source, path in named:
+        if path.exists() and not path.is_file() and not path.is_dir():
+            raise _fail(f"{path} is not a file: name a tuning database file (--db, "
+                        "$FLASHGEN_DB)")
         if not path.is_file() and not path.is_dir():  # a folder: open_readonly names it
             typer.echo(f"note: no {source} database at {path} yet (`flashgen tune` writes it)",
                        err=True)
@@ -970,6 +975,8 @@ def bench(
         return
     if "decode" in named:
         raise _fail(f"--mode decode runs alone (its problems are KV-cache calls), got {mode!r}")
+    if page_size != "0,16":
+        raise _fail("--page-size is for --mode decode (KV-cache problems)")
 
     from flashgen.bench.command import Outputs, resolve_device, run_bench
     from flashgen.bench.competitors import parse_names, resolve

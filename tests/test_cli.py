@@ -78,6 +78,11 @@ def test_presets_are_listed() -> None:
     (["bench", "--device", "cpu", "--shape", "1,2,1,8,8,16", "--dtype", "bf16"], "needs a GPU"),
     (["tune", "--device", "cpu", "--shape", "1,2,1,8,8,16", "--varlen", "100"],
      "only 8 tokens"),
+    (["tune", "--device", "cpu", "--shape", "1,2,1,8,8,16", "--page-size", "16"],
+     "--page-size is for --mode decode"),
+    (["bench", "--device", "cpu", "--shape", "1,2,1,8,8,16", "--page-size", "16"],
+     "--page-size is for --mode decode"),
+    (["show", "--db", "/dev/null"], "/dev/null is not a file"),
 ])
 def test_bad_arguments_are_explained(args: list[str], message: str) -> None:
     result = runner.invoke(app, args)
