@@ -338,6 +338,12 @@ def tune(
             check_campaign(campaign)
         except ValueError as exc:
             raise _fail(str(exc)) from None
+    if timeout is not None and timeout <= 0:
+        raise _fail(f"--timeout must be more than 0 seconds, got {timeout:g} (it would "
+                    "measure nothing); leave it out to tune by --trials alone")
+    if device == "cpu" and (gpu != 0 or gpus is not None):
+        raise _fail("--gpu and --gpus choose CUDA GPUs; --device cpu runs the Triton "
+                    "interpreter (--workers sets how many)")
     if trials is None and timeout is None and not exhaustive:
         trials = DEFAULT_TRIALS
 
@@ -786,6 +792,9 @@ def show(
     from flashgen.store.table import shipped_db_path
     from flashgen.tune.report import listed, winners_tables
 
+    if runs and (current or wide):
+        raise _fail("--runs lists runs, which --current and --wide do not apply to (they "
+                    "filter and widen the winners' tables)")
     if db is not None and not db.exists():
         raise _fail(f"no tuning database at {db}")
     named = [("db", db)] if db else [("user", default_db_path()), ("shipped", shipped_db_path())]

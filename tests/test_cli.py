@@ -83,6 +83,11 @@ def test_presets_are_listed() -> None:
     (["bench", "--device", "cpu", "--shape", "1,2,1,8,8,16", "--page-size", "16"],
      "--page-size is for --mode decode"),
     (["show", "--db", "/dev/null"], "/dev/null is not a file"),
+    (["show", "--runs", "--current"], "--runs lists runs"),
+    (["tune", "--device", "cpu", "--shape", "1,2,1,8,8,16", "--timeout", "0"],
+     "--timeout must be more than 0"),
+    (["tune", "--device", "cpu", "--shape", "1,2,1,8,8,16", "--gpu", "1"],
+     "--device cpu runs the Triton interpreter"),
 ])
 def test_bad_arguments_are_explained(args: list[str], message: str) -> None:
     result = runner.invoke(app, args)
