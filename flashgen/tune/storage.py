@@ -113,10 +113,10 @@ def open_storage(url: str, *, heartbeat_s: int = HEARTBEAT_S, grace_s: int = GRA
         except OSError as exc:
             raise StorageError(f"--storage {url}: {exc.strerror or exc}") from None
         except (ValueError, KeyError, TypeError) as exc:  # a line that is not a journal op
+            first = (str(exc).splitlines() or [""])[0][:80]
             raise StorageError(f"--storage {url} is not an Optuna journal file "
-                               f"({type(exc).__name__}: {str(exc).splitlines()[0][:80]}); "
-                               "give the .log that `flashgen tune --storage` wrote, or a "
-                               "new file") from None
+                               f"({type(exc).__name__}: {first}); give the .log that "
+                               "`flashgen tune --storage` wrote, or a new file") from None
     scheme = url.split("://", 1)[0] if "://" in url else ""
     if scheme.split("+", 1)[0] not in _RDB_DIALECTS:
         raise StorageError(
