@@ -38,7 +38,19 @@ if TYPE_CHECKING:
 def _explained(invoke: Callable[[typer.Context], Any], ctx: typer.Context) -> Any:
     """Run a command; a known database or file error (not a database, damaged, read-only,
     disk full, locked, refused by `store.guard`) ends it with one `error:` line naming the
-    file and what to do, and exit status 1. Anything else keeps its traceback."""
+    file and what to do, and exit status 1. Anything else keeps its traceback. flashgen's
+    own warnings print as `note:` lines, as the commands' other notes do (Python's format
+    adds the file, line and source line of the warning)."""
+    shown = warnings.showwarning
+
+    def note(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+             file: Any = None, line: str | None = None) -> None:
+        if f"{os.sep}flashgen{os.sep}" in filename:
+            typer.echo(f"note: {message}", err=True)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = note
     try:
         return invoke(ctx)
     except (sqlite3.Error, OSError) as exc:
@@ -46,6 +58,8 @@ def _explained(invoke: Callable[[typer.Context], Any], ctx: typer.Context) -> An
         if failure is None:
             raise
         raise failure from None
+    finally:
+        warnings.showwarning = shown
 
 
 def _store_failure(exc: sqlite3.Error | OSError, db: Path | None) -> typer.Exit | None:

@@ -754,3 +754,15 @@ def test_show_runs_names_a_run_that_died_without_a_word(tmp_path: Path) -> None:
     with TuningDB(empty):
         pass
     assert "no runs recorded" in runner.invoke(app, ["show", "--runs", "--db", str(empty)]).output
+
+
+def test_flashgens_warnings_print_as_note_lines(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A command prints flashgen's own warnings as `note:` lines, like its other notes, not
+    in Python's format with a file, line and source line."""
+    with TuningDB(tmp_path / "t.db"):
+        pass
+    monkeypatch.setenv("FLASHGEN_BUSY_TIMEOUT", "soon-ish")  # warned once per value
+    result = runner.invoke(app, ["show", "--db", str(tmp_path / "t.db")])
+    assert "note: FLASHGEN_BUSY_TIMEOUT='soon-ish' is not a number" in result.output
+    assert "RuntimeWarning" not in result.output and "guard.py" not in result.output
