@@ -525,7 +525,12 @@ def _run_workers(problems: list[Problem], run: RunOptions, slots: list[int | Non
 
             logs: dict[tuple[int, str], _LogLines] = {}  # plain lines off a terminal
 
+            latest: dict[str, TuneResult] = {}  # each key's last report, by any worker
+
             def show(index: int, r: TuneResult) -> None:
+                held = latest.get(r.key.id)
+                if held is None or (r.best_tflops or 0) >= (held.best_tflops or 0):
+                    latest[r.key.id] = r
                 best = f"{tflops_text(r.best_tflops)} TFLOP/s" if r.best_tflops else "-"
                 label = f"{labels[index]} {r.mode} {problem_label(r.problem)}"
                 progress.update(tasks[index], completed=r.measured, best=best,
@@ -536,16 +541,20 @@ def _run_workers(problems: list[Problem], run: RunOptions, slots: list[int | Non
                 why = "done by the campaign" if kind == "done" else "led elsewhere"
                 progress.update(tasks[index], last=f"left {problem_label(problem)}: {why}")
 
+            interrupted = False
             try:
                 results, ends = run_workers(plan, slots, show, skip)
             except KeyboardInterrupt:  # the workers got it too, and stored what they had
                 progress.console.print("interrupted: results so far are in the database")
-                raise typer.Exit(130) from None
+                # The summary of what they reported last, as a single process prints it.
+                interrupted, results, ends = True, list(latest.values()), []
     with TuningDB(run.db_path) as database:
         for r in results:
             r.winner = database.winner(r.key)
     tables = results_tables(results, run.wide)
     _print_tables(console, tables, run.wide)
+    if interrupted:
+        raise typer.Exit(130)
     notes = _left_to_campaign(problems, results, ends, plan.campaign)
     if tables and notes:
         typer.echo()
