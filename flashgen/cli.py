@@ -152,6 +152,8 @@ def main(
 #: Why --dtype bf16 is refused with --device cpu (`verb`: tune or bench).
 BF16_ON_CPU = ("--dtype bf16 needs a GPU: Triton's interpreter computes bf16 dot products "
                "wrongly, so flashgen's kernels fail their check; {verb} fp16 or fp32 on the CPU")
+#: --page-size's defaults, which also tell an option given outside --mode decode (an error).
+TUNE_PAGE_SIZES, BENCH_PAGE_SIZES = "0", "0,16"
 #: The largest --seed: numpy's and Optuna's generators take 0 to 2**32 - 1.
 SEED_MAX = 2**32 - 1
 #: Trials per problem when neither --trials nor --timeout is given.
@@ -265,7 +267,7 @@ def tune(
              "llama3-8b-decode.")] = "fwd",
     page_size: Annotated[str, typer.Option(
         metavar="LIST", help="--mode decode: comma-separated cache page sizes; 0 is a "
-                             "contiguous cache.")] = "0",
+                             "contiguous cache.")] = TUNE_PAGE_SIZES,
     remeasure: Annotated[bool, typer.Option(
         help="Measure again the variants each problem already has timings for (fastest "
              "stored first; they count toward --trials) before sampling new ones: for "
@@ -364,7 +366,7 @@ def tune(
     from flashgen.kernels import presets
 
     causal = causal or ("yes" if mode == "decode" else "no")
-    if mode != "decode" and page_size != "0":
+    if mode != "decode" and page_size != TUNE_PAGE_SIZES:
         raise _fail("--page-size is for --mode decode (KV-cache problems)")
     try:
         if mode == "decode":
@@ -920,7 +922,7 @@ def bench(
              "--causal defaults to yes).")] = "fwd",
     page_size: Annotated[str, typer.Option(
         metavar="LIST", help="--mode decode: comma-separated page sizes of the caches; 0 is "
-                             "a contiguous cache.")] = "0,16",
+                             "a contiguous cache.")] = BENCH_PAGE_SIZES,
     competitors: Annotated[str | None, typer.Option(
         metavar="LIST",
         help="Comma-separated: flashgen, sdpa-flash, sdpa-cudnn, sdpa-efficient, sdpa-math, "
@@ -1007,7 +1009,7 @@ def bench(
         return
     if "decode" in named:
         raise _fail(f"--mode decode runs alone (its problems are KV-cache calls), got {mode!r}")
-    if page_size != "0,16":
+    if page_size != BENCH_PAGE_SIZES:
         raise _fail("--page-size is for --mode decode (KV-cache problems)")
 
     from flashgen.bench.command import Outputs, resolve_device, run_bench
