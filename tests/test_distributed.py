@@ -503,10 +503,26 @@ def test_hosts_joining_a_campaign_split_its_problems_and_a_rerun_does_nothing_ne
     problems = (first, *(first.with_(seq_q=n, seq_k=n) for n in (48, 64)))
     url, version = str(tmp_path / "studies.log"), package_version("flashgen")
 
+    # Each nightly host's first measurement waits until the other has begun one: a thread
+    # starved on a loaded CI machine otherwise found every problem led and finished by its peer.
+    began = {h: threading.Event() for h in "ab"}
+
+    class Gated(_Slow):
+        def __init__(self, problem: Problem, host: str) -> None:
+            super().__init__(problem)
+            self.host = host
+
+        def measure(self, variant: Any) -> Any:
+            began[self.host].set()
+            began["b" if self.host == "a" else "a"].wait(120)  # else the split below fails
+            return super().measure(variant)
+
     def plan(campaign: str, db: str, problems: tuple[Problem, ...]) -> WorkerPlan:
         run = RunOptions("cpu", trials=3, db_path=tmp_path / db)
-        return WorkerPlan(problems, run, url, campaign, version, BEAT_S, CALM_GRACE_S,
-                          slow_bench)
+        host = db.removesuffix(".db")
+        bench = slow_bench if host == "c" else (
+            lambda mode, problem, *args: Gated(problem, host))
+        return WorkerPlan(problems, run, url, campaign, version, BEAT_S, CALM_GRACE_S, bench)
 
     # Hosts a and b, started separately, join campaign nightly; c runs one of its own on the
     # first problem. Each is the one worker of its invocation, in a thread: three spawned
