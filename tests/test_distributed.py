@@ -21,6 +21,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -428,6 +429,30 @@ def slow_bench(mode: str, problem: Problem, *args: Any) -> _Slow:
     return _Slow(problem)
 
 
+class _Paired(_Slow):
+    """A _Slow whose first measurement waits until `peers` workers (processes or threads)
+    have begun one: on a loaded CI machine a worker started late found every problem led and
+    finished by the other, and the test of their split failed."""
+
+    def __init__(self, problem: Problem, folder: Path, peers: int) -> None:
+        super().__init__(problem)
+        self.folder, self.peers, self.waited = folder, peers, False
+
+    def measure(self, variant: Any) -> Any:
+        if not self.waited:
+            self.waited = True
+            (self.folder / f"began-{os.getpid()}-{threading.get_ident()}").touch()
+            deadline = time.monotonic() + 120  # past it, the test's own checks fail
+            while (len(list(self.folder.glob("began-*"))) < self.peers
+                   and time.monotonic() < deadline):
+                time.sleep(0.05)
+        return super().measure(variant)
+
+
+def paired_bench(folder: Path, peers: int, mode: str, problem: Problem, *args: Any) -> _Paired:
+    return _Paired(problem, folder, peers)
+
+
 def test_workers_lead_different_problems_and_pay_their_fixed_costs_once(
         tmp_path: Path) -> None:
     from flashgen.tune.storage import LEASE_ATTR
@@ -437,7 +462,7 @@ def test_workers_lead_different_problems_and_pay_their_fixed_costs_once(
     url = str(tmp_path / "studies.log")
     run = RunOptions("cpu", trials=3, db_path=tmp_path / "tuning.db")
     plan = WorkerPlan(problems, run, url, "lease", "0.1.test", BEAT_S, CALM_GRACE_S,
-                      slow_bench)
+                      partial(paired_bench, tmp_path, 2))
     results, ends = run_workers(plan, [None, None])
     assert [e.status for e in ends] == ["ok", "ok"]
     assert sorted(r.measured for r in results) == [3] * 4
@@ -503,25 +528,10 @@ def test_hosts_joining_a_campaign_split_its_problems_and_a_rerun_does_nothing_ne
     problems = (first, *(first.with_(seq_q=n, seq_k=n) for n in (48, 64)))
     url, version = str(tmp_path / "studies.log"), package_version("flashgen")
 
-    # Each nightly host's first measurement waits until the other has begun one: a thread
-    # starved on a loaded CI machine otherwise found every problem led and finished by its peer.
-    began = {h: threading.Event() for h in "ab"}
-
-    class Gated(_Slow):
-        def __init__(self, problem: Problem, host: str) -> None:
-            super().__init__(problem)
-            self.host = host
-
-        def measure(self, variant: Any) -> Any:
-            began[self.host].set()
-            began["b" if self.host == "a" else "a"].wait(120)  # else the split below fails
-            return super().measure(variant)
-
     def plan(campaign: str, db: str, problems: tuple[Problem, ...]) -> WorkerPlan:
         run = RunOptions("cpu", trials=3, db_path=tmp_path / db)
-        host = db.removesuffix(".db")
-        bench = slow_bench if host == "c" else (
-            lambda mode, problem, *args: Gated(problem, host))
+        # c is alone in its campaign; a and b must each lead something, whatever the load.
+        bench = slow_bench if campaign == "weekly" else partial(paired_bench, tmp_path, 2)
         return WorkerPlan(problems, run, url, campaign, version, BEAT_S, CALM_GRACE_S, bench)
 
     # Hosts a and b, started separately, join campaign nightly; c runs one of its own on the
