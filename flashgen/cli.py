@@ -494,8 +494,6 @@ def _run_workers(problems: list[Problem], run: RunOptions, slots: list[int | Non
     (default: a journal file in a temporary folder, for this run only) in `campaign`
     (default: this invocation's own); one progress line per worker, then the merged
     summary."""
-    import tempfile
-
     from rich.console import Console
     from rich.progress import Progress
 
@@ -503,11 +501,11 @@ def _run_workers(problems: list[Problem], run: RunOptions, slots: list[int | Non
     from flashgen.store.db import TuningDB, default_db_path
     from flashgen.store.keys import package_version
     from flashgen.tune.report import progress_columns, results_tables, tflops_text
+    from flashgen.tune.storage import temporary_journal
     from flashgen.tune.workers import WorkerPlan, new_id, run_workers
 
     run = replace(run, db_path=run.db_path or default_db_path())
-    with tempfile.TemporaryDirectory(prefix="flashgen-studies-") as folder:
-        url = storage or str(Path(folder) / "studies.log")
+    with contextlib.nullcontext(storage) if storage else temporary_journal() as url:
         invocation = new_id()
         plan = WorkerPlan(tuple(problems), run, url, campaign or invocation,
                           package_version("flashgen"), invocation=invocation)

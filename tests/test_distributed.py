@@ -833,3 +833,36 @@ if __name__ == "__main__":
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_killed_invocations_temporary_journal_is_swept_by_the_next(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `flashgen tune` killed with SIGKILL leaves its temporary journal folder; the next
+    invocation removes it, once its owner is gone and its files are still, and nothing else."""
+    import tempfile
+
+    from flashgen.tune.storage import JOURNAL_PREFIX, temporary_journal
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a process id nobody holds now
+
+    def folder(name: str, age_s: float) -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        (path / "studies.log").write_text("{}\n")
+        for p in (path / "studies.log", path):
+            os.utime(p, (time.time() - age_s,) * 2)
+        return path
+
+    swept = folder(f"{JOURNAL_PREFIX}{dead.pid}-old", 600)
+    kept = [folder(f"{JOURNAL_PREFIX}{dead.pid}-busy", 5),  # an orphaned worker may write
+            folder(f"{JOURNAL_PREFIX}{os.getpid()}-live", 600),  # its owner runs
+            folder(f"{JOURNAL_PREFIX}nopid", 600)]  # not named by a process id
+    (tmp_path / f"{JOURNAL_PREFIX}{dead.pid}-file").write_text("not a folder")
+    kept.append(tmp_path / f"{JOURNAL_PREFIX}{dead.pid}-file")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with temporary_journal() as url:
+        ours = Path(url).parent
+        assert ours.name.startswith(f"{JOURNAL_PREFIX}{os.getpid()}-") and ours.is_dir()
+        assert not swept.exists() and all(p.exists() for p in kept)
+    assert not ours.exists()

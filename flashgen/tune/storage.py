@@ -25,7 +25,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import shutil
 import sqlite3
+import stat
 import threading
 import time
 import warnings
@@ -212,6 +215,55 @@ def _check_sqlite_file(url: str, must_exist: bool) -> None:
         raise StorageError(f"--storage {url}: {path} is another program's SQLite database "
                            f"(it holds tables {held}); flashgen did not change it: give "
                            "--storage a new file or a .log journal")
+
+
+#: A temporary journal's folder name: this prefix, the owning process id, a random part.
+JOURNAL_PREFIX = "flashgen-studies-"
+#: Seconds a dead invocation's journal must have been still before it is swept: an orphaned
+#: worker may be writing its last trial's outcome.
+JOURNAL_STILL_S = 120
+
+
+@contextlib.contextmanager
+def temporary_journal() -> Iterator[str]:
+    """A journal file in a new temporary folder, removed at the end (the default storage of
+    one `flashgen tune`). First removes the folders of earlier invocations killed before they
+    could remove theirs (SIGKILL, the OOM killer): their journals serve nobody."""
+    import tempfile
+
+    sweep_journals(Path(tempfile.gettempdir()))
+    with tempfile.TemporaryDirectory(prefix=f"{JOURNAL_PREFIX}{os.getpid()}-") as folder:
+        yield str(Path(folder) / "studies.log")
+
+
+def sweep_journals(root: Path, still_s: float = JOURNAL_STILL_S) -> list[Path]:
+    """Remove this user's temporary journal folders under `root` whose owning process is
+    gone and whose files have not changed for `still_s` seconds; returns them."""
+    removed = []
+    for folder in root.glob(f"{JOURNAL_PREFIX}*-*"):
+        pid = folder.name.removeprefix(JOURNAL_PREFIX).split("-", 1)[0]
+        try:
+            info = folder.lstat()
+            if (not pid.isdigit() or not stat.S_ISDIR(info.st_mode)
+                    or info.st_uid != os.getuid() or _alive(int(pid))):
+                continue
+            changed = max([info.st_mtime, *(f.stat().st_mtime for f in folder.iterdir())])
+        except OSError:  # removed meanwhile, or not ours to read
+            continue
+        if time.time() - changed >= still_s:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _retry_stale(study: optuna.Study, trial: FrozenTrial) -> None:
