@@ -25,7 +25,14 @@ from dataclasses import dataclass
 
 from flashgen.kernels.modes import AnyVariant
 from flashgen.kernels.problem import Problem
-from flashgen.store.db import TrialRow, TuningDB, _problem_json, _trial_row, settles
+from flashgen.store.db import (
+    TrialRow,
+    TuningDB,
+    _problem_json,
+    _trial_row,
+    process_alive,
+    settles,
+)
 from flashgen.store.keys import TuningKey
 
 #: Seconds after which another host's mark counts as abandoned.
@@ -60,15 +67,7 @@ def stored_trial(db: TuningDB, key: TuningKey, problem: Problem, variant: AnyVar
 def _alive(host: str, pid: int, claimed_at: float) -> bool:
     if time.time() - claimed_at > CLAIM_TTL_S:
         return False
-    if host != socket.gethostname():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # a process of another user: it exists
-        return True
-    return True
+    return host != socket.gethostname() or process_alive(pid)
 
 
 def claim(db: TuningDB, key: TuningKey, problem: Problem, variant: AnyVariant,

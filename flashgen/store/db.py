@@ -395,6 +395,17 @@ class WinnerRow:
                 "updated_at": self.updated_at, "kernel_hash": self.kernel_hash}
 
 
+def process_alive(pid: int) -> bool:
+    """Whether a process of this id exists on this host (another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # alive, another user's
+        return True
+    return True
+
+
 @dataclass(frozen=True)
 class RunRow:
     """One run that wrote to the file: where, with what, by which command, and what it left."""
@@ -424,13 +435,7 @@ class RunRow:
         without a word (SIGKILL, a crash). Runs of other hosts cannot be asked."""
         if self.status != "running" or self.pid is None or self.host != socket.gethostname():
             return False
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return True
-        except OSError:  # alive, another user's
-            return False
-        return False
+        return not process_alive(self.pid)
 
 
 def settles(row: TrialRow) -> bool:

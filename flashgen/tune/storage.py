@@ -48,6 +48,7 @@ from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
 from optuna.trial import FrozenTrial, TrialState
 
 from flashgen.kernels.problem import Problem
+from flashgen.store.db import process_alive
 from flashgen.store.keys import TuningKey
 
 #: Seconds between heartbeats of a running trial or claim.
@@ -245,7 +246,7 @@ def sweep_journals(root: Path, still_s: float = JOURNAL_STILL_S) -> list[Path]:
         try:
             info = folder.lstat()
             if (not pid.isdigit() or not stat.S_ISDIR(info.st_mode)
-                    or info.st_uid != os.getuid() or _alive(int(pid))):
+                    or info.st_uid != os.getuid() or process_alive(int(pid))):
                 continue
             changed = max([info.st_mtime, *(f.stat().st_mtime for f in folder.iterdir())])
         except OSError:  # removed meanwhile, or not ours to read
@@ -254,16 +255,6 @@ def sweep_journals(root: Path, still_s: float = JOURNAL_STILL_S) -> list[Path]:
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(folder)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def _retry_stale(study: optuna.Study, trial: FrozenTrial) -> None:
