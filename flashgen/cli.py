@@ -538,8 +538,15 @@ def _run_workers(problems: list[Problem], run: RunOptions, slots: list[int | Non
                 logs.setdefault((index, label), _LogLines(progress)).step(label, r)
 
             def skip(index: int, problem: Problem, kind: str) -> None:
-                why = "done by the campaign" if kind == "done" else "led elsewhere"
-                progress.update(tasks[index], last=f"left {problem_label(problem)}: {why}")
+                # In the description, which every width shows: a worker with nothing of
+                # its own left would otherwise sit at 0/N without a word.
+                why = ("done by the campaign" if kind == "done"
+                       else "led by another worker, no budget to share")
+                progress.update(tasks[index], last=why,
+                                description=f"{labels[index]} left {problem_label(problem)}")
+                if not stderr.is_terminal:
+                    progress.console.print(f"{labels[index]} left {problem_label(problem)}: "
+                                           f"{why}", soft_wrap=True)
 
             interrupted = False
             try:

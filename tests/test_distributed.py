@@ -584,6 +584,8 @@ def test_hosts_joining_a_campaign_split_its_problems_and_a_rerun_does_nothing_ne
     assert result.exit_code == 0, result.output
     assert "campaign nightly" in result.output
     assert "nothing new to tune: 1 problem(s)" in result.output
+    # The worker's own line says why it measured nothing (off a terminal, as a plain line).
+    assert "w0 cpu left fp16 f D16 g2 32 B1 H2: done by the campaign" in result.output
     assert "already done by campaign nightly" in result.output
     with TuningDB(tmp_path / "again.db") as db:
         assert not db.trials()
