@@ -8,12 +8,14 @@ the whole command is.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pwd
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -140,10 +142,11 @@ class _Slow(FakeBench):
 
 
 def _tune_together(url: str, db_path: Path, problem: Problem, workers: int,
+                   bench: Callable[[Problem], FakeBench] = lambda p: _Slow(p),
                    **options: Any) -> tuple[list[FakeBench], list[TuneResult]]:
-    """`workers` threads tuning `problem` through `url`, each with its FakeBench and its
-    own connections, into one database file."""
-    benches = [_Slow(problem) for _ in range(workers)]
+    """`workers` threads tuning `problem` through `url`, each with its FakeBench (made by
+    `bench`) and its own connections, into one database file."""
+    benches = [bench(problem) for _ in range(workers)]
     results: list[TuneResult] = []
     errors: list[BaseException] = []
 
@@ -171,7 +174,10 @@ def _tune_together(url: str, db_path: Path, problem: Problem, workers: int,
 
 def test_workers_share_the_budget_and_never_measure_a_variant_twice(
         storage_url: str, tmp_path: Path) -> None:
-    benches, _ = _tune_together(storage_url, tmp_path / "tuning.db", PROBLEM, 3, trials=12)
+    # Two threads' first measurements wait for each other: one thread alone took all 12
+    # trials in about 1 of 24 runs beside a loaded suite.
+    benches, _ = _tune_together(storage_url, tmp_path / "tuning.db", PROBLEM, 3,
+                                lambda p: _Paired(p, tmp_path, 2), trials=12)
     measured = [v for b in benches for v in b.measured]
     assert len(measured) == 12 == len(set(measured))  # the budget is the campaign's
     assert sum(bool(b.measured) for b in benches) >= 2  # and was spread
@@ -271,12 +277,15 @@ def test_a_killed_worker_loses_only_its_running_trial(
     os.kill(worker.pid, signal.SIGKILL)
     worker.join()
     hung = Variant.from_json(mark.read_text())
-    time.sleep(GRACE_S + 1)  # its heartbeat is now stale
+    # The survivor judges staleness with a wider grace than the dead worker's: with 2 s, a
+    # survivor starved for a second on a loaded machine failed its own running trial.
+    survivor_grace = 5
+    time.sleep(survivor_grace + 1)  # the dead worker's heartbeat is now stale
 
     with TuningDB(db_path) as db:
         before = [Variant.from_dict(r.variant) for r in db.trials() if r.status == "ok"]
         assert len(before) == 2 and hung not in before  # its finished trials are stored
-        shared = _shared(storage_url, "survivor", campaign="again", grace_s=GRACE_S)
+        shared = _shared(storage_url, "survivor", campaign="again", grace_s=survivor_grace)
         bench = FakeBench()
         tune_problem(PROBLEM, bench, db, INTERPRETER, TuneOptions(trials=3, seed=5),
                      shared=shared)
@@ -408,6 +417,15 @@ def test_sigterm_to_the_workers_ends_their_runs_as_interrupted(
     from flashgen.tune.workers import run_workers
 
     def terminate_workers() -> None:
+        # Only once both have started their runs (after setting their SIGTERM handler): a
+        # worker still importing at start-up would die of the signal, not stop.
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            with contextlib.suppress(sqlite3.OperationalError), contextlib.closing(
+                    sqlite3.connect(f"file:{tmp_path / 'tuning.db'}?mode=ro", uri=True)) as db:
+                if db.execute("select count(*) from runs").fetchone()[0] >= 2:
+                    break
+            time.sleep(0.1)
         for child in multiprocessing.active_children():
             if child.name.startswith("flashgen-worker-") and child.pid is not None:
                 os.kill(child.pid, signal.SIGTERM)
