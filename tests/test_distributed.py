@@ -861,28 +861,34 @@ def test_a_killed_invocations_temporary_journal_is_swept_by_the_next(
     invocation removes it, once its owner is gone and its files are still, and nothing else."""
     import tempfile
 
-    from flashgen.tune.storage import JOURNAL_PREFIX, temporary_journal
+    from flashgen.tune.storage import JOURNAL_OWNER, JOURNAL_PREFIX, temporary_journal
 
     dead = subprocess.Popen(["true"])
     dead.wait()  # a process id nobody holds now
+    here = socket.gethostname()
 
-    def folder(name: str, age_s: float) -> Path:
-        path = tmp_path / name
+    def folder(name: str, owner: str | None, age_s: float) -> Path:
+        path = tmp_path / f"{JOURNAL_PREFIX}{name}"
         path.mkdir()
         (path / "studies.log").write_text("{}\n")
-        for p in (path / "studies.log", path):
+        if owner is not None:
+            (path / JOURNAL_OWNER).write_text(owner)
+        for p in (*path.iterdir(), path):
             os.utime(p, (time.time() - age_s,) * 2)
         return path
 
-    swept = folder(f"{JOURNAL_PREFIX}{dead.pid}-old", 600)
-    kept = [folder(f"{JOURNAL_PREFIX}{dead.pid}-busy", 5),  # an orphaned worker may write
-            folder(f"{JOURNAL_PREFIX}{os.getpid()}-live", 600),  # its owner runs
-            folder(f"{JOURNAL_PREFIX}nopid", 600)]  # not named by a process id
-    (tmp_path / f"{JOURNAL_PREFIX}{dead.pid}-file").write_text("not a folder")
-    kept.append(tmp_path / f"{JOURNAL_PREFIX}{dead.pid}-file")
+    swept = folder("old", f"{here} {dead.pid}\n", 600)
+    kept = [folder("busy", f"{here} {dead.pid}\n", 5),  # an orphaned worker may write
+            folder("live", f"{here} {os.getpid()}\n", 600),  # its owner runs
+            folder("elsewhere", f"{here}-not {dead.pid}\n", 600),  # another host's
+            folder("unnamed", None, 600),  # no owner named: not one of ours
+            folder("garbled", "x", 600)]
+    (tmp_path / f"{JOURNAL_PREFIX}file").write_text("not a folder")
+    kept.append(tmp_path / f"{JOURNAL_PREFIX}file")
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     with temporary_journal() as url:
         ours = Path(url).parent
         assert ours.name.startswith(f"{JOURNAL_PREFIX}{os.getpid()}-") and ours.is_dir()
+        assert (ours / JOURNAL_OWNER).read_text().split() == [here, str(os.getpid())]
         assert not swept.exists() and all(p.exists() for p in kept)
     assert not ours.exists()

@@ -27,6 +27,7 @@ import contextlib
 import json
 import os
 import shutil
+import socket
 import sqlite3
 import stat
 import threading
@@ -220,6 +221,9 @@ def _check_sqlite_file(url: str, must_exist: bool) -> None:
 
 #: A temporary journal's folder name: this prefix, the owning process id, a random part.
 JOURNAL_PREFIX = "flashgen-studies-"
+#: The file in that folder naming its owner, "HOST PID": a /tmp shared between hosts or
+#: containers holds folders whose process this host cannot ask about.
+JOURNAL_OWNER = "owner"
 #: Seconds a dead invocation's journal must have been still before it is swept: an orphaned
 #: worker may be writing its last trial's outcome.
 JOURNAL_STILL_S = 120
@@ -234,22 +238,24 @@ def temporary_journal() -> Iterator[str]:
 
     sweep_journals(Path(tempfile.gettempdir()))
     with tempfile.TemporaryDirectory(prefix=f"{JOURNAL_PREFIX}{os.getpid()}-") as folder:
+        (Path(folder) / JOURNAL_OWNER).write_text(f"{socket.gethostname()} {os.getpid()}\n")
         yield str(Path(folder) / "studies.log")
 
 
 def sweep_journals(root: Path, still_s: float = JOURNAL_STILL_S) -> list[Path]:
-    """Remove this user's temporary journal folders under `root` whose owning process is
-    gone and whose files have not changed for `still_s` seconds; returns them."""
+    """Remove this user's temporary journal folders under `root` whose owning process, on
+    this host, is gone and whose files have not changed for `still_s` seconds; returns them."""
     removed = []
-    for folder in root.glob(f"{JOURNAL_PREFIX}*-*"):
-        pid = folder.name.removeprefix(JOURNAL_PREFIX).split("-", 1)[0]
+    for folder in root.glob(f"{JOURNAL_PREFIX}*"):
         try:
             info = folder.lstat()
-            if (not pid.isdigit() or not stat.S_ISDIR(info.st_mode)
-                    or info.st_uid != os.getuid() or process_alive(int(pid))):
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+                continue
+            host, pid = (folder / JOURNAL_OWNER).read_text().split()
+            if host != socket.gethostname() or process_alive(int(pid)):
                 continue
             changed = max([info.st_mtime, *(f.stat().st_mtime for f in folder.iterdir())])
-        except OSError:  # removed meanwhile, or not ours to read
+        except (OSError, ValueError):  # gone meanwhile, not ours to read, or no owner named
             continue
         if time.time() - changed >= still_s:
             shutil.rmtree(folder, ignore_errors=True)
