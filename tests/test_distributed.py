@@ -892,3 +892,49 @@ def test_a_killed_invocations_temporary_journal_is_swept_by_the_next(
         assert (ours / JOURNAL_OWNER).read_text().split() == [here, str(os.getpid())]
         assert not swept.exists() and all(p.exists() for p in kept)
     assert not ours.exists()
+
+
+def test_a_worker_that_joins_too_late_to_measure_says_it_left_the_problem(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host b joins a problem host a leads, but a has claimed the whole budget meanwhile: b
+    measures nothing and reports the problem left to its leader, so its progress line says
+    why it sat at 0/N."""
+    import queue
+
+    url = str(tmp_path / "studies.log")
+    second, b_done = threading.Event(), threading.Event()
+
+    class Blocking(_Slow):
+        """Holds a's second measurement (its whole budget claimed) until b has run."""
+
+        calls = 0
+
+        def measure(self, variant: Any) -> Any:
+            Blocking.calls += 1
+            if Blocking.calls == 2:
+                second.set()
+                b_done.wait(120)
+            return super().measure(variant)
+
+    # b sees room in the budget, as when a's last claim lands between its look and its ask.
+    monkeypatch.setattr(Shared, "room", lambda self, *args: True)
+
+    def plan(db: str, bench: Any) -> WorkerPlan:
+        return WorkerPlan((PROBLEM,), RunOptions("cpu", trials=2, db_path=tmp_path / db), url,
+                          "late", "0.1.test", BEAT_S, CALM_GRACE_S, bench)
+
+    a_said: queue.Queue[Any] = queue.Queue()
+    b_said: queue.Queue[Any] = queue.Queue()
+    a = threading.Thread(target=worker_main, args=(
+        0, None, plan("a.db", lambda mode, problem, *args: Blocking(problem)), a_said))
+    a.start()
+    try:
+        assert second.wait(120), "host a never reached its second measurement"
+        worker_main(1, None, plan("b.db", slow_bench), b_said)
+    finally:
+        b_done.set()
+        a.join()
+    said = [b_said.get() for _ in range(b_said.qsize())]
+    assert ("skipped", 1, PROBLEM, "held") in said, said
+    assert said[-1][:3] == ("done", 1, "ok")
+    assert [m[2].measured for m in said if m[0] == "result"] == [0]

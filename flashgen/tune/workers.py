@@ -223,7 +223,9 @@ def _work(index: int, gpu: int | None, plan: WorkerPlan, report: Any) -> str:
 
     seed = (run.seed + index) % SEEDS
 
-    def tune(problem: Problem) -> None:
+    def tune(problem: Problem) -> int:
+        """Tune every mode of `problem`; the trials this worker measured."""
+        measured = 0
         for mode in run.modes:
             bench = plan.bench_factory(mode, problem, target, seed, run.compile_workers,
                                        database.path)
@@ -234,6 +236,8 @@ def _work(index: int, gpu: int | None, plan: WorkerPlan, report: Any) -> str:
                 on_progress=lambda r: report.put(("progress", index, _light(r))),
                 shared=shared)
             report.put(("result", index, _light(result)))
+            measured += result.measured
+        return measured
 
     def lead(problem: Problem, key: TuningKey) -> str:
         """Tune `problem` if this worker gets its lease: the lease's kind ("ours" if so)."""
@@ -264,7 +268,8 @@ def _work(index: int, gpu: int | None, plan: WorkerPlan, report: Any) -> str:
                     keys[problem], problem, run.trials))
                 kind = lead(problem, keys[problem])
                 if kind == "held" and room:
-                    tune(problem)
+                    if not tune(problem):  # the others claimed the rest of the budget first
+                        report.put(("skipped", index, problem, kind))
                 elif kind != "ours":
                     # Finished by the campaign (maybe in an earlier run of a named one), or
                     # led elsewhere with its budget taken: the parent's summary says which.
@@ -289,7 +294,8 @@ class WorkerEnd:
     """How a worker ended: its status ("ok", "failed", "interrupted", or "killed" for a
     process that died without a word), exit code and message, and the problems it left to
     the campaign, each "done" (finished by it) or "held" (led by another of its workers,
-    of this invocation or another, and not joined: no budget left to share)."""
+    of this invocation or another, and not joined, or joined too late to measure: no budget
+    left to share)."""
 
     index: int
     gpu: int | None
