@@ -542,11 +542,10 @@ def _run_workers(problems: list[Problem], run: RunOptions, slots: list[int | Non
                 # its own left would otherwise sit at 0/N without a word.
                 why = ("done by the campaign" if kind == "done"
                        else "led by another worker, no budget to share")
-                progress.update(tasks[index], last=why,
-                                description=f"{labels[index]} left {problem_label(problem)}")
+                left = f"{labels[index]} left {problem_label(problem)}"
+                progress.update(tasks[index], last=why, description=left)
                 if not stderr.is_terminal:
-                    progress.console.print(f"{labels[index]} left {problem_label(problem)}: "
-                                           f"{why}", soft_wrap=True)
+                    progress.console.print(f"{left}: {why}", soft_wrap=True)
 
             interrupted = False
             try:

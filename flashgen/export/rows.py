@@ -27,6 +27,7 @@ from flashgen.kernels.decode_space import default_decode_variant
 from flashgen.kernels.decode_variant import DecodeVariant
 from flashgen.kernels.fwd_space import (
     DEFAULTS,
+    NoDefaultFits,
     block_m_longer_than_queries,
     block_n_longer_than_keys,
     default_variant,
@@ -174,16 +175,17 @@ def _one_gpu(name: str, rows: list[Sourced], notes: list[str]) -> GpuWinners:
     versions = {s.winner.key.triton_version for s in rows}
     # Plain rows decide which Triton (and device key) a GPU exports where they can: one row
     # tuned with modifiers on a newer Triton must not push out every plain winner.
-    plain = [s for s in rows if not s.winner.key.modifiers] or rows
-    newest = max(plain, key=lambda s: s.winner.updated_at).winner.key.triton_version
+    def plain(rows: list[Sourced]) -> list[Sourced]:
+        return [s for s in rows if not s.winner.key.modifiers] or rows
+
+    newest = max(plain(rows), key=lambda s: s.winner.updated_at).winner.key.triton_version
     triton = installed if installed in versions else newest
     if len(versions) > 1:
         notes.append(f"{name}: rows of Triton {sorted(versions - {triton})} left out; "
                      f"exporting those of Triton {triton}")
     rows = [s for s in rows if s.winner.key.triton_version == triton]
     keys = {s.winner.key.device_key for s in rows}
-    device_key = Counter(s.winner.key.device_key for s in (
-        [s for s in rows if not s.winner.key.modifiers] or rows)).most_common(1)[0][0]
+    device_key = Counter(s.winner.key.device_key for s in plain(rows)).most_common(1)[0][0]
     if len(keys) > 1:
         notes.append(f"{name}: rows of {sorted(keys - {device_key})} left out; "
                      f"exporting those of {device_key}")
@@ -340,7 +342,7 @@ def default_grid(mode: str, family: Family, device: DeviceInfo, letters: str = "
             problem = with_modifiers(Problem(1, 1, 1, nq, nk, head_dim, dtype, causal), letters)
             try:
                 variant = choose(problem, device)
-            except AssertionError:  # flashgen's own defaults always fit the GPUs it serves
+            except NoDefaultFits:
                 raise NoDefault(f"none of flashgen's default {mode} variants is valid for "
                                 f"it on {device.name} ({device.shared_memory // 1024} KiB of "
                                 "shared memory a block)") from None

@@ -13,6 +13,7 @@ from dataclasses import replace
 from flashgen.kernels.bwd_variant import DQ_MODES, FA3_KERNELS, BwdVariant
 from flashgen.kernels.fwd_space import (
     MAX_ACC_PER_THREAD,
+    NoDefaultFits,
     Pick,
     first_broken,
     longer_than_needed,
@@ -344,7 +345,7 @@ def default_bwd_variant(problem: Problem, device: DeviceInfo | str | None = None
         if (pick.serves(problem, dev) and (fa3 or v.fa3 == "none")
                 and why_invalid_bwd(v, problem, dev) is None):
             return v
-    raise AssertionError(f"no default backward variant fits {problem}")
+    raise NoDefaultFits(f"no default backward variant fits {problem}")
 
 
 #: Gluon (fa3) points measured before the sampler's on Hopper, in this order, where valid,
