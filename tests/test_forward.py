@@ -229,10 +229,9 @@ def test_gpu_odd_head_dims(d: int, dtype: torch.dtype) -> None:
 def test_gpu_tma(variant: flashgen.Variant, layout: str, causal: bool) -> None:
     q, k, v = make_inputs(2, 8, 2, 1000, 1100, 128, torch.bfloat16, "cuda", seed=7,
                           layout=layout)
-    try:
-        out = flashgen.attention(q, k, v, causal=causal, variant=variant)
-    except RuntimeError as exc:  # a compile failure is data for the tuner, not a wrong result
-        pytest.skip(f"{variant} does not compile here: {exc}")
+    # Every variant here is a valid point of the search space (`why_invalid` is None on
+    # Hopper), so dispatch may serve it: a crash fails the test, as a wrong result does.
+    out = flashgen.attention(q, k, v, causal=causal, variant=variant)
     result = compare(out, q, k, v, causal)
     assert result.ok, f"{variant}: {result.reason}"
 
@@ -361,14 +360,13 @@ def test_descriptors_skip_only_checks_that_tma_ready_has_made() -> None:
     assert tma_ready(t)
     checked = TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, 64, 64])
     assert descriptor(t, 64, 64) == checked
-    if pytest.importorskip("triton.experimental.gluon") is not None:
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as Gluon
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as Gluon
 
-        from flashgen.runtime.forward import _gluon_tile_layout, gluon_descriptor
+    from flashgen.runtime.forward import _gluon_tile_layout, gluon_descriptor
 
-        layout = _gluon_tile_layout(64, 64, t.dtype)
-        assert gluon_descriptor(t, 64) == Gluon(t, list(t.shape), list(t.stride()),
-                                                 [1, 1, 64, 64], layout)
+    layout = _gluon_tile_layout(64, 64, t.dtype)
+    assert gluon_descriptor(t, 64) == Gluon(t, list(t.shape), list(t.stride()),
+                                             [1, 1, 64, 64], layout)
     with pytest.raises(AssertionError):  # an empty tensor still meets the checks
         descriptor(torch.empty(0, 4, 256, 64, dtype=torch.float16), 64, 64)
 
@@ -392,18 +390,17 @@ def test_cached_descriptor_layouts_never_carry_another_tensor() -> None:
         assert d == TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, 64, 64])
     assert made[0].strides != made[2].strides and made[0].shape != made[3].shape
     assert descriptor(a, 32, 64).block_shape == [1, 1, 32, 64]
-    if pytest.importorskip("triton.experimental.gluon") is not None:
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as Gluon
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as Gluon
 
-        from flashgen.runtime.forward import _gluon_tile_layout, gluon_descriptor
+    from flashgen.runtime.forward import _gluon_tile_layout, gluon_descriptor
 
-        wide = torch.empty(2, 4, 256, 64, dtype=torch.float32)
-        for t in (a, b, transposed, wide, a):
-            d = gluon_descriptor(t, 64)
-            assert d.base is t
-            assert d == Gluon(t, list(t.shape), list(t.stride()), [1, 1, 64, 64],
-                              _gluon_tile_layout(64, 64, t.dtype))
-        assert gluon_descriptor(wide, 64).layout != gluon_descriptor(a, 64).layout
+    wide = torch.empty(2, 4, 256, 64, dtype=torch.float32)
+    for t in (a, b, transposed, wide, a):
+        d = gluon_descriptor(t, 64)
+        assert d.base is t
+        assert d == Gluon(t, list(t.shape), list(t.stride()), [1, 1, 64, 64],
+                          _gluon_tile_layout(64, 64, t.dtype))
+    assert gluon_descriptor(wide, 64).layout != gluon_descriptor(a, 64).layout
 
 
 def test_tma_ready_reads_every_address_and_the_strides_by_element_size() -> None:
