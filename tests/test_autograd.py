@@ -113,20 +113,52 @@ def test_no_zero_gradient_is_made_for_the_lse(monkeypatch: pytest.MonkeyPatch,
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("incoming", ["squared", "constant"])
 @pytest.mark.parametrize("modified", [False, True])
-def test_second_derivatives_are_refused(modified: bool) -> None:
+def test_second_derivatives_are_refused(modified: bool, incoming: str) -> None:
     """The backward kernels have no backward: a gradient penalty (create_graph=True) must
-    fail loudly, not lose its term (its gradient once came back as a constant, no error)."""
+    fail loudly, not lose its term (its gradient once came back as a constant, no error).
+    "constant": the gradient of out.sum(), whose incoming gradient requires no grad, with
+    the penalty's derivative asked of q, k and v alone (torch's `once_differentiable` let
+    that one through)."""
     q, k, v = make_inputs(1, 2, 1, 8, 8, 16, torch.float32, "cpu", seed=4)
-    q.requires_grad_()
+    for t in (q, k, v):
+        t.requires_grad_()
     options = {"softcap": 3.0} if modified else {}
-    out = flashgen.attention(q, k, v, **options)
-    (g,) = torch.autograd.grad((out**2).sum(), q, create_graph=True)
+    sinks = torch.zeros(2, requires_grad=True) if modified else None
+    out = flashgen.attention(q, k, v, sinks=sinks, **options)
+    first = (out**2).sum() if incoming == "squared" else out.sum()
+    (g,) = torch.autograd.grad(first, q, create_graph=True)
+    penalty = out.square().sum() + (g**2).sum()
     with pytest.raises(RuntimeError, match="differentiate twice"):
-        ((g**2).sum() + q.sum()).backward()
+        torch.autograd.grad(penalty, [q, k, v])
     # A first derivative alone is unchanged.
-    (plain,) = torch.autograd.grad((flashgen.attention(q, k, v, **options) ** 2).sum(), q)
+    again = flashgen.attention(q, k, v, sinks=sinks, **options)
+    (plain,) = torch.autograd.grad((again**2).sum() if incoming == "squared" else again.sum(), q)
     assert torch.equal(plain, g.detach())
+
+
+@pytest.mark.interpreter
+def test_the_gradient_of_sinks_alone_is_refused_twice() -> None:
+    """dsinks depends on the sinks: a penalty on it, differentiated for the sinks alone."""
+    q, k, v = make_inputs(1, 2, 1, 8, 8, 16, torch.float32, "cpu", seed=5)
+    sinks = torch.zeros(2, requires_grad=True)
+    out = flashgen.attention(q, k, v, sinks=sinks)
+    (g,) = torch.autograd.grad(out.sum(), sinks, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        torch.autograd.grad((g**2).sum(), sinks)
+
+
+@pytest.mark.interpreter
+def test_a_double_backward_through_an_empty_call_is_zero() -> None:
+    """With no keys the gradients are zeros whatever the inputs: their derivative is 0,
+    exact, so it is not refused."""
+    q = torch.randn(1, 2, 4, 16, requires_grad=True)
+    k = torch.randn(1, 2, 0, 16, requires_grad=True)
+    v = torch.randn(1, 2, 0, 16, requires_grad=True)
+    out = flashgen.attention(q, k, v)
+    (g,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    assert not g.requires_grad and torch.equal(g, torch.zeros_like(q))
 
 
 @pytest.mark.gpu

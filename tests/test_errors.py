@@ -82,6 +82,11 @@ def test_dispatcher_and_return_lse_are_checked() -> None:
             call(q, k, v, dispatcher="x")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="return_lse must be a bool"):
         flashgen.attention(q, k, v, return_lse="no")  # type: ignore[arg-type]
+    # numpy's bool calls itself "bool": the message names its module.
+    import numpy as np
+
+    with pytest.raises(TypeError, match=r"causal must be a bool, got numpy\.bool"):
+        flashgen.attention(q, k, v, causal=np.bool_(True))  # type: ignore[arg-type]
 
 
 @pytest.mark.interpreter

@@ -336,6 +336,11 @@ def test_fp8_is_forward_only() -> None:
     q.requires_grad_(True)
     with pytest.raises(NotImplementedError, match="forward only"):
         call(q, k, v, *ds)
+    # A descale that requires grad (a tracked scale) was accepted, its gradient lost.
+    q.requires_grad_(False)
+    tracked = [ds[0] * torch.ones((), requires_grad=True), *ds[1:]]
+    with pytest.raises(NotImplementedError, match="forward only"):
+        call(q, k, v, *tracked)
 
 
 def test_fp8_variants_are_fa2_and_one_tile_fa3_kernels_with_tiles_inside_a_block() -> None:

@@ -1313,3 +1313,15 @@ def test_fa3_softcap_structure_is_16_bit_and_capped_only() -> None:
         assert not context["mufu_split"] and not context["cap_fold"]
     before = render_with(_templates(), v, capped, {"mufu_split": False, "cap_fold": False})
     assert "def _exp2_halves(" not in before and "SOFTCAP * _cap_tanh(" in before
+
+
+def test_the_reference_takes_a_packing_without_queries() -> None:
+    """Every sequence without queries: (0, Hq, Dv) and (Hq, 0), as the kernels return (the
+    oracle raised on its empty list of pieces); keys without queries change nothing."""
+    none = torch.zeros(3, dtype=torch.int32)
+    keys = torch.tensor([0, 4, 9], dtype=torch.int32)
+    for ck, k in ((none, torch.randn(0, 2, 16)), (keys, torch.randn(9, 2, 16))):
+        out, lse = reference.attention_varlen(torch.randn(0, 4, 16), k, torch.randn(len(k), 2, 8),
+                                              none, ck, dtype=torch.float64)
+        assert out.shape == (0, 4, 8) and out.dtype == torch.float64
+        assert lse.shape == (4, 0) and lse.dtype == torch.float64

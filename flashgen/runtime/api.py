@@ -202,7 +202,7 @@ def _fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descales: tuple[Any,
     """An fp8 call (inputs checked): the fa2 fp8 forward, with any modifiers. Forward only:
     training keeps bf16, as in FlashAttention 3."""
     if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False)
-                                       for t in (q, k, v, sinks)):
+                                       for t in (q, k, v, sinks, *descales)):
         raise NotImplementedError("fp8 attention is forward only: it has no backward (train in "
                                   "bf16, or call it under torch.no_grad())")
     if torch.compiler.is_compiling():

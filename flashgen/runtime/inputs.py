@@ -84,7 +84,16 @@ def as_int(name: str, value: object) -> int:
             return operator.index(value)  # type: ignore[arg-type]
         except TypeError:
             pass
-    raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    raise TypeError(f"{name} must be an int, got {type_name(value)}")
+
+
+def type_name(value: object) -> str:
+    """`value`'s type for an error, module-qualified outside the builtins: numpy's bool
+    calls itself "bool", so "causal must be a bool, got bool" said nothing."""
+    kind = type(value)
+    if kind.__module__ == "builtins":
+        return kind.__name__
+    return f"{kind.__module__}.{kind.__qualname__}"
 
 
 def as_real(name: str, value: object) -> float:
@@ -92,7 +101,7 @@ def as_real(name: str, value: object) -> float:
     if type(value) is float:
         return value  # type: ignore[return-value]
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number or None, got {type(value).__name__}")
+        raise TypeError(f"{name} must be a real number or None, got {type_name(value)}")
     return float(value)
 
 
@@ -103,9 +112,9 @@ def check_options(causal: object, scale: object, return_lse: object = False) -> 
     scale turns the softmax's running max into a min and a masked score's -inf into +inf)
     or a plain mean of v (0)."""
     if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        raise TypeError(f"causal must be a bool, got {type_name(causal)}")
     if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+        raise TypeError(f"return_lse must be a bool, got {type_name(return_lse)}")
     if scale is None:
         return None
     scale = as_real("scale", scale)

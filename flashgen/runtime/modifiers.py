@@ -161,7 +161,8 @@ def check_sinks(sinks: object, heads_q: int, dtype: torch.dtype,
         raise ValueError(f"sinks must have shape ({heads_q},) (one logit per query head), got "
                          f"{tuple(sinks.shape)}")
     if sinks.dtype not in (dtype, torch.float32):
-        raise TypeError(f"sinks must be {dtype} (q's dtype) or float32, got {sinks.dtype}")
+        wanted = "torch.float32" if dtype == torch.float32 else f"{dtype} (q's dtype) or float32"
+        raise TypeError(f"sinks must be {wanted}, got {sinks.dtype}")
     if sinks.device != device:
         raise ValueError(f"sinks are on {sinks.device}, q on {device}")
     return sinks

@@ -11,16 +11,62 @@ v, the output and the log-sum-exp are saved for the backward: memory is O(N), ne
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from .dispatch import PACKAGE, Saved, default_dispatcher
 from .modifiers import Mods
 
 #: One namespace per package: two copies of this runtime must not register the same op.
 NAMESPACE = PACKAGE.replace(".", "_")
+
+
+#: What differentiating flashgen's gradients raises (it has the phrase of torch's own
+#: `once_differentiable` error, "differentiate twice").
+TWICE = ("flashgen attention cannot differentiate twice: its backward kernels have no "
+         "backward (a gradient penalty or a double backward needs another attention)")
+
+
+class _Refused(torch.autograd.Function):
+    """The first `count` tensors unchanged, tied in the graph to the rest (the inputs they
+    depend on): differentiating them raises `TWICE`."""
+
+    @staticmethod
+    def forward(ctx: Any, count: int, *tensors: torch.Tensor) -> tuple:  # type: ignore[override]
+        return tuple(t.view_as(t) for t in tensors[:count])
+
+    @staticmethod
+    def backward(ctx: Any, *grads: object) -> tuple:  # type: ignore[override]
+        raise RuntimeError(TWICE)
+
+
+def differentiable_once(grads: Callable[..., tuple]) -> Callable[..., tuple]:
+    """`grads` (an autograd backward whose ctx saved q, k, v first) run without recording;
+    where autograd records the backward (create_graph=True), its gradients are tied to q,
+    k, v, the sinks and the incoming gradients that require grad, so differentiating them
+    raises. torch's `once_differentiable` ties them to nothing and raises only where an
+    incoming gradient requires grad: a penalty on the gradient of `out.sum()` (constant
+    incoming ones), taken by `autograd.grad(loss, [q, k, v])`, lost its term without an
+    error."""
+
+    @functools.wraps(grads)
+    def wrapper(ctx: Any, *args: Any) -> tuple:
+        with torch.no_grad():
+            outputs = grads(ctx, *args)
+        if not torch.is_grad_enabled():
+            return outputs
+        sources = [t for t in (*ctx.saved_tensors[:3], getattr(ctx, "sinks", None), *args)
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        made = [t for t in outputs if t is not None]
+        if not sources or not made:
+            return outputs
+        refused = iter(_Refused.apply(len(made), *made, *sources))
+        return tuple(None if t is None else next(refused) for t in outputs)
+
+    return wrapper
 
 
 @torch.library.custom_op(f"{NAMESPACE}::attention_fwd", mutates_args=())
@@ -82,7 +128,7 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     ctx.set_materialize_grads(False)
 
 
-@once_differentiable  # the backward kernels have no backward: see `EagerAttention.backward`
+@differentiable_once  # the backward kernels have no backward: see `_once_only`
 def _backward(ctx: Any, grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None) -> tuple:
     # The log-sum-exp is an auxiliary output: gradients do not flow back through it.
     if grad_out is None:  # grads are not materialized: nothing reached the output
@@ -174,6 +220,8 @@ class ModifiedAttention(torch.autograd.Function):
         ctx.causal, ctx.scale, ctx.mods, ctx.bwd_variant, ctx.dispatcher = (
             causal, scale, mods, bwd_variant, dispatcher)
         ctx.sinks_dtype = None if sinks is None else sinks.dtype
+        # For `differentiable_once` only: dsinks depends on them.
+        ctx.sinks = sinks if sinks is not None and sinks.requires_grad else None
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # as EagerAttention
         return out, lse
@@ -203,14 +251,14 @@ def _modified_grads(ctx: Any, grad_out: torch.Tensor | None, _: object) -> tuple
     return grads[0], grads[1], grads[2], dsinks, None, None, None, None, None, None
 
 
-#: Each gradient function as `once_differentiable` wraps it.
-_ONCE = {fn: once_differentiable(fn) for fn in (_eager_grads, _modified_grads)}
+#: Each gradient function as `differentiable_once` wraps it.
+_ONCE = {fn: differentiable_once(fn) for fn in (_eager_grads, _modified_grads)}
 
 
 def _once_only(grads: Any, ctx: Any, grad_out: torch.Tensor | None, grad_lse: object) -> tuple:
     """`grads(ctx, grad_out, grad_lse)`. The backward kernels have no backward of their own,
     so where autograd records one (create_graph=True: grad mode is on in the backward) the
-    gradients come through `once_differentiable`: a second derivative (a gradient penalty) is
+    gradients come through `differentiable_once`: a second derivative (a gradient penalty) is
     then an error, never a silently dropped term. Otherwise they come straight: the wrapper
     costs 3-4 us of host time a step."""
     if torch.is_grad_enabled():
@@ -237,7 +285,8 @@ class EmptyAttention(torch.autograd.Function):
         return torch.zeros_like(q), lse
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None,  # type: ignore[override]
                  ) -> tuple:
+        # Zeros whatever q, k, v and the incoming gradient are: their own derivative is 0, so
+        # a double backward through them is exact, not refused.
         return tuple(None if t is None else torch.zeros_like(t) for t in ctx.saved_tensors)

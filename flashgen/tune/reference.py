@@ -107,7 +107,12 @@ def attention_varlen(
     sinks = modifiers.get("sinks")
     cq = [int(x) for x in cu_seqlens_q]
     ck = [int(x) for x in cu_seqlens_k]
-    outs, lses = [], []
+    work = dtype or q.dtype
+    lse_dtype = torch.float64 if work == torch.float64 else torch.float32
+    # Empty to start with, so a packing whose sequences all have no queries returns
+    # (0, Hq, D) and (Hq, 0), as the kernels do.
+    outs = [torch.zeros((0, q.shape[1], v.shape[-1]), dtype=work, device=q.device)]
+    lses = [torch.zeros((q.shape[1], 0), dtype=lse_dtype, device=q.device)]
     for b in range(len(cq) - 1):
         qs = q[cq[b]:cq[b + 1]].transpose(0, 1)[None]
         ks = k[ck[b]:ck[b + 1]].transpose(0, 1)[None]
@@ -115,9 +120,7 @@ def attention_varlen(
         if qs.shape[2] == 0:
             continue
         if ks.shape[2] == 0:  # nothing to see: the sinks alone, or -inf
-            work = dtype or q.dtype
-            out = torch.zeros(qs.shape, dtype=work, device=q.device)
-            lse_dtype = torch.float64 if work == torch.float64 else torch.float32
+            out = torch.zeros((*qs.shape[:-1], v.shape[-1]), dtype=work, device=q.device)
             lse = torch.full(qs.shape[:-1], float("-inf"), dtype=lse_dtype, device=q.device)
             if sinks is not None:
                 lse = sinks.to(lse_dtype)[None, :, None].expand_as(lse)
