@@ -31,12 +31,13 @@ TWICE = ("flashgen attention cannot differentiate twice: its backward kernels ha
 
 
 class _Refused(torch.autograd.Function):
-    """The first `count` tensors unchanged, tied in the graph to the rest (the inputs they
-    depend on): differentiating them raises `TWICE`."""
+    """Copies of the first `count` tensors, tied in the graph to the rest (the inputs they
+    depend on): differentiating them raises `TWICE`. Copies, not views, so that they can be
+    changed in place as any gradient can (views out of a Function cannot)."""
 
     @staticmethod
     def forward(ctx: Any, count: int, *tensors: torch.Tensor) -> tuple:  # type: ignore[override]
-        return tuple(t.view_as(t) for t in tensors[:count])
+        return tuple(t.clone() for t in tensors[:count])
 
     @staticmethod
     def backward(ctx: Any, *grads: object) -> tuple:  # type: ignore[override]
