@@ -741,6 +741,41 @@ class _LogLines:
                 if r.best_tflops and r.best is not None else "-")
 
 
+@contextlib.contextmanager
+def _compile_progress() -> Iterator[Callable[[int, int], None]]:
+    """`on_progress` for the AOT compile (minutes for a full export): a bar on a terminal,
+    else a plain line when it starts and at each further tenth (see `_LogLines`)."""
+    import time
+
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    stderr = Console(stderr=True)
+    if stderr.is_terminal:
+        with Progress(TextColumn("compiling cubins"), BarColumn(bar_width=20),
+                      MofNCompleteColumn(), TimeElapsedColumn(), console=stderr) as bar:
+            task = bar.add_task("compile", total=None)
+            yield lambda done, total: bar.update(task, completed=done, total=total)
+        return
+    start, told = time.monotonic(), [-1]
+
+    def line(done: int, total: int) -> None:
+        tenth = done * 10 // max(total, 1)
+        if tenth > told[0]:
+            told[0] = tenth
+            what = (f"compiling {total} cubin(s)" if done == 0 else
+                    f"compiled {done}/{total} cubin(s) in {time.monotonic() - start:.0f} s")
+            stderr.print(what, soft_wrap=True)
+
+    yield line
+
+
 def _interrupted(problem: Problem, mode: str, info: DeviceInfo, trials: int | None,
                  reported: list[TuneResult], database: TuningDB,
                  progress: Progress) -> TuneResult:
@@ -1170,9 +1205,10 @@ def export(
         else:
             from flashgen.export.aot import write_aot
 
-            aot = write_aot(selection, out, name, force,
-                            fp8_out=[d.strip() for d in (fp8_out or "bf16").split(",")
-                                     if d.strip()])
+            with _compile_progress() as show:
+                aot = write_aot(selection, out, name, force,
+                                fp8_out=[d.strip() for d in (fp8_out or "bf16").split(",")
+                                         if d.strip()], on_progress=show)
             typer.echo(f"wrote {aot.path}: {aot.kernels} cubins for {', '.join(aot.gpus)}; "
                        f"{len(aot.skipped)} winner(s) skipped (see manifest.json)")
     except (ValueError, FileExistsError) as exc:

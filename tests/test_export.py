@@ -1246,3 +1246,44 @@ def test_long_key_defaults_match_flashgen() -> None:
                     assert got is not None
                     assert flashgen.Variant(**got["variant"]) == flashgen.default_variant(
                         p, device), (name, p)
+
+
+def test_aot_workers_report_progress_and_a_failed_worker_its_output(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compile tells how many kernels are done, from 0 to all, each count once (an
+    export compiled for minutes without a word); a worker that dies names what it printed."""
+    from flashgen.export import aot
+
+    worker = tmp_path / "worker.py"
+    worker.write_text(
+        "import json, sys, time\n"
+        "from pathlib import Path\n"
+        "for job in json.loads(Path(sys.argv[1]).read_text()):\n"
+        "    if job.get('fail'):\n"
+        "        print('boom in the worker'); sys.exit(3)\n"
+        "    time.sleep(0.05)\n"
+        "    Path(job['metadata']).write_text('{}')\n")
+    monkeypatch.setattr(aot, "WORKER", worker)
+    monkeypatch.setattr(aot, "POLL_S", 0.01)
+    jobs = [{"metadata": str(tmp_path / f"m{i}.json")} for i in range(7)]
+    seen: list[tuple[int, int]] = []
+    aot.run_workers(jobs, tmp_path, 3, lambda done, total: seen.append((done, total)))
+    counts = [done for done, _ in seen]
+    assert seen[0] == (0, 7) and seen[-1] == (7, 7) and {t for _, t in seen} == {7}
+    assert counts == sorted(set(counts))
+    with pytest.raises(RuntimeError, match="boom in the worker"):
+        aot.run_workers([{"metadata": str(tmp_path / "x.json"), "fail": True}], tmp_path, 1)
+
+
+def test_aot_compile_progress_off_a_terminal_is_a_line_a_tenth(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Piped (a batch job's log), the compile's progress is plain lines: its start, then one
+    per tenth done, not one per kernel."""
+    from flashgen.cli import _compile_progress
+
+    with _compile_progress() as show:
+        for done in range(0, 41):
+            show(done, 40)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "compiling 40 cubin(s)"
+    assert len(lines) == 11 and lines[-1].startswith("compiled 40/40 cubin(s) in ")

@@ -39,7 +39,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -210,20 +211,52 @@ class _Job:
     serves: list[dict[str, Any]] = field(default_factory=list)
 
 
-def run_workers(jobs: list[dict[str, Any]], workdir: Path, workers: int) -> None:
-    """Compile `jobs` (see `cubin_worker`) in up to `workers` fresh processes."""
+#: Seconds between two looks at how many jobs the workers have finished.
+POLL_S = 0.5
+
+#: `on_progress(done, total)`: compiled kernels so far, of all.
+Progress = Callable[[int, int], None]
+
+
+def run_workers(jobs: list[dict[str, Any]], workdir: Path, workers: int,
+                on_progress: Progress | None = None) -> None:
+    """Compile `jobs` (see `cubin_worker`) in up to `workers` fresh processes, telling
+    `on_progress` of each job done (its metadata file written), 0 of them first: an export
+    compiles for minutes. Each worker's output goes to a file in `workdir`, read when it
+    fails (pipes read one worker after another could fill and stall the rest). If this
+    process is stopped (Ctrl-C), its workers are stopped with it."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     batches = [jobs[i::workers] for i in range(min(workers, len(jobs)))]
-    procs = []
-    for i, batch in enumerate(batches):
-        path = workdir / f"jobs{i}.json"
-        path.write_text(json.dumps(batch))
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(path)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
-    for proc in procs:
-        output, _ = proc.communicate()
+    procs: list[tuple[subprocess.Popen[bytes], Path]] = []
+    pending = [Path(job["metadata"]) for job in jobs]
+    done = 0
+    if on_progress is not None:
+        on_progress(done, len(jobs))
+    try:
+        for i, batch in enumerate(batches):
+            path, log = workdir / f"jobs{i}.json", workdir / f"worker{i}.log"
+            path.write_text(json.dumps(batch))
+            with log.open("wb") as out:
+                procs.append((subprocess.Popen([sys.executable, str(WORKER), str(path)],
+                                               env=env, stdout=out, stderr=subprocess.STDOUT),
+                              log))
+        while True:
+            running = any(proc.poll() is None for proc, _ in procs)
+            pending = [m for m in pending if not m.exists()]
+            if on_progress is not None and len(jobs) - len(pending) != done:
+                done = len(jobs) - len(pending)
+                on_progress(done, len(jobs))
+            if not running:
+                break
+            time.sleep(POLL_S)
+    finally:
+        for proc, _ in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for proc, log in procs:
         if proc.returncode:
+            output = log.read_text(errors="replace")
             raise RuntimeError(f"the AOT compile worker failed:\n{output[-4000:]}")
 
 
@@ -252,7 +285,8 @@ class _Compiler:
             self.jobs[kid] = _Job(kid, variant, problem, gpu, source, out)
         return self.jobs[kid]
 
-    def compile(self, workers: int) -> dict[str, dict[str, Any]]:
+    def compile(self, workers: int,
+                on_progress: Progress | None = None) -> dict[str, dict[str, Any]]:
         """Compile every job: kernel id -> its manifest entry, or {"error": ...}."""
         specs = []
         for kid, job in self.jobs.items():
@@ -271,7 +305,7 @@ class _Compiler:
                 "metadata": str(base.with_suffix(".meta.json")),
             })
         with tempfile.TemporaryDirectory() as jobs_dir:
-            run_workers(specs, Path(jobs_dir), workers)
+            run_workers(specs, Path(jobs_dir), workers, on_progress)
         entries = {}
         for spec, (kid, job) in zip(specs, self.jobs.items(), strict=True):
             meta_path = Path(spec["metadata"])
@@ -444,9 +478,11 @@ def _drop_failed(manifest: dict[str, Any], entries: dict[str, dict[str, Any]]) -
 
 
 def write_aot(selection: Selection, out: Path, name: str, force: bool = False,
-              workers: int | None = None, fp8_out: Sequence[str] = FP8_OUT[:1]) -> AotReport:
+              workers: int | None = None, fp8_out: Sequence[str] = FP8_OUT[:1],
+              on_progress: Progress | None = None) -> AotReport:
     """Compile and write the AOT export `name` under `out` (see the module docstring);
-    `fp8_out`: the output dtypes each fp8 kernel is compiled for."""
+    `fp8_out`: the output dtypes each fp8 kernel is compiled for; `on_progress` is told of
+    the kernels compiled (`run_workers`)."""
     if not name.isidentifier() or keyword.iskeyword(name):
         raise ValueError(f"export name {name!r} is not a C/Python identifier")
     if not fp8_out or any(d not in FP8_OUT for d in fp8_out):
@@ -482,7 +518,7 @@ def write_aot(selection: Selection, out: Path, name: str, force: bool = False,
         families = Selection(gpus, extra_families=selection.extra_families).families()
         for gpu in gpus:
             _plan_gpu(comp, gpu, families, manifest, fp8_out)
-        _drop_failed(manifest, comp.compile(workers))
+        _drop_failed(manifest, comp.compile(workers, on_progress))
         for entry in manifest["kernels"]:
             (tmp / "kernels" / f"{entry['id']}.json").write_text(json.dumps(entry, indent=1) + "\n")
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
