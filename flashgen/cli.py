@@ -196,14 +196,13 @@ def _console() -> Console:
 def _print_tables(console: Console, tables: list[Any], wide: bool) -> None:
     """Print tables a blank line apart. With `wide`, a table wider than the console is
     printed at its own width (the terminal wraps the lines) rather than cut by rich."""
-    from rich.console import Console
+    from flashgen.bench.report import print_whole
 
     for i, table in enumerate(tables):
         if i:
             console.print()
-        need = console.measure(table, options=console.options.update_width(1000)).maximum
-        if wide and need > console.width:
-            Console(file=console.file, width=need).print(table)
+        if wide:
+            print_whole(console, table)
         else:
             console.print(table)
 

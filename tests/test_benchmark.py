@@ -5,7 +5,9 @@ interpreter in a fresh process."""
 from __future__ import annotations
 
 import csv
+import io
 import os
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -100,7 +102,8 @@ def test_table_marks_wrong_and_unavailable_cells() -> None:
     text = _text(timing_table(summarize(rows), "fwd",
                               ["flashgen", "sdpa-flash", "sdpa-cudnn", "flex"], "test-gpu"))
     assert "wrong" in text and "n/a" in text and "2.00x" in text and "test-gpu" in text
-    assert "sdpa-flash" in text.splitlines()[-2]  # the best other, in the problem's row
+    row = next(line for line in text.splitlines() if "2.00x" in line)
+    assert " flash " in row and "sdpa-flash" not in row  # the best other's short name
 
 
 def test_unsteady_cells_are_marked_and_explained() -> None:
@@ -337,7 +340,8 @@ def test_bench_on_the_cpu_interpreter(tmp_path: Path) -> None:
          "1,2,1,32,32,16", "--mode", "both", "--out", str(out)],
         env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr + done.stdout
-    assert "forward + backward" in done.stdout and "vs best" in done.stdout
+    assert "forward + backward" in done.stdout and "1,2,1,32,32,16" not in done.stdout
+    assert re.search(r"^fp16 f D16 g2 32 B1 H2 .* \d+\.\d\dx$", done.stdout, re.MULTILINE)
     # Nothing is tuned for the interpreter: the hint is the command that tunes it there
     # (it once said `--gpu 0 --preset fa-bench`, which fails on a CPU).
     assert "`flashgen tune --device cpu --shape 1,2,1,32,32,16 --dtype fp16" in done.stderr
@@ -426,3 +430,53 @@ def test_an_interrupted_bench_writes_what_it_finished_and_exits_130(
                                       "--no-plot", "--out", str(tmp_path)])
     assert result.exit_code == 130, result.output
     assert "interrupted: reporting" in result.output and (tmp_path / "bench.csv").exists()
+
+
+def _at_80(table: object) -> list[str]:
+    console = Console(width=80, record=True)
+    console.print(table)
+    return console.export_text().splitlines()
+
+
+def test_the_gpu_tables_read_whole_at_80_columns() -> None:
+    """The GPU's five competitors and the longest labels of the presets (gemma2-9b's
+    GQA D256, ViT's B64): no header or number cut ("flash…", "123…" were), and the decode
+    table's longest labels (B128, 128k keys, pages of 256) the same."""
+    from flashgen.bench.competitors import GPU_DEFAULT
+    from flashgen.bench.decoding import DECODE_COMPETITORS, DecodeRow, decode_table
+    from flashgen.kernels.problem import DecodeProblem
+    from flashgen.store.measurement import Timing
+
+    rows = [Row(p, "both", name, "ok", 5e9, Timing(ms, ms, ms, 3))
+            for p in (Problem(4, 16, 8, 8192, 8192, 256, "bf16", True),
+                      Problem(64, 12, 12, 197, 197, 64, "fp16", False))
+            for name, ms in zip(GPU_DEFAULT, (0.01, 0.014, 0.0099, 0.037, 0.1), strict=True)]
+    lines = _at_80(timing_table(summarize(rows), "both", GPU_DEFAULT, "NVIDIA H200"))
+    assert "…" not in "".join(lines) and max(map(len, lines)) <= 80
+    assert any(re.search(r"^fp16 f D64 197 B64 H12 .* cudnn +0\.99x$", line) for line in lines)
+    decode = [DecodeRow(DecodeProblem(b, 64, 8, 1, 131072, 128, "bf16", True, page_size=256),
+                        name, "ok", us, 4400.0)
+              for b in (128, 1)
+              for name, us in zip(DECODE_COMPETITORS, (7543.8, 8000.1, 9999.7, 12345.6),
+                                  strict=True)]
+    lines = _at_80(decode_table(decode, DECODE_COMPETITORS, 4.3e12))
+    assert "…" not in "".join(lines) and max(map(len, lines)) <= 80
+    assert any(re.search(r"^bf16 D128 64:8 B128 Nk128k p256 +7544 +8000 +10k +12k ", line)
+               for line in lines)
+
+
+def test_a_table_wider_than_the_console_is_printed_whole() -> None:
+    """Where a label is longer than the presets' (Nq 4 and pages too), the decode table
+    comes out at its own width, its cells whole, not cut to fit."""
+    from flashgen.bench.decoding import DECODE_COMPETITORS, DecodeRow, decode_table
+    from flashgen.bench.report import print_whole
+    from flashgen.kernels.problem import DecodeProblem
+
+    p = DecodeProblem(128, 64, 8, 4, 131072, 256, "bf16", True, page_size=256)
+    table = decode_table([DecodeRow(p, n, "ok", 7543.8, 4400.0) for n in DECODE_COMPETITORS],
+                         DECODE_COMPETITORS, 4.3e12)
+    out = io.StringIO()
+    print_whole(Console(file=out, width=80), table)
+    text = out.getvalue()
+    assert "…" not in text and "flashgen" in text
+    assert max(map(len, text.splitlines())) > 80  # it did not fit: printed wider

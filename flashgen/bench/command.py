@@ -29,6 +29,7 @@ from flashgen.bench.memory import (
 from flashgen.bench.report import (
     check_csv_target,
     csv_records,
+    print_whole,
     short_problem,
     summarize,
     timing_table,
@@ -170,8 +171,8 @@ def run_bench(
             interrupted = True
         summaries = summarize(rows)
         for mode in modes:
-            console.print(timing_table(summaries, mode, [c.name for c in competitors],
-                                       f"{name}, {timer} timer"))
+            print_whole(console, timing_table(summaries, mode, [c.name for c in competitors],
+                                              f"{name}, {timer} timer"))
         for note in unavailable_notes(rows):
             console.print(wrapped(note, "  "), highlight=False, markup=False, soft_wrap=True)
         records = csv_records(summaries, name, timer)
@@ -203,7 +204,7 @@ def run_bench(
         except KeyboardInterrupt:
             log.print("interrupted: reporting the memory measured so far")
             interrupted = True
-        console.print(memory_table(mem_rows, name))
+        print_whole(console, memory_table(mem_rows, name))
         console.print(f"memory CSV: {outputs.memory_csv}")
     if interrupted and on_interrupt is not None:
         on_interrupt()

@@ -27,6 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from flashgen.bench.competitors import FLASHGEN, resolve
+from flashgen.bench.report import print_whole
 from flashgen.kernels.problem import DecodeProblem, Problem
 from flashgen.runtime.api import attention_with_kvcache
 from flashgen.serve import Dispatcher, default_dispatcher
@@ -147,7 +148,7 @@ def run_decode_bench(problems: Sequence[DecodeProblem], device: torch.device,
         done = {r.problem for r in rows if r.competitor == names[-1]}
         rows = [r for r in rows if r.problem in done]  # a half-measured problem is dropped
         interrupted = True
-    console.print(decode_table(rows, names, rate))
+    print_whole(console, decode_table(rows, names, rate))
     if csv_path is not None:
         write_decode_csv(rows, csv_path, rate, timer if gpu else "cpu")
         console.print(f"CSV: {csv_path}")
@@ -199,18 +200,30 @@ def _measure(name: str, problem: DecodeProblem, small: KVCache, cache: KVCache,
 
 
 def _label(p: DecodeProblem) -> str:
-    cache = f"p{p.page_size}" if p.page_size else "contig"
+    """E.g. "bf16 D128 32:8 B8 Nk32k p16": Nq only where it is not 1, pN for pages of N
+    keys (the table's title says so), nothing for a contiguous cache."""
+    nq = f" Nq{p.seq_q}" if p.seq_q != 1 else ""
     nk = f"{p.seq_k // 1024}k" if p.seq_k % 1024 == 0 else str(p.seq_k)
-    return (f"{p.dtype} D{p.head_dim} {p.heads_q}:{p.heads_kv} B{p.batch} Nq{p.seq_q} Nk{nk} "
-            f"{cache}")
+    cache = f" p{p.page_size}" if p.page_size else ""
+    return f"{p.dtype} D{p.head_dim} {p.heads_q}:{p.heads_kv} B{p.batch}{nq} Nk{nk}{cache}"
+
+
+def _us_text(us: float | None) -> str:
+    """Microseconds in four characters (tenths under 100 us, thousands as "12k" from 10 ms),
+    so a row with a 128k cache keeps within 80 columns."""
+    if us is None:
+        return "-"
+    return f"{us:.1f}" if us < 100 else f"{us:.0f}" if us < 9999.5 else f"{us / 1e3:.0f}k"
 
 
 def decode_table(rows: Sequence[DecodeRow], names: Sequence[str], rate: float | None) -> Table:
     """us per competitor; flashgen's GB/s of K/V read, its share of the copy rate and its
     ratio to the fastest other competitor (above 1: flashgen is faster). Compact, to read
-    at 80 columns: headers broken at their dashes, a simple box (the CSV has every GB/s)."""
-    table = Table(title="decode: us a call; flashgen's K/V read rate", box=box.SIMPLE_HEAD,
-                  collapse_padding=True, pad_edge=False)
+    at 80 columns: headers broken at their dashes, a simple box, us to four digits (the
+    CSV has them whole)."""
+    table = Table(title="decode: us a call; flashgen's K/V read rate (pN: pages of N keys)",
+                  box=box.SIMPLE_HEAD,
+                  collapse_padding=True, pad_edge=False, show_edge=False)
     table.add_column("problem", no_wrap=True)
     for name in names:
         table.add_column(name.replace("-", "-\n"), justify="right")
@@ -225,7 +238,7 @@ def decode_table(rows: Sequence[DecodeRow], names: Sequence[str], rate: float | 
         for name in names:
             r = found.get(name)
             cells.append("-" if r is None else r.status if r.status != "ok"
-                         else f"{r.us:.1f}")
+                         else _us_text(r.us))
         mine = found.get(FLASHGEN)
         others = [r.us for n, r in found.items() if n != FLASHGEN and r.status == "ok"]
         share = (f"{mine.gbps * 1e9 / rate:.0%}" if mine and mine.gbps and rate else "-")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rich import box
+from rich.console import Console
 from rich.table import Table
 
 from flashgen.bench.competitors import FLASHGEN
@@ -88,25 +89,43 @@ def _cell(r: Row | None) -> str:
     return text if r.status == "ok" else f"[red]{text} wrong[/red]"
 
 
+def print_whole(console: Console, table: Table) -> None:
+    """`table` at the console's width where it fits, else at its own (the terminal wraps
+    its lines): a cell cut to "123…" is a number lost. The tables fit 80 columns for the
+    presets; a longer label (many query heads, Nq and pages at once) may not."""
+    need = console.measure(table, options=console.options.update_width(1000)).maximum
+    if need > console.width:
+        Console(file=console.file, width=need, force_terminal=console.is_terminal).print(table)
+    else:
+        console.print(table)
+
+
+def short_name(competitor: str) -> str:
+    """A competitor as the best-other column names it: SDPA's backends without "sdpa-"
+    (the column headers above say which are SDPA's), so five fit at 80 columns."""
+    return competitor.removeprefix("sdpa-")
+
+
 def timing_table(summaries: Iterable[Summary], mode: Mode, competitors: Sequence[str],
                  device_name: str) -> Table:
     """TFLOP/s of every competitor, one row per problem of `mode`, and flashgen's ratio to
-    the best other. Compact, to read at 80 columns with three competitors: the tuner's
-    problem labels, and headers broken at their dashes."""
+    the best other. Compact, to read at 80 columns with the GPU's five competitors: the
+    tuner's problem labels, headers broken at their dashes, the best other's short name."""
     table = Table(title=f"flashgen bench: {MODE_TITLES[mode]}, TFLOP/s ({device_name})",
-                  box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False)
+                  box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False,
+                  show_edge=False)
     table.add_column("problem", no_wrap=True)
     for name in competitors:
         table.add_column(name.replace("-", "-\n"), justify="right")
-    table.add_column("best other", justify="left")
-    table.add_column(f"{FLASHGEN}\nvs best", justify="right")
+    table.add_column("best\nother", justify="left")
+    table.add_column("vs\nbest", justify="right")
     for s in summaries:
         if s.mode != mode:
             continue
         by_name = {r.competitor: r for r in s.rows}
         ratio = "-" if s.ratio is None else f"{s.ratio:.2f}x"
         table.add_row(problem_label(s.problem), *(_cell(by_name.get(n)) for n in competitors),
-                      s.best.competitor if s.best else "-", ratio)
+                      short_name(s.best.competitor) if s.best else "-", ratio)
     return table
 
 
