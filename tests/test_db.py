@@ -250,17 +250,25 @@ def test_winners_of_other_triton_or_retired_kernels_are_never_served(db: TuningD
 
 
 def test_winners_prefer_the_running_torch(db: TuningDB) -> None:
-    for torch_version, variant in (("2.10.0", Variant(block_m=32)),
-                                   (VERSIONS.torch, Variant(block_m=64)),
-                                   ("2.12.0", Variant(block_m=128))):
-        key = key_of(versions=replace(VERSIONS, torch=torch_version))
-        record_ok(db, key, variant, 1.0)
+    """A bucket tuned under several torch versions serves the running torch's row, even
+    where another is newer; a bucket without one serves its newest row."""
+    running = Versions.current().torch
+    other = PROBLEM.with_(causal=not PROBLEM.causal)
+    rows = ((PROBLEM, "2.10.0", 32, "2026-01-03"), (PROBLEM, running, 64, "2026-01-01"),
+            (PROBLEM, "2.12.0", 128, "2026-01-02"),
+            (other, "2.10.0", 32, "2026-01-03"), (other, "2.12.0", 128, "2026-01-02"))
+    for problem, torch_version, block_m, day in rows:
+        key = key_of(problem, versions=replace(VERSIONS, torch=torch_version))
+        record_ok(db, key, Variant(block_m=block_m), 1.0, problem)
         db.update_winner(key)
+        with db.db.conn:
+            db.db.execute("UPDATE winners SET updated_at = ? WHERE key_id = ?",
+                          [f"{day}T00:00:00.000+00:00", key.id])
     args = (H100.key, VERSIONS.triton)
-    any_torch = db.load_winners(*args)
-    assert len(any_torch) == 1  # one per bucket
-    only = db.load_winners(*args, torch_version="2.10.0")
-    assert [w.variant.block_m for w in only] == [32]
+    served = {w.key.causal: w.variant.block_m for w in db.load_winners(*args)}
+    assert served == {PROBLEM.causal: 64, other.causal: 32}  # one per bucket
+    only = db.load_winners(*args, torch_version="2.12.0")
+    assert [w.variant.block_m for w in only] == [128, 128]
 
 
 def test_load_winners_defaults_to_installed_versions(db: TuningDB) -> None:

@@ -798,11 +798,21 @@ def test_storage_files_that_are_not_optuna_storages_are_refused_unchanged(
     open_storage(f"sqlite:///{tmp_path / 'fresh.db'}", must_exist=True)  # an Optuna one
 
 
-def test_worker_seeds_wrap_into_the_generators_range() -> None:
-    """Worker i seeds with the run's seed + i; at the top of --seed's range that wraps."""
-    import flashgen.tune.workers as workers
+def test_worker_seeds_wrap_into_the_generators_range(tmp_path: Path) -> None:
+    """Worker i seeds with the run's seed + i; at the top of --seed's range that wraps:
+    worker 1 of a run seeded 2**32 - 1 tunes (unwrapped, its sampler refused the seed and
+    the worker failed)."""
+    import queue
 
-    assert (2**32 - 1 + 1) % workers.SEEDS == 0
+    run = RunOptions("cpu", trials=2, seed=2**32 - 1, db_path=tmp_path / "tuning.db")
+    plan = WorkerPlan((PROBLEM,), run, str(tmp_path / "studies.log"), "wrap", "0.1.test",
+                      BEAT_S, GRACE_S, lambda mode, problem, *_: FakeBench(problem))
+    said: queue.Queue[tuple[Any, ...]] = queue.Queue()
+    worker = threading.Thread(target=worker_main, args=(1, None, plan, said))
+    worker.start()  # a thread: pytest's own SIGTERM handling stays as it is
+    worker.join(120)
+    messages = [said.get_nowait() for _ in range(said.qsize())]
+    assert messages[-1][:3] == ("done", 1, "ok"), messages[-1]
     result = CliRunner().invoke(app, ["tune", "--device", "cpu", "--shape", "1,2,1,32,32,16",
                                       "--seed", str(2**32)])
     assert result.exit_code == 2 and "--seed" in result.output
