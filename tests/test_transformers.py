@@ -250,3 +250,88 @@ def test_short_decoder_training_step_through_cross_attention() -> None:
     for want, got in zip(grads["sdpa"], grads["flashgen"], strict=True):
         assert got is not None
         assert (want - got).abs().max().item() <= 1e-4 * want.abs().max().item() + 1e-6
+
+
+# ---- from a user audit: models and arguments the integration once got wrong silently --------
+
+
+def _module(causal: bool = True) -> torch.nn.Module:
+    module = torch.nn.Module()
+    module.is_causal = causal  # type: ignore[assignment]
+    return module.eval()
+
+
+@pytest.mark.interpreter
+def test_models_without_flash_support_and_position_bias_are_refused() -> None:
+    """T5 (relative position bias) and the like are marked `_supports_flash_attn = False`;
+    under "flashgen" they ran with the bias dropped, logits wrong and no error."""
+    from flashgen.integrations.transformers import flashgen_attention_forward
+
+    register()
+    config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1,
+                                   num_heads=4, attn_implementation="flashgen")
+    with pytest.raises(ValueError, match="T5ForConditionalGeneration does not support flash"):
+        transformers.T5ForConditionalGeneration(config)
+    q = torch.randn(1, 2, 5, 16)
+    with pytest.raises(ValueError, match="position_bias"):
+        flashgen_attention_forward(_module(), q, q, q, None,
+                                   position_bias=torch.zeros(1, 2, 5, 5))
+
+
+@pytest.mark.interpreter
+def test_a_value_head_dim_other_than_the_querys_runs_padded() -> None:
+    """DeepSeek's MLA: v's head dim below q's and k's. It crashed (unpadded: a kernel
+    check; padded batch: a bare reshape error); now as transformers' flash path: v padded,
+    the output cut back, the scale the query's own."""
+    from flashgen.integrations.transformers import flashgen_attention_forward
+
+    gen = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(2, 4, 9, 16, generator=gen) for _ in range(2))
+    v = torch.randn(2, 4, 9, 8, generator=gen)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :3] = 0
+    for am in (None, mask):
+        out, _ = flashgen_attention_forward(_module(), q, k, v, am)
+        assert out.shape == (2, 9, 4, 8)
+        scores = (q.double() @ k.double().transpose(-1, -2)) * 16 ** -0.5
+        scores = scores.masked_fill(torch.ones(9, 9).triu(1).bool(), float("-inf"))
+        if am is not None:
+            scores = scores.masked_fill(~am.bool()[:, None, None, :], float("-inf"))
+        want = (scores.softmax(-1) @ v.double()).transpose(1, 2)
+        real = slice(None) if am is None else am.bool()
+        assert (out.double() - want)[real].abs().max().item() < 1e-5
+
+
+@pytest.mark.interpreter
+def test_packed_keys_of_their_own_and_packs_that_begin_mid_document() -> None:
+    """Continuous batching gives `cu_seq_lens_k` of its own (new tokens against cached ones):
+    they were ignored and the keys cut as the queries. A pack whose first document began in
+    an earlier pack (positions 3, 4, ..., then 0, ...) ran as one causal sequence."""
+    from flashgen.integrations.transformers import _packed_lengths, flashgen_attention_forward
+    from flashgen.tune import reference
+
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 2, 3, 16, generator=gen)  # one new token for each of three requests
+    k, v = (torch.randn(1, 2, 12, 16, generator=gen) for _ in range(2))
+    cu_q = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 7, 12], dtype=torch.int32)
+    out, _ = flashgen_attention_forward(_module(), q, k, v, None, cu_seq_lens_q=cu_q,
+                                        cu_seq_lens_k=cu_k, max_length_q=1, max_length_k=5)
+    pack = lambda t: t[0].transpose(0, 1)
+    want, _ = reference.attention_varlen(pack(q), pack(k), pack(v), cu_q, cu_k, True,
+                                         dtype=torch.float64)
+    assert (out[0].double() - want).abs().max().item() < 1e-5
+    positions = torch.tensor([[3, 4, 5, 6, 0, 1, 2, 0, 1, 2, 3]])
+    x = torch.randn(1, 2, 11, 16)
+    cu, cu_k2, longest, longest_k = _packed_lengths(x, x, None, {"position_ids": positions})
+    assert cu.tolist() == [0, 4, 7, 11] and cu is cu_k2 and longest == longest_k == 4
+
+
+@pytest.mark.interpreter
+def test_output_attentions_is_said_to_give_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    import flashgen.integrations.transformers as integration
+
+    monkeypatch.setattr(integration, "_warned", set())  # said once a process
+    q = torch.randn(1, 2, 5, 16)
+    with pytest.warns(UserWarning, match="no attention weights"):
+        integration.flashgen_attention_forward(_module(), q, q, q, None, output_attentions=True)

@@ -5,8 +5,12 @@ flashgen handles causal and full attention, GQA and KV caches (its causal mask i
 bottom-right, which is what a query chunk at the end of a cache needs). As transformers' own
 flash-attention path does, a padded batch (a 2-D padding mask) is unpadded into packed
 sequences for `flashgen.attention_varlen` and padded back (pad rows give 0), and packed
-documents (batch 1, position ids restarting at 0, or `cu_seq_lens_*` given) run as separate
-sequences. A layer's `sliding_window`, `softcap` and `s_aux` (attention sinks) are honoured.
+documents (batch 1, position ids that restart, or `cu_seq_lens_*` given, keys' own included,
+as continuous batching gives them) run as separate sequences. A layer's `sliding_window`,
+`softcap` and `s_aux` (attention sinks) are honoured, and a value head dim other than the
+query's (DeepSeek's MLA) is padded. Refused with a named error, as transformers refuses its
+flash-attention names: models marked `_supports_flash_attn = False` (T5's position bias,
+Gemma 3's image mask), a `position_bias`, the paged continuous-batching cache, 4-D masks.
 
 Generation: a step of a few new tokens against a cache, with the layer's modifiers, runs the
 decode family (`flashgen.attention_with_kvcache`). A dynamic cache hands over exactly the keys
@@ -19,6 +23,7 @@ input shape every step (one CUDA graph, not a new recording per generated token)
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -85,9 +90,26 @@ def flashgen_attention_forward(
     s_aux: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function contract: (B, H, N, D) in, (B, N, H, D) out."""
+    """transformers' attention-function contract: (B, H, N, D) in, (B, N, H, D) out. A value
+    head dim other than the query's (DeepSeek's MLA) is padded to the wider one and the
+    output cut back, as transformers' flash-attention path does."""
     if dropout and module.training:
-        raise ValueError(f"attention dropout {dropout} is not supported by flashgen")
+        raise ValueError(f"attention dropout {dropout} is not supported by flashgen: set the "
+                         "config's attention_dropout to 0, or call model.eval()")
+    if kwargs.get("position_bias") is not None:
+        raise ValueError("flashgen got a position_bias (T5's relative attention bias, MPT's "
+                         "ALiBi): it adds no bias to the scores. Use attn_implementation="
+                         "'sdpa' or 'eager' for this model.")
+    if kwargs.get("block_table") is not None:
+        raise ValueError("flashgen does not take transformers' paged continuous-batching "
+                         "cache (block_table); use generate(), or attn_implementation="
+                         "'sdpa' for generate_batch()")
+    if kwargs.get("output_attentions"):
+        _warn_once("flashgen computes no attention weights: output_attentions=True returns "
+                   "None for them; use attn_implementation='eager' to get them")
+    if value.shape[-1] != query.shape[-1]:
+        return _widened(module, query, key, value, attention_mask, dropout, scaling,
+                        is_causal, sliding_window, softcap, s_aux, **kwargs)
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     if s_aux is not None and s_aux.dtype not in (query.dtype, torch.float32):
         s_aux = s_aux.float()  # under autocast the sinks keep the parameters' dtype
@@ -114,11 +136,10 @@ def flashgen_attention_forward(
     if padded:
         assert attention_mask is not None
         out = _padded(query, key, value, attention_mask.bool(), options)
-    elif (packed := _packed_lengths(query, attention_mask, kwargs)) is not None:
-        cu, longest = packed
+    elif (packed := _packed_lengths(query, key, attention_mask, kwargs)) is not None:
         q, k, v = (t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])
                    for t in (query, key, value))
-        out = flashgen.attention_varlen(q, k, v, cu, cu, longest, longest, **options)
+        out = flashgen.attention_varlen(q, k, v, *packed, **options)
         out = out.view(query.shape[0], nq, query.shape[1], query.shape[3])
     elif nq <= DECODE_MAX_NEW_TOKENS and valid > nq and not grads:
         # New tokens against a cache: the decode family, every sequence `valid` keys long
@@ -130,6 +151,31 @@ def flashgen_attention_forward(
         out = flashgen.attention(query, key[:, :, :valid], value[:, :, :valid],
                                  **options).transpose(1, 2)
     return out.contiguous(), None
+
+
+#: Messages `_warn_once` has given.
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)
+
+
+def _widened(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+             value: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """`flashgen_attention_forward` where q/k and v have different head dims: the narrower
+    zero-padded to the wider (scores and the value rows are unchanged by zero columns),
+    the softmax scale fixed to the query's own head dim first, the output cut to v's."""
+    wide = max(query.shape[-1], value.shape[-1])
+    pad = lambda t: torch.nn.functional.pad(t, (0, wide - t.shape[-1]))
+    mask, dropout, scaling, *rest = args
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    out, _ = flashgen_attention_forward(module, pad(query), pad(key), pad(value), mask,
+                                        dropout, scaling, *rest, **kwargs)
+    return out[..., :value.shape[-1]].contiguous(), None
 
 
 #: The last lengths tensor of an eager decode step per (device, stream): every layer of a
@@ -198,30 +244,39 @@ def _one_run_per_row(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | 
     return (pads, lengths) if one else None
 
 
-def _packed_lengths(query: torch.Tensor, attention_mask: torch.Tensor | None,
-                    kwargs: dict[str, Any]) -> tuple[torch.Tensor, int] | None:
-    """(cu_seqlens, longest) of packed documents in a batch of one, else None: from
-    `cu_seq_lens_q` / `max_length_q` where the caller gives them (equal for keys: packing
-    is self-attention), or from position ids that restart (a document starts at each 0)."""
+def _packed_lengths(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
+                    kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
+    """(cu_seqlens_q, cu_seqlens_k, longest q, longest k) of packed documents in a batch of
+    one, else None: from `cu_seq_lens_q`/`_k` and `max_length_q`/`_k` where the caller gives
+    them (continuous batching gives keys of their own: each request's new tokens against its
+    cached ones; packed training gives queries only, the keys being the same), or from
+    position ids: a document starts at the first token and wherever a position is not the
+    one before it plus one (a restart at 0, or a pack that began mid-document)."""
     if attention_mask is not None or query.shape[0] != 1:
         return None
-    cu = kwargs.get("cu_seq_lens_q")
-    if cu is not None:
-        longest = kwargs.get("max_length_q")
-        longest = int(longest) if longest is not None else int(cu.diff().max())
-        return cu.to(torch.int32), longest
+    cu_q = kwargs.get("cu_seq_lens_q")
+    if cu_q is not None:
+        cu_k = kwargs.get("cu_seq_lens_k")
+        cu_k = cu_q if cu_k is None else cu_k
+        longest_q, longest_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+        if cu_k is cu_q:
+            longest_k = longest_q
+        longest_q = int(longest_q) if longest_q is not None else int(cu_q.diff().max())
+        longest_k = int(longest_k) if longest_k is not None else int(cu_k.diff().max())
+        return cu_q.to(torch.int32), cu_k.to(torch.int32), longest_q, longest_k
     positions = kwargs.get("position_ids")
-    if positions is None or positions.shape[-1] != query.shape[2] or query.shape[2] == 1:
+    n = query.shape[2]
+    # One position per token (not, say, Qwen2-VL's three rows of them), keys the queries.
+    if positions is None or positions.numel() != n or n == 1 or key.shape[2] != n:
         return None
     positions = positions.reshape(-1)
-    starts = (positions == 0).nonzero().view(-1)
-    if starts.numel() <= 1 and bool((positions.diff() == 1).all()):
+    breaks = (positions.diff() != 1).nonzero().view(-1) + 1
+    if breaks.numel() == 0:
         return None  # one document: the dense kernel
-    if starts.numel() == 0 or int(starts[0]) != 0:
-        return None
-    total = torch.tensor([positions.numel()], device=starts.device)
-    cu = torch.cat([starts, total]).to(torch.int32)
-    return cu, int(cu.diff().max())
+    ends = torch.tensor([0, n], device=breaks.device)
+    cu = torch.cat([ends[:1], breaks, ends[1:]]).to(torch.int32)
+    longest = int(cu.diff().max())
+    return cu, cu, longest, longest
 
 
 def _padded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
@@ -286,6 +341,34 @@ def register() -> None:
     AttentionMaskInterface.register(NAME, _mask)
     _skip_flash_import_for_our_name()
     _list_our_name_where_flash_kernels_are_listed()
+    _refuse_models_without_flash_support()
+
+
+def _refuse_models_without_flash_support() -> None:
+    """transformers refuses its flash-attention names for models marked
+    `_supports_flash_attn = False` (T5's relative bias, Gemma 3's two-way image mask, ...:
+    what a flash kernel drops), but lets any other name by, so such a model ran under
+    "flashgen" with wrong results and no error. Its check of the requested implementation
+    is wrapped to refuse our name the same way; every other name goes through unchanged."""
+    from transformers.modeling_utils import PreTrainedModel
+
+    original = PreTrainedModel.get_correct_attn_implementation
+    if getattr(original, "_flashgen_wrapped", False):
+        return
+
+    def get_correct_attn_implementation(self: Any, requested_attention: str | None,
+                                        *args: Any, **kw: Any) -> str:
+        if requested_attention == NAME and not (
+                self._supports_flash_attn or getattr(self, "_supports_flash_attn_2", False)):
+            raise ValueError(
+                f"{type(self).__name__} does not support flash-attention-style "
+                "implementations (transformers marks it so: its attention needs what they "
+                "drop, such as a relative position bias or a non-causal image mask), so "
+                "attn_implementation='flashgen' cannot run it; use 'sdpa' or 'eager'")
+        return original(self, requested_attention, *args, **kw)
+
+    get_correct_attn_implementation._flashgen_wrapped = True  # type: ignore[attr-defined]
+    PreTrainedModel.get_correct_attn_implementation = get_correct_attn_implementation
 
 
 #: Model classes that name the flash implementations they accept (those that handle their
