@@ -1139,13 +1139,15 @@ def export(
         metavar="NAME", help="Export only this GPU model's winners, e.g. 'NVIDIA H200' "
                              "(default: every GPU in the database).")] = None,
     name: Annotated[str, typer.Option(
-        help="Name of the written package (a Python identifier).")] = "flashgen_kernels",
+        help="Name of the written package (an ASCII Python identifier, not an installed "
+             "module's).")] = "flashgen_kernels",
     fmt: Annotated[str, typer.Option(
         "--format", metavar="python|aot",
         help="python: a package needing only torch and triton; aot: cubins compiled for each "
              "tuned GPU, with a manifest and a C header for C/C++ launchers.")] = "python",
     force: Annotated[bool, typer.Option(
-        help="Replace an existing package of the same name.")] = False,
+        help="Replace an earlier export of the same name (never another folder, a file "
+             "or a link).")] = False,
     fp8_out: Annotated[str | None, typer.Option(
         "--fp8-out", metavar="LIST",
         help="aot: output dtypes to compile each fp8 kernel for, bf16 and/or fp16 "

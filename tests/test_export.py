@@ -182,7 +182,7 @@ q, k, v = inputs(1, 2, 1, 50, 60, 32, torch.float32, seed=7)
 compiled = torch.compile(lambda q, k, v: fgk.attention(q, k, v, causal=True) * 2.0,
                          fullgraph=True, backend="aot_eager")
 res["compiled"] = {"q": q, "k": k, "v": v, "out": compiled(q, k, v) / 2.0}
-res["ops"] = [ns for ns in ("fgk", "fgk_stale", "fgk_other")
+res["ops"] = [ns for ns in ("fgk", "fgk_ustale", "fgk_uother")
               if hasattr(getattr(torch.ops, ns), "attention_fwd")]
 later.__exit__(None, None, None)
 res["later_warnings"] = [str(w.message) for w in res["later_warnings"]
@@ -230,6 +230,55 @@ def _exported_runtime(exported: dict[str, Any]) -> ModuleType:
         sys.path.remove(str(exported["out"]))
 
 
+def test_export_replaces_only_an_earlier_export(tmp_path: Path) -> None:
+    """From a user audit: `--force` deleted whatever folder stood at OUT/NAME (a project's
+    code went with it), died with a traceback on a symbolic link, and called a file at
+    OUT/NAME "a part of its folder path". A non-ASCII name exported but did not import, and
+    a name of an installed module (torch's sympy) would shadow it."""
+    db = tmp_path / "t.db"
+    _store(db, P_FP16, V_FP16, INTERPRETER)
+    runner = CliRunner()
+
+    def export(name: str, *args: str) -> Any:
+        return runner.invoke(app, ["export", "--db", str(db), "--out", str(tmp_path),
+                                   "--name", name, *args])
+
+    mine = tmp_path / "project"
+    mine.mkdir()
+    (mine / "code.py").write_text("x = 1\n")
+    refused = export("project", "--force")
+    assert refused.exit_code == 2 and "is not a flashgen export" in refused.output
+    assert (mine / "code.py").read_text() == "x = 1\n"
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
+    linked = export("link", "--force")
+    assert linked.exit_code == 2 and "is a symbolic link" in linked.output
+    assert (tmp_path / "elsewhere").is_dir()
+    (tmp_path / "plain").write_text("notes\n")
+    plain = export("plain")
+    assert plain.exit_code == 2 and "is a file, not an export" in plain.output
+    assert (tmp_path / "plain").read_text() == "notes\n"
+    (tmp_path / "empty").mkdir()
+    assert export("empty", "--force").exit_code == 0  # nothing of the user's in it
+    assert export("empty", "--force").exit_code == 0  # an earlier export: replaced
+    assert (tmp_path / "empty" / "table.json").is_file()
+    accented = export("\u00dcn\u00ef")
+    assert accented.exit_code == 2 and "ASCII" in accented.output
+    shadow = export("sympy")  # installed with torch, which imports it
+    assert shadow.exit_code == 2 and "shadow the installed module 'sympy'" in shadow.output
+
+
+def test_op_namespaces_of_two_package_names_never_meet() -> None:
+    """`vend.pkg` and `vend_pkg` shared one namespace, so one's compiled calls ran the
+    other's kernels."""
+    from flashgen.runtime.ops import op_namespace
+
+    names = ("flashgen", "vend.pkg", "vend_pkg", "vend_dpkg", "a._b", "a_.b", "a__b")
+    spelt = [op_namespace(n) for n in names]
+    assert len(set(spelt)) == len(names) and op_namespace("flashgen") == "flashgen"
+    assert all(s.replace("_", "").isalnum() for s in spelt)
+
+
 @pytest.mark.interpreter
 def test_package_layout(exported: dict[str, Any]) -> None:
     pkg = exported["out"] / "fgk"
@@ -271,7 +320,7 @@ def test_runs_without_the_tuning_stack(exported: dict[str, Any]) -> None:
     # torch.compile traces the package's own op; each package registers its own namespace.
     r = res["compiled"]
     assert compare(r["out"], r["q"], r["k"], r["v"], True).ok
-    assert res["ops"] == ["fgk", "fgk_stale", "fgk_other"]
+    assert res["ops"] == ["fgk", "fgk_ustale", "fgk_uother"]  # `op_namespace` of each
 
 
 @pytest.mark.interpreter

@@ -32,7 +32,6 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
-import keyword
 import os
 import re
 import shutil
@@ -54,6 +53,7 @@ from flashgen.export.rows import (
     default_grid,
     tile_needs,
 )
+from flashgen.export.target import check_name, check_target
 from flashgen.kernels.hardware import CPU_INTERPRETER
 from flashgen.kernels.problem import Problem
 from flashgen.kernels.render import render
@@ -483,15 +483,13 @@ def write_aot(selection: Selection, out: Path, name: str, force: bool = False,
     """Compile and write the AOT export `name` under `out` (see the module docstring);
     `fp8_out`: the output dtypes each fp8 kernel is compiled for; `on_progress` is told of
     the kernels compiled (`run_workers`)."""
-    if not name.isidentifier() or keyword.iskeyword(name):
-        raise ValueError(f"export name {name!r} is not a C/Python identifier")
+    check_name(name, "export name")
     if not fp8_out or any(d not in FP8_OUT for d in fp8_out):
         raise ValueError(f"fp8 output dtypes must be some of {', '.join(FP8_OUT)}, got "
                          f"{', '.join(fp8_out) or 'none'}")
     fp8_out = tuple(dict.fromkeys(fp8_out))
     target = out / name
-    if target.exists() and not force:
-        raise FileExistsError(f"{target} exists; pass --force to replace it")
+    check_target(target, force)
     gpus = [g for g in selection.gpus if g.device.name != CPU_INTERPRETER]
     skipped = [{"gpu": CPU_INTERPRETER, "reason": "the CPU interpreter has no GPU target"}
                for g in selection.gpus if g.device.name == CPU_INTERPRETER]

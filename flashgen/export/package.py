@@ -33,7 +33,6 @@ a named error that says which `--modifiers` to export with.
 from __future__ import annotations
 
 import json
-import keyword
 import shutil
 import sys
 import tempfile
@@ -57,6 +56,7 @@ from flashgen.export.rows import (
     tile_needs,
     with_modifiers,
 )
+from flashgen.export.target import check_name, check_not_shadowing, check_target
 from flashgen.kernels.bwd_render import PREPROCESS_BLOCK_M, bwd_roles, render_bwd
 from flashgen.kernels.bwd_variant import BwdVariant
 from flashgen.kernels.decode_render import render_decode
@@ -342,16 +342,15 @@ _TAKEN_NAMES = frozenset({"flashgen", "torch", "triton", "numpy", "jinja2"})
 
 def write_package(selection: Selection, out: Path, name: str, force: bool = False) -> ExportReport:
     """Write package `name` under `out` (replacing an existing one only with `force`)."""
-    if not name.isidentifier() or keyword.iskeyword(name):
-        raise ValueError(f"package name {name!r} is not a Python identifier")
+    check_name(name, "package name")
     if name in _TAKEN_NAMES or name in sys.stdlib_module_names:
         raise ValueError(f"package name {name!r} would shadow the module {name!r} for whoever "
                          "imports it; pick another")
+    target = out / name
+    check_not_shadowing(name, target)
     if not selection.gpus:
         raise ValueError("no winners to export (see the notes)")
-    target = out / name
-    if target.exists() and not force:
-        raise FileExistsError(f"{target} exists; pass --force to replace it")
+    check_target(target, force)
     table, sources = build_table(selection)
     out.mkdir(parents=True, exist_ok=True)
     # Build beside the target and swap it in, so a failed export leaves no half package.

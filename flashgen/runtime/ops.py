@@ -20,13 +20,21 @@ import torch
 from .dispatch import PACKAGE, Saved, default_dispatcher
 from .modifiers import Mods
 
+
+def op_namespace(package: str) -> str:
+    """The torch.library namespace of a package's ops. It takes no dots: "_" and "." are
+    spelt "_u" and "_d", so that no two package names meet ("vend.pkg" and "vend_pkg" did,
+    and one's ops then served the other's compiled calls)."""
+    return package.replace("_", "_u").replace(".", "_d")
+
+
 #: One namespace per package: two copies of this runtime must not register the same op.
-NAMESPACE = PACKAGE.replace(".", "_")
+NAMESPACE = op_namespace(PACKAGE)
 
 
 #: What differentiating flashgen's gradients raises (it has the phrase of torch's own
 #: `once_differentiable` error, "differentiate twice").
-TWICE = ("flashgen attention cannot differentiate twice: its backward kernels have no "
+TWICE = (f"{PACKAGE} attention cannot differentiate twice: its backward kernels have no "
          "backward (a gradient penalty or a double backward needs another attention)")
 
 

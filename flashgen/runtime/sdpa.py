@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .api import attention
+from .dispatch import PACKAGE
 
 
 def scaled_dot_product_attention(
@@ -26,18 +27,18 @@ def scaled_dot_product_attention(
     """
     if attn_mask is not None:
         raise ValueError(
-            "attn_mask is not supported by flashgen (no dense masks); use "
+            f"attn_mask is not supported by {PACKAGE} (no dense masks); use "
             "is_causal=True for causal attention, or torch SDPA for other masks"
         )
     if dropout_p != 0.0:
-        raise ValueError(f"dropout_p={dropout_p} is not supported by flashgen; only 0.0")
+        raise ValueError(f"dropout_p={dropout_p} is not supported by {PACKAGE}; only 0.0")
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D (batch, heads, seq, head_dim) tensor")
     if is_causal and query.shape[-2] != key.shape[-2]:
         raise ValueError(
             f"is_causal=True with query length {query.shape[-2]} != key length "
-            f"{key.shape[-2]}: SDPA aligns this mask top-left; flashgen.attention(causal=True) "
+            f"{key.shape[-2]}: SDPA aligns this mask top-left; {PACKAGE}.attention(causal=True) "
             "aligns it bottom-right (as FlashAttention 2 does) if that is what you want"
         )
     if query.shape[1] != key.shape[1] and not enable_gqa:
