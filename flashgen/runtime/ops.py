@@ -1,8 +1,9 @@
 """The operators registered with torch.library, so torch.compile traces through them, and the
 autograd Function that eager calls take.
 
-`<package>::attention_fwd` and `<package>::attention_bwd` (the namespace is the package's
-name, so flashgen and any number of exported packages register side by side in one process)
+`<package>::attention_fwd` and `<package>::attention_bwd` (the namespace is spelt from the
+package's name, `op_namespace`, so flashgen and any number of exported packages register
+side by side in one process)
 are opaque to the compiler: their fake implementations give output shapes, strides and
 dtypes, and the real ones dispatch at run time like eager calls do. Autograd is registered
 on the forward op, so gradients work in eager mode and under torch.compile alike. Only q, k,
