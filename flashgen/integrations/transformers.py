@@ -256,13 +256,15 @@ def _packed_lengths(query: torch.Tensor, key: torch.Tensor, attention_mask: torc
         return None
     cu_q = kwargs.get("cu_seq_lens_q")
     if cu_q is not None:
+        given = kwargs.get("max_length_q")
+        # A longest length not given is a host read of the offsets (a GPU sync): once each.
+        longest_q = int(given) if given is not None else int(cu_q.diff().max())
         cu_k = kwargs.get("cu_seq_lens_k")
-        cu_k = cu_q if cu_k is None else cu_k
-        longest_q, longest_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
-        if cu_k is cu_q:
-            longest_k = longest_q
-        longest_q = int(longest_q) if longest_q is not None else int(cu_q.diff().max())
-        longest_k = int(longest_k) if longest_k is not None else int(cu_k.diff().max())
+        if cu_k is None or cu_k is cu_q:  # packed training: the keys are the queries
+            offsets = cu_q.to(torch.int32)
+            return offsets, offsets, longest_q, longest_q
+        given = kwargs.get("max_length_k")
+        longest_k = int(given) if given is not None else int(cu_k.diff().max())
         return cu_q.to(torch.int32), cu_k.to(torch.int32), longest_q, longest_k
     positions = kwargs.get("position_ids")
     n = query.shape[2]
@@ -352,23 +354,33 @@ def _refuse_models_without_flash_support() -> None:
     is wrapped to refuse our name the same way; every other name goes through unchanged."""
     from transformers.modeling_utils import PreTrainedModel
 
-    original = PreTrainedModel.get_correct_attn_implementation
-    if getattr(original, "_flashgen_wrapped", False):
+    def wrap(original: Callable[..., str]) -> Callable[..., str]:
+        def get_correct_attn_implementation(self: Any, requested_attention: str | None,
+                                            *args: Any, **kw: Any) -> str:
+            if requested_attention == NAME and not (
+                    self._supports_flash_attn or getattr(self, "_supports_flash_attn_2", False)):
+                raise ValueError(
+                    f"{type(self).__name__} does not support flash-attention-style "
+                    "implementations (transformers marks it so: its attention needs what they "
+                    "drop, such as a relative position bias or a non-causal image mask), so "
+                    "attn_implementation='flashgen' cannot run it; use 'sdpa' or 'eager'")
+            return original(self, requested_attention, *args, **kw)
+
+        return get_correct_attn_implementation
+
+    _wrap_once(PreTrainedModel, "get_correct_attn_implementation", wrap)
+
+
+def _wrap_once(owner: Any, attr: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
+               ) -> None:
+    """`owner.attr` replaced by `wrap(owner.attr)`, once: a second `register()` finds it
+    wrapped. Nothing where transformers has no such attribute."""
+    original = getattr(owner, attr, None)
+    if original is None or getattr(original, "_flashgen_wrapped", False):
         return
-
-    def get_correct_attn_implementation(self: Any, requested_attention: str | None,
-                                        *args: Any, **kw: Any) -> str:
-        if requested_attention == NAME and not (
-                self._supports_flash_attn or getattr(self, "_supports_flash_attn_2", False)):
-            raise ValueError(
-                f"{type(self).__name__} does not support flash-attention-style "
-                "implementations (transformers marks it so: its attention needs what they "
-                "drop, such as a relative position bias or a non-causal image mask), so "
-                "attn_implementation='flashgen' cannot run it; use 'sdpa' or 'eager'")
-        return original(self, requested_attention, *args, **kw)
-
-    get_correct_attn_implementation._flashgen_wrapped = True  # type: ignore[attr-defined]
-    PreTrainedModel.get_correct_attn_implementation = get_correct_attn_implementation
+    wrapped = wrap(original)
+    wrapped._flashgen_wrapped = True  # type: ignore[attr-defined]
+    setattr(owner, attr, wrapped)
 
 
 #: Model classes that name the flash implementations they accept (those that handle their
@@ -398,14 +410,13 @@ def _skip_flash_import_for_our_name() -> None:
     every other name goes to the original loader unchanged."""
     import transformers.modeling_utils as mu
 
-    original = getattr(mu, "lazy_import_flash_attention", None)
-    if original is None or getattr(original, "_flashgen_wrapped", False):
-        return
+    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+        def lazy_import_flash_attention(implementation: str | None, *args: Any,
+                                        **kw: Any) -> Any:
+            if implementation == NAME:
+                return None
+            return original(implementation, *args, **kw)
 
-    def lazy_import_flash_attention(implementation: str | None, *args: Any, **kw: Any) -> Any:
-        if implementation == NAME:
-            return None
-        return original(implementation, *args, **kw)
+        return lazy_import_flash_attention
 
-    lazy_import_flash_attention._flashgen_wrapped = True  # type: ignore[attr-defined]
-    mu.lazy_import_flash_attention = lazy_import_flash_attention
+    _wrap_once(mu, "lazy_import_flash_attention", wrap)
