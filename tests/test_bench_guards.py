@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import sqlite3
+import warnings
 from pathlib import Path
 
 import pytest
@@ -217,3 +218,33 @@ def test_bench_decode_refuses_to_overwrite_a_users_csv(tmp_path: Path) -> None:
     assert result.exit_code == 2 and str(mine) in result.output, result.output
     assert "not a flashgen bench CSV" in result.output
     assert mine.read_text() == "name,score\n"
+
+
+def test_notes_differing_only_in_sizes_are_one_note() -> None:
+    """SDPA names each call's shapes in its refusal: eight GQA cells gave eight paragraphs."""
+    def refused(n: int) -> Row:
+        why = (f"RuntimeError: No available kernel. | both fused kernels require query, key "
+               f"and value to have the same num_heads. Query.sizes(): [2, 4, {n}, 256]")
+        return Row(Problem(1, 4, 2, n, n, 256, "bf16"), "fwd", "sdpa-efficient", "n/a", 1.0,
+                   reason=f"check could not run: {why}")
+    other = Row(Problem(1, 2, 1, 32, 32, 16, "bf16"), "fwd", "flex", "n/a", 1.0,
+                reason="check could not run: ImportError: no flex")
+    notes = unavailable_notes([refused(1024), refused(1280), other, refused(512)])
+    assert len(notes) == 2
+    assert "[2, 4, 1024, 256]" in notes[0] and notes[0].endswith("(and 2 more like it)")
+    assert notes[1] == "flex n/a: check could not run: ImportError: no flex"
+
+
+def test_torch_source_locations_are_left_out_of_reasons() -> None:
+    from flashgen.bench.suite import _explained, _why
+
+    with _explained() as caught:
+        warnings.warn("Memory efficient kernel not used because: (Triggered internally at "
+                      "/pytorch/aten/src/ATen/native/transformers/cuda/sdp_utils.cpp:986.)",
+                      UserWarning, stacklevel=1)
+        warnings.warn("(Triggered internally at /pytorch/x.cpp:1.)", UserWarning,
+                      stacklevel=1)
+    why = _why(RuntimeError("No available kernel."), caught)
+    assert "Triggered" not in why and "sdp_utils" not in why
+    assert why.endswith("| Memory efficient kernel not used because:")
+

@@ -8,6 +8,7 @@ ratio exists only where flashgen itself passed its check.
 from __future__ import annotations
 
 import csv
+import re
 import textwrap
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -132,13 +133,20 @@ def timing_table(summaries: Iterable[Summary], mode: Mode, competitors: Sequence
 def unavailable_notes(rows: Iterable[Row]) -> list[str]:
     """Distinct reasons for n/a and wrong cells, whole (`wrapped` folds them for printing),
     and the legend of "~" when a cell has it."""
-    seen: dict[str, None] = {}
+    seen: dict[str, list[str]] = {}
     unsteady = False
     for r in rows:
         if r.status != "ok" and r.reason:
-            seen[f"{r.competitor} {r.status}: {r.reason}"] = None
+            text = f"{r.competitor} {r.status}: {r.reason}"
+            # Reasons that differ only in sizes (SDPA names each call's shapes) are one note.
+            seen.setdefault(_DIGITS.sub("#", text), []).append(text)
         unsteady |= _unsteady(r)
-    return [*seen, UNSTEADY_NOTE] if unsteady else list(seen)
+    notes = [texts[0] if len(texts) == 1 else
+             f"{texts[0]} (and {len(texts) - 1} more like it)" for texts in seen.values()]
+    return [*notes, UNSTEADY_NOTE] if unsteady else notes
+
+
+_DIGITS = re.compile(r"\d+")
 
 
 def wrapped(text: str, indent: str = "", width: int = 80) -> str:

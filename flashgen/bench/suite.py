@@ -30,6 +30,7 @@ window or per sequence, and competitors without such masks are n/a.
 from __future__ import annotations
 
 import math
+import re
 import warnings
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -150,9 +151,14 @@ def _explained() -> Iterator[list[warnings.WarningMessage]]:
         yield caught
 
 
+# Where in torch's C++ a warning was raised: says nothing to a bench's reader.
+_TORCH_SOURCE = re.compile(r"\s*\(Triggered internally at [^)]*\)")
+
+
 def _why(exc: BaseException, caught: list[warnings.WarningMessage]) -> str:
-    said = list(dict.fromkeys(" ".join(str(w.message).split()) for w in caught))
-    return describe_failure(exc) + "".join(f" | {s[:300]}" for s in said[:3])
+    said = (" ".join(_TORCH_SOURCE.sub("", str(w.message)).split()) for w in caught)
+    return describe_failure(exc) + "".join(
+        f" | {s[:300]}" for s in list(dict.fromkeys(s for s in said if s))[:3])
 
 
 def _check(fn: AttentionFn, inp: _Inputs, causal: bool, grads: bool,
