@@ -687,6 +687,14 @@ def test_cpu_workers_tune_through_the_storage_and_pull_gathers_them(
         assert sorted((r.variant_json, r.status, r.tflops) for r in p.trials()) == sorted(
             (r.variant_json, r.status, r.tflops) for r in a.trials())
         assert winners[0]["variant"] == a.all_winners()[0].variant.to_dict()
+        held = len(a.trials())
+    # Into a worker's own --db, pull copies nothing twice: its rows and their copies in the
+    # storage carry one stamp (two stamps a moment apart made every ok row a second row).
+    again = _flashgen("pull", "--storage", storage_url, "--db", str(tmp_path / "a.db"),
+                      env=env)
+    assert again.returncode == 0, again.stderr
+    with TuningDB(tmp_path / "a.db") as a:
+        assert len(a.trials()) == held
 
 
 # ---- bad input -------------------------------------------------------------------------

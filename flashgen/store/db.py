@@ -335,7 +335,8 @@ def _refuse_folder(path: Path) -> None:
         raise IsADirectoryError(errno.EISDIR, "a folder, not a database file", str(path))
 
 
-def _now() -> str:
+def now_stamp() -> str:
+    """The time rows are stamped with (UTC, milliseconds): `created_at`, a run's times."""
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
 
@@ -604,7 +605,7 @@ class TuningDB:
             "p80_ms": timing.p80_ms if timing else None,
             "reps": timing.reps if timing else None,
             "tflops": tflops, "error": error, "bound": bound, "seed": seed, "run_id": run_id,
-            "created_at": created_at or _now(), "kernel_hash": kernel_hash,
+            "created_at": created_at or now_stamp(), "kernel_hash": kernel_hash,
         }
         with self._write():
             if once:
@@ -649,7 +650,7 @@ class TuningDB:
         `command` defaults to this process's command line."""
         versions = Versions.current()
         row = {
-            "id": run_id, "status": "running", "started_at": _now(), "gpu_name": device.name,
+            "id": run_id, "status": "running", "started_at": now_stamp(), "gpu_name": device.name,
             "device_key": device.key, "triton_version": versions.triton,
             "torch_version": versions.torch, "flashgen_version": package_version("flashgen"),
             "command": command if command is not None else shlex.join(
@@ -668,7 +669,7 @@ class TuningDB:
             winners = self.db.execute(
                 "SELECT count(*) FROM winners WHERE trial_id IN "
                 "(SELECT id FROM trials WHERE run_id = ?)", [run_id]).fetchone()[0]
-            self.db["runs"].update(run_id, {"status": status, "ended_at": _now(),
+            self.db["runs"].update(run_id, {"status": status, "ended_at": now_stamp(),
                                             "trials": trials, "winners": winners})
         return RunRow.from_columns(self.db["runs"].get(run_id))
 
@@ -697,7 +698,7 @@ class TuningDB:
             "problem_json": _problem_json(problem), "dtype": problem.dtype,
             "causal": int(problem.causal), "backend": backend,
             "median_ms": timing.median_ms, "p20_ms": timing.p20_ms, "p80_ms": timing.p80_ms,
-            "reps": timing.reps, "created_at": _now(),
+            "reps": timing.reps, "created_at": now_stamp(),
         }
         with self._write():
             self.db["baselines"].insert(row)
@@ -741,7 +742,7 @@ class TuningDB:
                                          *VARIANT_COLUMNS)},
                 "trial_id": trial["id"], "median_ms": trial["median_ms"],
                 "tflops": trial["tflops"], "sdpa_backend": sdpa[0] if sdpa else None,
-                "sdpa_ms": sdpa[1] if sdpa else None, "updated_at": _now(),
+                "sdpa_ms": sdpa[1] if sdpa else None, "updated_at": now_stamp(),
                 "kernel_hash": trial["kernel_hash"],
             }
             self.db["winners"].upsert(row, pk="key_id")

@@ -50,7 +50,7 @@ from flashgen.kernels.modes import AnyVariant, ModeSpace, space_of
 from flashgen.kernels.problem import Problem
 from flashgen.store import claims
 from flashgen.store.current import kernel_hash_now
-from flashgen.store.db import TrialRow, TuningDB, WinnerRow
+from flashgen.store.db import TrialRow, TuningDB, WinnerRow, now_stamp
 from flashgen.store.keys import TuningKey, Versions
 from flashgen.tune.baseline import Baseline
 from flashgen.tune.fwd_bench import Bench, Measurement, describe_failure
@@ -358,10 +358,14 @@ def tune_problem(
 
     def record(variant: AnyVariant, outcome: Outcome, m: Measurement | None = None,
                once: bool = False, asked: list[Trial] | None = None) -> None:
+        # One stamp for the row and its copy in the shared storage: `pull` into this
+        # worker's own --db knows the copy by it (two stamps a moment apart made it a second
+        # row).
+        at = now_stamp()
         db.record_trial(key, problem, variant, outcome.status, reason=outcome.reason,
                         timing=m.timing if m else None, tflops=outcome.tflops,
                         error=m.error if m else None, bound=m.bound if m else None,
-                        seed=seed, run_id=run_id, once=once)
+                        seed=seed, run_id=run_id, once=once, created_at=at)
         if together is not None and asked:
             kernel = None if outcome.status == "pruned" else kernel_hash_now(mode, variant,
                                                                              problem)
@@ -372,7 +376,7 @@ def tune_problem(
                     variant.to_dict(), outcome.status, reason=outcome.reason,
                     timing=m.timing if m else None, tflops=outcome.tflops,
                     error=m.error if m else None, bound=m.bound if m else None, seed=seed,
-                    run_id=run_id, kernel_hash=kernel))
+                    run_id=run_id, kernel_hash=kernel, created_at=at))
 
     def tell(trial: Trial, outcome: Outcome) -> None:
         if together is None:

@@ -35,7 +35,6 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +48,7 @@ from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
 from optuna.trial import FrozenTrial, TrialState
 
 from flashgen.kernels.problem import Problem
-from flashgen.store.db import process_alive
+from flashgen.store.db import now_stamp, process_alive
 from flashgen.store.keys import TuningKey
 
 #: Seconds between heartbeats of a running trial or claim.
@@ -365,10 +364,6 @@ class Beater:
             self._thread.join()
 
 
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
-
-
 def study_name(key: TuningKey, problem: Problem, version: str) -> str:
     """The study of `problem` under `key` for flashgen `version`: every part that must never
     mix is in the name."""
@@ -598,16 +593,17 @@ class SharedStudy:
 def row_of(variant: dict[str, Any], status: str, *, reason: str = "",
            timing: Any = None, tflops: float | None = None, error: float | None = None,
            bound: float | None = None, seed: int | None = None, run_id: str | None = None,
-           kernel_hash: str | None = None) -> dict[str, Any]:
+           kernel_hash: str | None = None, created_at: str | None = None) -> dict[str, Any]:
     """A trial row as a JSON-able trial attribute: what `pull` needs to store it as the
-    worker stored it."""
+    worker stored it. `created_at`: the worker's own row's stamp (default now); `pull`
+    knows a row it already holds by it."""
     return {"variant": variant, "status": status, "reason": reason,
             "median_ms": timing.median_ms if timing else None,
             "p20_ms": timing.p20_ms if timing else None,
             "p80_ms": timing.p80_ms if timing else None,
             "reps": timing.reps if timing else None, "tflops": tflops, "error": error,
             "bound": bound, "seed": seed, "run_id": run_id, "kernel_hash": kernel_hash,
-            "created_at": _now()}
+            "created_at": created_at or now_stamp()}
 
 
 def flashgen_studies(storage: BaseStorage) -> Iterator[tuple[optuna.study.StudySummary | Any,
