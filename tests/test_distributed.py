@@ -721,6 +721,38 @@ def test_a_bad_storage_is_one_error_line_before_any_work(
         open_storage(url)
 
 
+def test_a_journal_ending_in_a_partial_line_is_refused_to_tuners_with_the_mend(
+        tmp_path: Path) -> None:
+    """A write cut short (a full disk, a crash) leaves a partial last line, which Optuna
+    reads past; a tuner's next append glued onto it and made the journal unreadable to
+    every host (`pull` included) until mended by hand."""
+    url = str(tmp_path / "studies.log")
+    optuna.create_study(storage=open_storage(url), study_name="s")
+    whole = Path(url).stat().st_size
+    with open(url, "ab") as f:
+        f.write(b'{"op_code": 5, "worker_id": "x", "trial_id')
+    result = CliRunner().invoke(app, ["tune", "--device", "cpu", "--shape", "1,2,1,32,32,16",
+                                      "--storage", url, "--db", str(tmp_path / "t.db")])
+    assert result.exit_code == 2, result.output
+    (line,) = result.output.strip().splitlines()
+    assert "ends in a partial line" in line and f"truncate -s {whole} " in line
+    assert not (tmp_path / "t.db").exists()
+    open_storage(url, must_exist=True)  # a reader (pull) still reads it, unchanged
+    os.truncate(url, whole)  # the mend it names
+    open_storage(url)
+
+
+def test_a_journal_a_tuner_cannot_write_is_named_before_any_work(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    url = str(tmp_path / "studies.log")
+    optuna.create_study(storage=open_storage(url), study_name="s")
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: mode != os.W_OK and real(p, mode))
+    with pytest.raises(StorageError, match="is not writable"):
+        open_storage(url)
+    open_storage(url, must_exist=True)  # reading needs no write
+
+
 @pytest.mark.parametrize(("url", "hint"), [
     ("postgresql+psycopg://u:pw@127.0.0.1:1/x", "pip install 'flashgen[distributed]'"),
     ("mysql://u:pw@127.0.0.1:1/x", "install the SQLAlchemy driver"),

@@ -108,6 +108,8 @@ def open_storage(url: str, *, heartbeat_s: int = HEARTBEAT_S, grace_s: int = GRA
         if must_exist and not path.is_file():
             raise StorageError(f"--storage {url}: journal file does not exist (`flashgen tune "
                                "--storage` writes it)")
+        if not must_exist:  # a writer: `flashgen tune`
+            _check_journal_writable(url, path)
         try:
             _check_journal_start(path)
             backend = JournalFileBackend(str(path), lock_obj=JournalFileOpenLock(str(path)))
@@ -161,6 +163,47 @@ def open_storage(url: str, *, heartbeat_s: int = HEARTBEAT_S, grace_s: int = GRA
         first = (str(getattr(exc, "orig", None) or exc).strip().splitlines() or [""])[0]
         raise StorageError(f"--storage {redact(url)}: cannot connect: "
                            f"{type(exc).__name__}: {first}") from None
+
+
+def _check_journal_writable(url: str, path: Path) -> None:
+    """A `StorageError` where a tuner could not append to the journal at `path`, found now
+    rather than as a worker's traceback: the file or its folder (where the open-lock file
+    goes) not writable, or a last line cut short (a write stopped by a full disk or a
+    crash), which the next append would glue onto and make the journal unreadable to every
+    host until the file is mended by hand."""
+    if not os.access(path.parent, os.W_OK):
+        raise StorageError(f"--storage {url}: folder {path.parent} is not writable (the "
+                           "journal and its lock file go there)")
+    if not path.is_file():
+        return
+    if not os.access(path, os.W_OK):
+        raise StorageError(f"--storage {url}: the journal file is not writable")
+    size = path.stat().st_size
+    if not size:
+        return
+    whole = _last_line_end(path, size)
+    if whole == size:
+        return
+    torn = size - whole
+    raise StorageError(
+        f"--storage {url} ends in a partial line ({torn} bytes after the last whole one: a "
+        f"write cut short), which the next write would make unreadable; remove it "
+        f"(truncate -s {size - torn} {path}) and run again")
+
+
+def _last_line_end(path: Path, size: int, chunk: int = 1 << 16) -> int:
+    """The offset just past the last newline of the file at `path` (0 where it has none),
+    read backwards a chunk at a time."""
+    with path.open("rb") as f:
+        end = size
+        while end > 0:
+            start = max(0, end - chunk)
+            f.seek(start)
+            at = f.read(end - start).rfind(b"\n")
+            if at >= 0:
+                return start + at + 1
+            end = start
+    return 0
 
 
 def _check_journal_start(path: Path) -> None:
