@@ -50,7 +50,13 @@ from flashgen.tune.storage import (
     open_storage,
     study_name,
 )
-from flashgen.tune.workers import WorkerPlan, _pump, parse_gpus, worker_main
+from flashgen.tune.workers import (
+    WorkerPlan,
+    _pump,
+    describe_worker_error,
+    parse_gpus,
+    worker_main,
+)
 
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
 #: Short heartbeats, so a dead worker's trial fails within the test.
@@ -988,3 +994,28 @@ def test_a_worker_that_joins_too_late_to_measure_says_it_left_the_problem(
     assert ("skipped", 1, PROBLEM, "held") in said, said
     assert said[-1][:3] == ("done", 1, "ok")
     assert [m[2].measured for m in said if m[0] == "result"] == [0]
+
+
+def test_a_worker_error_names_the_cause_at_the_bottom_of_its_chain() -> None:
+    """A PostgreSQL server stopped mid-run reached the user as Optuna's wrapper alone,
+    blaming "invalid data in the commit"; the connection error was only in tracebacks."""
+    try:
+        try:
+            try:
+                raise ConnectionRefusedError("connection to server at 127.0.0.1 refused")
+            except ConnectionRefusedError as low:
+                raise RuntimeError("(psycopg.OperationalError) wrapped") from low
+        except RuntimeError:
+            raise optuna.exceptions.StorageInternalError(
+                "An exception is raised during the commit.\nThis typically happens due to "
+                "invalid data in the commit") from None
+    except optuna.exceptions.StorageInternalError as exc:
+        caught: BaseException = exc
+    # `from None` hides the chain from tracebacks but keeps __context__: walk it anyway.
+    text = describe_worker_error(caught)
+    assert text.startswith("StorageInternalError: An exception is raised during the commit.")
+    assert text.endswith("(caused by ConnectionRefusedError: connection to server at "
+                         "127.0.0.1 refused)")
+    assert "\n" not in text
+    assert describe_worker_error(ValueError("plain")) == "ValueError: plain"
+

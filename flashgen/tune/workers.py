@@ -174,6 +174,24 @@ def _watch_parent() -> None:
     threading.Thread(target=watch, daemon=True, name="flashgen-parent-watch").start()
 
 
+def describe_worker_error(exc: BaseException) -> str:
+    """`exc` in one line, with the first line of the error at the bottom of its chain where
+    that is another: Optuna wraps a storage connection lost mid-run (a PostgreSQL server
+    stopped) in a StorageInternalError that blames "invalid data in the commit"."""
+    text = f"{type(exc).__name__}: {_first_line(exc)}"
+    root, seen = exc, {id(exc)}
+    while (nxt := root.__cause__ or root.__context__) is not None and id(nxt) not in seen:
+        root = nxt
+        seen.add(id(root))
+    if root is not exc:
+        text += f" (caused by {type(root).__name__}: {_first_line(root)})"
+    return text
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0][:300]
+
+
 def worker_main(index: int, gpu: int | None, plan: WorkerPlan, report: Any) -> None:
     """One worker: tune every problem of `plan` on `gpu` (None: the CPU interpreter),
     sending ("progress", index, TuneResult), ("result", index, TuneResult), ("skipped",
@@ -192,7 +210,7 @@ def worker_main(index: int, gpu: int | None, plan: WorkerPlan, report: Any) -> N
     except KeyboardInterrupt:
         status = "interrupted"
     except Exception as exc:
-        message = f"{type(exc).__name__}: {exc}"
+        message = describe_worker_error(exc)
         traceback.print_exc()
     finally:
         report.put(("done", index, status, message))
