@@ -396,7 +396,7 @@ def tune(
     if distributed:
         slots = _worker_slots(run, gpus, workers)  # a bad --gpus first: nothing is opened yet
         if storage is not None:
-            _check_storage(storage)  # a bad URL fails here, before any GPU work
+            _check_storage(storage, db)  # a bad URL fails here, before any GPU work
         with _terminate_as_interrupt():
             _run_workers(problems, run, slots, storage, campaign)
     else:
@@ -457,10 +457,18 @@ def _check_fp8_gpus(gpu: int, gpus: str | None) -> None:
                         f"newer); GPU {index} has {major}.{minor}")
 
 
-def _check_storage(url: str) -> None:
-    """Open the storage once, so an unreachable or malformed URL is one error line."""
-    from flashgen.tune.storage import StorageError, open_storage
+def _check_storage(url: str, db: Path | None) -> None:
+    """Open the storage once, so an unreachable or malformed URL is one error line; a
+    storage file that is the --db file too is refused first (each would be written as the
+    other's kind: a worker's traceback, and the file changed)."""
+    from flashgen.store.db import default_db_path
+    from flashgen.tune.storage import StorageError, open_storage, storage_file
 
+    shared = storage_file(url)
+    tuning = (db or default_db_path()).expanduser().resolve()
+    if shared is not None and shared.expanduser().resolve() == tuning:
+        raise _fail(f"--storage {url} and --db name the same file ({tuning}): the shared "
+                    "studies and the tuning database must be two files")
     try:
         open_storage(url)
     except StorageError as exc:

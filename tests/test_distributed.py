@@ -727,6 +727,21 @@ def test_a_bad_storage_is_one_error_line_before_any_work(
         open_storage(url)
 
 
+@pytest.mark.parametrize("kind", ["journal", "sqlite"])
+def test_storage_and_db_naming_one_file_is_refused_before_any_work(
+        kind: str, tmp_path: Path) -> None:
+    """The worker wrote each as the other's kind: a traceback, and a .log turned into an
+    SQLite file."""
+    path = tmp_path / ("x.log" if kind == "journal" else "x.db")
+    url = str(path) if kind == "journal" else f"sqlite:///{path}"
+    result = CliRunner().invoke(app, ["tune", "--device", "cpu", "--shape", "1,2,1,32,32,16",
+                                      "--workers", "2", "--storage", url, "--db", str(path)])
+    assert result.exit_code == 2, result.output
+    (line,) = result.output.strip().splitlines()
+    assert "name the same file" in line
+    assert not path.exists()
+
+
 def test_a_journal_ending_in_a_partial_line_is_refused_to_tuners_with_the_mend(
         tmp_path: Path) -> None:
     """A write cut short (a full disk, a crash) leaves a partial last line, which Optuna

@@ -89,6 +89,21 @@ def redact(url: str) -> str:
     return url
 
 
+def storage_file(url: str) -> Path | None:
+    """The local file `url` names (a journal path, or an sqlite:/// URL's database), or
+    None for a server."""
+    if url.endswith(".log") and "://" not in url:
+        return Path(url)
+    if url.split("://", 1)[0].split("+", 1)[0] == "sqlite":
+        try:
+            name = sqlalchemy.engine.make_url(url).database
+        except sqlalchemy.exc.ArgumentError:
+            return None
+        if name and name != ":memory:" and not name.startswith("file:"):
+            return Path(name)
+    return None
+
+
 def open_storage(url: str, *, heartbeat_s: int = HEARTBEAT_S, grace_s: int = GRACE_S,
                  must_exist: bool = False) -> BaseStorage:
     """The storage `url` names, reached and ready, or a one-line `StorageError`.
