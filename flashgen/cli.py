@@ -550,13 +550,23 @@ def _run_workers(problems: list[Problem], run: RunOptions, slots: list[int | Non
                 why = ("done by the campaign" if kind == "done"
                        else "led by another worker, no budget to share")
                 left = f"{labels[index]} left {problem_label(problem)}"
-                progress.update(tasks[index], last=why, description=left)
+                # Its count and best were the last problem's: this one it did not measure.
+                progress.update(tasks[index], completed=0, best="-", last=why,
+                                description=left)
                 if not stderr.is_terminal:
                     progress.console.print(f"{left}: {why}", soft_wrap=True)
 
+            def killed(index: int, signal_number: int) -> None:
+                # Its line stops at once (its clock ran on until the whole run ended).
+                what = f"{labels[index]} killed by signal {signal_number}"
+                progress.update(tasks[index], description=what, last="")
+                progress.stop_task(tasks[index])
+                if not stderr.is_terminal:
+                    progress.console.print(what, soft_wrap=True)
+
             interrupted = False
             try:
-                results, ends = run_workers(plan, slots, show, skip)
+                results, ends = run_workers(plan, slots, show, skip, killed)
             except KeyboardInterrupt:  # the workers got it too, and stored what they had
                 progress.console.print("interrupted: results so far are in the database")
                 # The summary of what they reported last, as a single process prints it.

@@ -346,6 +346,43 @@ def test_the_parent_polls_its_workers_while_their_messages_keep_coming() -> None
     assert any(left > 0 for left in worker.polls), worker.polls  # polled while busy
 
 
+def test_a_worker_killed_by_a_signal_is_heard_of_at_the_poll_that_reaps_it() -> None:
+    """Its progress line ran on (clock and all) until the whole run ended; a worker that
+    ended on its own (exit 0) is not reported as killed, and a killed one once."""
+    import queue
+
+    class Quiet:
+        def __init__(self) -> None:
+            self.gets = 0
+
+        def get(self, timeout: float) -> tuple:
+            self.gets += 1
+            time.sleep(0.005)
+            raise queue.Empty
+
+        def get_nowait(self) -> tuple:
+            raise queue.Empty
+
+    class Worker:
+        def __init__(self, code: int, alive_for: int, quiet: Quiet) -> None:
+            self.code, self.alive_for, self.quiet = code, alive_for, quiet
+            self.exitcode: int | None = None
+
+        def is_alive(self) -> bool:
+            if self.quiet.gets < self.alive_for:
+                return True
+            self.exitcode = self.code
+            return False
+
+    quiet = Quiet()
+    workers = [Worker(0, 2, quiet), Worker(-9, 3, quiet), Worker(-15, 6, quiet)]
+    heard: list[tuple[int, int, int]] = []
+    _pump(quiet, workers, lambda m: None, poll_s=0.001,
+          on_killed=lambda i, sig: heard.append((i, sig, quiet.gets)))
+    assert [(i, sig) for i, sig, _ in heard] == [(1, 9), (2, 15)]
+    assert heard[0][2] < 6  # heard of while worker 2 still ran
+
+
 def test_a_message_that_lands_as_the_last_worker_ends_is_still_handled() -> None:
     """The queue is empty, then the poll finds every worker ended, but the last one's
     "done" landed in between: it is handled, not lost (the worker would read as killed)."""

@@ -326,10 +326,12 @@ class WorkerEnd:
 def run_workers(plan: WorkerPlan, gpus: list[int | None],
                 on_progress: Callable[[int, TuneResult], None] | None = None,
                 on_skip: Callable[[int, Problem, str], None] | None = None,
+                on_killed: Callable[[int, int], None] | None = None,
                 ) -> tuple[list[TuneResult], list[WorkerEnd]]:
     """Run one worker per entry of `gpus` until all end; return every (problem, mode)
     result, merged over the workers, and how each worker ended. `on_skip` hears of each
-    problem a worker left to the campaign (see `WorkerEnd.skipped`)."""
+    problem a worker left to the campaign (see `WorkerEnd.skipped`); `on_killed` of a
+    worker killed by a signal (its index and the signal), as soon as a poll reaps it."""
     context = multiprocessing.get_context("spawn")
     report = context.Queue()
     processes = [context.Process(target=worker_main, args=(i, gpu, plan, report),
@@ -357,7 +359,7 @@ def run_workers(plan: WorkerPlan, gpus: list[int | None],
             said[index] = (message[2], message[3])
 
     try:
-        _pump(report, processes, handle)
+        _pump(report, processes, handle, on_killed=on_killed)
     except KeyboardInterrupt:
         _interrupt(processes)
         raise
@@ -378,13 +380,15 @@ POLL_S = 0.2
 
 
 def _pump(report: Any, processes: list[Any], handle: Callable[[tuple], None],
-          poll_s: float = POLL_S) -> None:
+          poll_s: float = POLL_S, on_killed: Callable[[int, int], None] | None = None) -> None:
     """Hand the workers' messages to `handle` until every worker has ended and the queue is
     drained. The processes are polled at least every `poll_s` even while messages keep
     coming: a poll reaps a worker that died (`kill -9`), and until it is reaped its pid still
     answers, so its claims would look held and its running variant would not be measured
-    again (`store.claims`)."""
+    again (`store.claims`). `on_killed(index, signal)` hears of each worker a signal ended
+    when the poll finds it (its progress line would otherwise run on until the end)."""
     next_poll = time.monotonic() + poll_s
+    gone: set[int] = set()
     while True:
         try:
             message = report.get(timeout=poll_s)
@@ -393,6 +397,12 @@ def _pump(report: Any, processes: list[Any], handle: Callable[[tuple], None],
         if message is None or time.monotonic() >= next_poll:
             next_poll = time.monotonic() + poll_s
             running = [p.is_alive() for p in processes]  # is_alive() reaps the dead
+            for i, (process, alive) in enumerate(zip(processes, running, strict=True)):
+                code = getattr(process, "exitcode", None)
+                if not alive and i not in gone and code is not None and code < 0:
+                    gone.add(i)
+                    if on_killed:
+                        on_killed(i, -code)
             if message is None and not any(running):
                 break
         if message is not None:
