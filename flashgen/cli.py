@@ -504,6 +504,7 @@ def _run_workers(problems: list[Problem], run: RunOptions, slots: list[int | Non
     from rich.console import Console
     from rich.progress import Progress
 
+    from flashgen.bench.report import wrapped
     from flashgen.kernels.presets import problem_label
     from flashgen.store.db import TuningDB, default_db_path
     from flashgen.store.keys import package_version
@@ -581,8 +582,8 @@ def _run_workers(problems: list[Problem], run: RunOptions, slots: list[int | Non
     notes = _left_to_campaign(problems, results, ends, plan.campaign)
     if tables and notes:
         typer.echo()
-    for line in notes:
-        typer.echo(line)
+    for line in notes:  # folded at 80 columns, whole
+        typer.echo(wrapped(line))
     bad = [e for e in ends if e.status != "ok"]
     for end in bad:
         typer.echo(f"worker {end.index} ({'cpu' if end.gpu is None else f'gpu {end.gpu}'}) "
@@ -617,9 +618,10 @@ def _left_to_campaign(problems: list[Problem], results: list[TuneResult],
     lines = []
     if done:
         lead = "nothing new to tune: " if len(done) == len(problems) else ""
-        lines.append(f"{lead}{named(done)} already done by campaign {campaign}; a campaign "
-                     f"resumes, so give a new --campaign to tune them again. `flashgen pull` "
-                     f"gathers their rows")
+        lines.append(f"{lead}{named(done)} already done by campaign {campaign}: an "
+                     f"invocation of it measured their --trials. A campaign tunes a problem "
+                     f"once, even when run again with a larger --trials; a new --campaign "
+                     f"tunes them again. `flashgen pull` gathers their rows")
     if held:
         # Not joined: its budget was taken, or --timeout alone left none to share.
         lines.append(f"{named(held)} led by another worker of campaign {campaign} and left "

@@ -647,7 +647,11 @@ def test_hosts_joining_a_campaign_split_its_problems_and_a_rerun_does_nothing_ne
     assert "nothing new to tune: 1 problem(s)" in result.output
     # The worker's own line says why it measured nothing (off a terminal, as a plain line).
     assert "w0 cpu left fp16 f D16 g2 32 B1 H2: done by the campaign" in result.output
-    assert "already done by campaign nightly" in result.output
+    said = " ".join(result.output.split())  # the notes are folded at 80 columns
+    assert "already done by campaign nightly" in said
+    assert "even when run again with a larger --trials" in said
+    note = result.output[result.output.index("nothing new to tune"):]
+    assert all(len(line) <= 80 for line in note.splitlines()), note
     with TuningDB(tmp_path / "again.db") as db:
         assert not db.trials()
         runs = db.runs()
