@@ -783,6 +783,14 @@ def test_storage_and_db_naming_one_file_is_refused_before_any_work(
     assert not path.exists()
 
 
+def test_an_at_sign_in_a_storage_password_is_named_and_not_shown() -> None:
+    """The driver split the URL at the first '@' and named the rest of the password as an
+    unknown host."""
+    with pytest.raises(StorageError, match="holds '@'; write it as %40") as caught:
+        open_storage("postgresql+psycopg://fg:p@ss@127.0.0.1:1/fg")
+    assert "p@ss" not in str(caught.value) and "ss@" not in str(caught.value)
+
+
 def test_a_journal_ending_in_a_partial_line_is_refused_to_tuners_with_the_mend(
         tmp_path: Path) -> None:
     """A write cut short (a full disk, a crash) leaves a partial last line, which Optuna

@@ -143,6 +143,10 @@ def open_storage(url: str, *, heartbeat_s: int = HEARTBEAT_S, grace_s: int = GRA
         raise StorageError(
             f"--storage {redact(url)!r} is neither a journal file path ending in .log nor a "
             f"postgresql://, mysql:// or sqlite:// URL")
+    netloc = url.split("://", 1)[1].split("/", 1)[0] if "://" in url else ""
+    if netloc.count("@") > 1:  # the driver splits at the first: the rest reads as the host
+        raise StorageError(f"--storage {redact(url)}: the user or password holds '@'; write "
+                           "it as %40 (percent-encoded)")
     if scheme.split("+", 1)[0] == "sqlite":
         _check_sqlite_file(url, must_exist)
     engine: dict[str, Any] = {}
