@@ -462,13 +462,22 @@ def _check_storage(url: str, db: Path | None) -> None:
     storage file that is the --db file too is refused first (each would be written as the
     other's kind: a worker's traceback, and the file changed)."""
     from flashgen.store.db import default_db_path
-    from flashgen.tune.storage import StorageError, open_storage, storage_file
+    from flashgen.tune.storage import (
+        StorageError,
+        clear_stale_journal_lock,
+        open_storage,
+        storage_file,
+    )
 
     shared = storage_file(url)
     tuning = (db or default_db_path()).expanduser().resolve()
     if shared is not None and shared.expanduser().resolve() == tuning:
         raise _fail(f"--storage {url} and --db name the same file ({tuning}): the shared "
                     "studies and the tuning database must be two files")
+    age = clear_stale_journal_lock(url)
+    if age is not None:  # a tuner killed while writing left it
+        typer.echo(f"removed the journal's stale lock file {url}.lock ({age:.0f} s old, left "
+                   "by a tuner killed while writing)", err=True)
     try:
         open_storage(url)
     except StorageError as exc:

@@ -791,6 +791,26 @@ def test_an_at_sign_in_a_storage_password_is_named_and_not_shown() -> None:
     assert "p@ss" not in str(caught.value) and "ss@" not in str(caught.value)
 
 
+def test_a_stale_journal_lock_is_removed_before_tuning_and_said(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A tuner killed while writing leaves the open-lock file: every first write then
+    waited out Optuna's 30 s grace period behind its raw warnings."""
+    from flashgen.cli import _check_storage
+
+    url = str(tmp_path / "studies.log")
+    optuna.create_study(storage=open_storage(url), study_name="s")
+    lock = Path(url + ".lock")
+    lock.touch()
+    _check_storage(url, tmp_path / "t.db")
+    assert lock.exists()  # a fresh lock may be held: left alone
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    _check_storage(url, tmp_path / "t.db")
+    assert not lock.exists()
+    said = capsys.readouterr().err
+    assert "removed the journal's stale lock file" in said and "(3600 s old" in said
+
+
 def test_a_journal_ending_in_a_partial_line_is_refused_to_tuners_with_the_mend(
         tmp_path: Path) -> None:
     """A write cut short (a full disk, a crash) leaves a partial last line, which Optuna

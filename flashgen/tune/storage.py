@@ -45,6 +45,7 @@ from optuna.exceptions import DuplicatedStudyError, UpdateFinishedTrialError
 from optuna.storages import BaseStorage, JournalStorage, RDBStorage
 from optuna.storages._heartbeat import BaseHeartbeat  # the contract RDBStorage implements
 from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
+from optuna.storages.journal._file import LOCK_FILE_SUFFIX
 from optuna.trial import FrozenTrial, TrialState
 
 from flashgen.kernels.problem import Problem
@@ -208,6 +209,30 @@ def _check_journal_writable(url: str, path: Path) -> None:
         f"--storage {url} ends in a partial line ({torn} bytes after the last whole one: a "
         f"write cut short), which the next write would make unreadable; remove it "
         f"(truncate -s {size - torn} {path}) and run again")
+
+
+#: Seconds after which Optuna forcibly releases a journal's open-lock file that nobody
+#: touches (`JournalFileOpenLock`'s grace period); a write holds it for milliseconds.
+JOURNAL_LOCK_GRACE_S = 30
+
+
+def clear_stale_journal_lock(url: str) -> float | None:
+    """Remove the open-lock file beside the journal `url` where it is older than
+    `JOURNAL_LOCK_GRACE_S` (left by a tuner killed while writing), returning its age in
+    seconds; None where there is none to remove. Optuna would wait out the grace period on
+    every first write, with a warning every 10 s, before removing it itself."""
+    path = storage_file(url)
+    if path is None or not url.endswith(".log"):
+        return None
+    lock = Path(f"{path}{LOCK_FILE_SUFFIX}")
+    try:
+        age = time.time() - lock.stat().st_mtime
+        if age <= JOURNAL_LOCK_GRACE_S:
+            return None
+        lock.unlink()
+    except FileNotFoundError:  # released meanwhile
+        return None
+    return age
 
 
 def _last_line_end(path: Path, size: int, chunk: int = 1 << 16) -> int:
