@@ -396,7 +396,8 @@ def tune(
     if distributed:
         slots = _worker_slots(run, gpus, workers)  # a bad --gpus first: nothing is opened yet
         if storage is not None:
-            _check_storage(storage, db)  # a bad URL fails here, before any GPU work
+            # A bad URL fails here, before any GPU work.
+            _check_storage(storage, db, campaign, run.trials)
         with _terminate_as_interrupt():
             _run_workers(problems, run, slots, storage, campaign)
     else:
@@ -457,13 +458,17 @@ def _check_fp8_gpus(gpu: int, gpus: str | None) -> None:
                         f"newer); GPU {index} has {major}.{minor}")
 
 
-def _check_storage(url: str, db: Path | None) -> None:
+def _check_storage(url: str, db: Path | None, campaign: str | None = None,
+                   trials: int | None = None) -> None:
     """Open the storage once, so an unreachable or malformed URL is one error line; a
     storage file that is the --db file too is refused first (each would be written as the
-    other's kind: a worker's traceback, and the file changed)."""
+    other's kind: a worker's traceback, and the file changed). With `campaign`, its
+    --trials must be the one its first invocation recorded: each invocation held its
+    problems to its own, so one campaign's problems got 3 or 6 trials by who led them."""
     from flashgen.store.db import default_db_path
     from flashgen.tune.storage import (
         StorageError,
+        campaign_trials,
         clear_stale_journal_lock,
         open_storage,
         storage_file,
@@ -479,9 +484,17 @@ def _check_storage(url: str, db: Path | None) -> None:
         typer.echo(f"removed the journal's stale lock file {url}.lock ({age:.0f} s old, left "
                    "by a tuner killed while writing)", err=True)
     try:
-        open_storage(url)
+        storage = open_storage(url)
+        recorded = campaign_trials(storage, campaign, trials) if campaign else trials
     except StorageError as exc:
         raise _fail(str(exc)) from None
+    if recorded != trials:
+        def said(n: int | None) -> str:
+            return "no --trials" if n is None else f"--trials {n}"
+
+        raise _fail(f"campaign {campaign} runs {said(recorded)} (as its first invocation "
+                    f"gave); this one gave {said(trials)}. Give {said(recorded)}, or a new "
+                    "--campaign")
 
 
 def _worker_slots(run: RunOptions, gpus: str | None, workers: int | None) -> list[int | None]:
@@ -628,9 +641,9 @@ def _left_to_campaign(problems: list[Problem], results: list[TuneResult],
     if done:
         lead = "nothing new to tune: " if len(done) == len(problems) else ""
         lines.append(f"{lead}{named(done)} already done by campaign {campaign}: an "
-                     f"invocation of it measured their --trials. A campaign tunes a problem "
-                     f"once, even when run again with a larger --trials; a new --campaign "
-                     f"tunes them again. `flashgen pull` gathers their rows")
+                     f"invocation of it measured their --trials, and a campaign tunes a "
+                     f"problem once; a new --campaign tunes them again. `flashgen pull` "
+                     f"gathers their rows")
     if held:
         # Not joined: its budget was taken, or --timeout alone left none to share.
         lines.append(f"{named(held)} led by another worker of campaign {campaign} and left "

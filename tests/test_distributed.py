@@ -47,6 +47,7 @@ from flashgen.tune.storage import (
     ROW_ATTR,
     Shared,
     StorageError,
+    flashgen_studies,
     open_storage,
     study_name,
 )
@@ -649,7 +650,7 @@ def test_hosts_joining_a_campaign_split_its_problems_and_a_rerun_does_nothing_ne
     assert "w0 cpu left fp16 f D16 g2 32 B1 H2: done by the campaign" in result.output
     said = " ".join(result.output.split())  # the notes are folded at 80 columns
     assert "already done by campaign nightly" in said
-    assert "even when run again with a larger --trials" in said
+    assert "a campaign tunes a problem once" in said
     note = result.output[result.output.index("nothing new to tune"):]
     assert all(len(line) <= 80 for line in note.splitlines()), note
     with TuningDB(tmp_path / "again.db") as db:
@@ -789,6 +790,30 @@ def test_an_at_sign_in_a_storage_password_is_named_and_not_shown() -> None:
     with pytest.raises(StorageError, match="holds '@'; write it as %40") as caught:
         open_storage("postgresql+psycopg://fg:p@ss@127.0.0.1:1/fg")
     assert "p@ss" not in str(caught.value) and "ss@" not in str(caught.value)
+
+
+def test_a_campaign_keeps_the_trials_of_its_first_invocation(tmp_path: Path) -> None:
+    """Two invocations of one campaign with --trials 3 and 6 held the problems each led to
+    its own budget (3 or 6 by who led), and a rerun with a larger --trials said nothing of
+    it: the first invocation's budget is recorded, and another is a named error."""
+    from flashgen.tune.storage import campaign_trials
+
+    url = str(tmp_path / "studies.log")
+    storage = open_storage(url)
+    assert campaign_trials(storage, "nightly", 3) == 3  # the first: recorded
+    assert campaign_trials(storage, "nightly", 6) == 3
+    assert campaign_trials(storage, "weekly", None) is None  # --timeout alone
+    assert campaign_trials(storage, "weekly", 4) is None
+    result = CliRunner().invoke(app, [
+        "tune", "--device", "cpu", "--shape", "1,2,1,32,32,16", "--trials", "6",
+        "--storage", url, "--campaign", "nightly", "--db", str(tmp_path / "t.db")])
+    assert result.exit_code == 2, result.output
+    (line,) = result.output.strip().splitlines()
+    assert line == ("error: campaign nightly runs --trials 3 (as its first invocation gave); "
+                    "this one gave --trials 6. Give --trials 3, or a new --campaign")
+    assert not (tmp_path / "t.db").exists()
+    # Its record is no problem's study: pull gathers nothing from it.
+    assert not list(flashgen_studies(open_storage(url, must_exist=True)))
 
 
 def test_a_stale_journal_lock_is_removed_before_tuning_and_said(

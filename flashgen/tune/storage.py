@@ -211,6 +211,33 @@ def _check_journal_writable(url: str, path: Path) -> None:
         f"(truncate -s {size - torn} {path}) and run again")
 
 
+#: The study of a named campaign (`--campaign`) that records its trial budget.
+CAMPAIGN_STUDY = "flashgen campaign {}"
+#: Its attribute: the --trials of the campaign's first invocation (None: --timeout alone).
+TRIALS_ATTR = "trials"
+
+
+def campaign_trials(storage: BaseStorage, campaign: str, trials: int | None,
+                    wait_s: float = 5.0) -> int | None:
+    """The --trials of `campaign`: `trials` where this invocation is its first (recorded
+    now), else what its first recorded. An invocation that finds the record's study made but
+    not yet written waits `wait_s` for it (two starting at once), then takes its own."""
+    name = CAMPAIGN_STUDY.format(campaign)
+    try:
+        study = optuna.create_study(storage=storage, study_name=name)
+    except DuplicatedStudyError:
+        deadline = time.monotonic() + wait_s
+        while True:
+            attrs = optuna.load_study(study_name=name, storage=storage).user_attrs
+            if TRIALS_ATTR in attrs:
+                return attrs[TRIALS_ATTR]
+            if time.monotonic() > deadline:
+                return trials  # its first invocation died between its two writes
+            time.sleep(0.1)
+    study.set_user_attr(TRIALS_ATTR, trials)
+    return trials
+
+
 #: Seconds after which Optuna forcibly releases a journal's open-lock file that nobody
 #: touches (`JournalFileOpenLock`'s grace period); a write holds it for milliseconds.
 JOURNAL_LOCK_GRACE_S = 30
