@@ -469,6 +469,7 @@ def _check_storage(url: str, db: Path | None, campaign: str | None = None,
     from flashgen.tune.storage import (
         StorageError,
         campaign_trials,
+        check_journal_tail,
         clear_stale_journal_lock,
         open_storage,
         storage_file,
@@ -485,6 +486,7 @@ def _check_storage(url: str, db: Path | None, campaign: str | None = None,
                    "by a tuner killed while writing)", err=True)
     try:
         storage = open_storage(url)
+        check_journal_tail(url)
         recorded = campaign_trials(storage, campaign, trials) if campaign else trials
     except StorageError as exc:
         raise _fail(str(exc)) from None

@@ -857,6 +857,35 @@ def test_a_journal_ending_in_a_partial_line_is_refused_to_tuners_with_the_mend(
     open_storage(url)
 
 
+def test_a_line_another_tuner_is_appending_is_not_taken_for_a_torn_one(
+        tmp_path: Path) -> None:
+    """A host starting while another appends sees a partial last line for a moment: the
+    tail is read again under the journal's lock, which the writer holds until its line is
+    whole."""
+    from optuna.storages.journal import JournalFileOpenLock
+
+    from flashgen.tune.storage import check_journal_tail
+
+    url = str(tmp_path / "studies.log")
+    optuna.create_study(storage=open_storage(url), study_name="s")
+    writer = JournalFileOpenLock(url)
+    writer.acquire()
+    with open(url, "ab") as f:
+        f.write(b'{"op_code": 0, "worker_id": "x", ')
+        f.flush()
+
+        def finish() -> None:
+            time.sleep(0.3)
+            f.write(b'"study_name": "t", "directions": [1]}\n')
+            f.flush()
+            writer.release()
+
+        thread = threading.Thread(target=finish)
+        thread.start()
+        check_journal_tail(url)  # waits for the lock, then finds the line whole
+        thread.join()
+
+
 def test_a_journal_a_tuner_cannot_write_is_named_before_any_work(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     url = str(tmp_path / "studies.log")

@@ -186,29 +186,40 @@ def open_storage(url: str, *, heartbeat_s: int = HEARTBEAT_S, grace_s: int = GRA
 
 
 def _check_journal_writable(url: str, path: Path) -> None:
-    """A `StorageError` where a tuner could not append to the journal at `path`, found now
-    rather than as a worker's traceback: the file or its folder (where the open-lock file
-    goes) not writable, or a last line cut short (a write stopped by a full disk or a
-    crash), which the next append would glue onto and make the journal unreadable to every
-    host until the file is mended by hand."""
+    """A `StorageError` where a tuner could not append to the journal at `path` (the file,
+    or its folder, where the open-lock file goes), found now rather than as a worker's
+    traceback."""
     if not os.access(path.parent, os.W_OK):
         raise StorageError(f"--storage {url}: folder {path.parent} is not writable (the "
                            "journal and its lock file go there)")
-    if not path.is_file():
-        return
-    if not os.access(path, os.W_OK):
+    if path.is_file() and not os.access(path, os.W_OK):
         raise StorageError(f"--storage {url}: the journal file is not writable")
+
+
+def check_journal_tail(url: str) -> None:
+    """A `StorageError` where the journal `url` ends in a partial line (a write cut short
+    by a full disk or a crash): Optuna reads past it, but a tuner's next append would glue
+    onto it and make the journal unreadable to every host until mended by hand. A line
+    another tuner is appending right now looks partial too, so the tail is read again
+    under the journal's lock, which every writer holds while it appends."""
+    path = storage_file(url)
+    if path is None or not url.endswith(".log") or not path.is_file():
+        return
     size = path.stat().st_size
-    if not size:
+    if _last_line_end(path, size) == size:
         return
-    whole = _last_line_end(path, size)
-    if whole == size:
-        return
-    torn = size - whole
-    raise StorageError(
-        f"--storage {url} ends in a partial line ({torn} bytes after the last whole one: a "
-        f"write cut short), which the next write would make unreadable; remove it "
-        f"(truncate -s {size - torn} {path}) and run again")
+    lock = JournalFileOpenLock(str(path))
+    lock.acquire()
+    try:
+        size = path.stat().st_size
+        whole = _last_line_end(path, size)
+    finally:
+        lock.release()
+    if whole != size:
+        raise StorageError(
+            f"--storage {url} ends in a partial line ({size - whole} bytes after the last "
+            f"whole one: a write cut short), which the next write would make unreadable; "
+            f"remove it (truncate -s {whole} {path}) and run again")
 
 
 #: The study of a named campaign (`--campaign`) that records its trial budget.
