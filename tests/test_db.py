@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import sqlite3
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -319,6 +320,20 @@ def test_a_run_records_its_provenance_and_what_it_wrote(db: TuningDB) -> None:
     done = db.finish_run("r1", "interrupted")
     assert (done.status, done.trials, done.winners) == ("interrupted", 2, 1)
     assert done.ended_at >= done.started_at and db.runs() == [done]
+
+
+def test_a_runs_command_line_keeps_no_storage_password(
+        db: TuningDB, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run stores its command line in the file, which `show --runs` prints and which may
+    be shipped: `--storage postgresql+psycopg://user:password@host/db` kept the password."""
+    monkeypatch.setattr(sys, "argv", [
+        "flashgen", "tune", "--storage", "postgresql+psycopg://fg:s3cr@t@db.host:5432/fg",
+        "--campaign", "c", "--storage=mysql://u:pw@h/x", "--db", "a.db"])
+    db.start_run("r1", H100)
+    (run,) = db.runs()
+    assert "s3cr" not in run.command and "pw" not in run.command
+    assert run.command == ("flashgen tune --storage 'postgresql+psycopg://fg:***@db.host:5432/fg'"
+                           " --campaign c '--storage=mysql://u:***@h/x' --db a.db")
 
 
 # ---- re-keying by kernel hash (migration m006) -----------------------------------------

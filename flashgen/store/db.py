@@ -29,6 +29,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import shlex
 import socket
 import sqlite3
@@ -333,6 +334,16 @@ def _refuse_folder(path: Path) -> None:
     error read as a missing file or an unwritable folder."""
     if path.is_dir():
         raise IsADirectoryError(errno.EISDIR, "a folder, not a database file", str(path))
+
+
+#: The password of a URL's user (`scheme://user:password@host`), up to its last "@".
+_PASSWORD = re.compile(r"(://[^:/@\s]*:)\S*@")
+
+
+def without_password(text: str) -> str:
+    """`text` with any URL's password masked: a run's command line is stored in the file
+    (`--storage postgresql+psycopg://user:password@host/db`), which is shown and shipped."""
+    return _PASSWORD.sub(r"\1***@", text)
 
 
 def now_stamp() -> str:
@@ -654,7 +665,7 @@ class TuningDB:
             "device_key": device.key, "triton_version": versions.triton,
             "torch_version": versions.torch, "flashgen_version": package_version("flashgen"),
             "command": command if command is not None else shlex.join(
-                ["flashgen", *sys.argv[1:]]),
+                ["flashgen", *map(without_password, sys.argv[1:])]),
             "host": socket.gethostname(), "pid": os.getpid(),
         }
         with self._write():
