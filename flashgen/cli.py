@@ -866,7 +866,8 @@ def pull(
     except StorageError as exc:
         raise _fail(str(exc)) from None
     with TuningDB(db) as database:
-        report = pull_rows(shared, database, package_version("flashgen"))
+        report = pull_rows(shared, database, package_version("flashgen"),
+                           f"flashgen pull --storage {_redacted(storage)}")
         typer.echo(f"pulled {report.copied} trial(s) from {report.studies} study(ies) into "
                    f"{database.path} ({report.present} already there); "
                    f"{report.winners} winner(s)")

@@ -743,6 +743,16 @@ def test_cpu_workers_tune_through_the_storage_and_pull_gathers_them(
     assert again.returncode == 0, again.stderr
     with TuningDB(tmp_path / "a.db") as a:
         assert len(a.trials()) == held
+        assert {r.status for r in a.runs()} == {"ok"}  # its own runs keep their rows
+    # A gathered file keeps its provenance: a "pulled" row for each run it copied from.
+    with TuningDB(tmp_path / "a.db") as a, TuningDB(tmp_path / "p.db") as p:
+        pulled = {r.id: r for r in p.runs()}
+        assert pulled.keys() == {r.id for r in a.runs()}
+        for run in a.runs():
+            got = pulled[run.id]
+            assert got.status == "pulled" and got.trials == run.trials
+            assert got.gpu_name == run.gpu_name and got.command.startswith("flashgen pull")
+            assert run.started_at <= got.started_at <= got.ended_at <= run.ended_at
 
 
 # ---- bad input -------------------------------------------------------------------------

@@ -63,7 +63,7 @@ from flashgen.store.measurement import Timing
 Status = Literal["ok", "failed", "pruned"]
 STATUSES: tuple[str, ...] = ("ok", "failed", "pruned")
 #: How a run ended: still "running" if its process died without a word.
-RunStatus = Literal["running", "ok", "interrupted", "failed"]
+RunStatus = Literal["running", "ok", "interrupted", "failed", "pulled"]
 
 #: Knobs that get a column of their own for SQL queries; every knob is also in variant_json,
 #: so knobs added later are stored before a migration gives them a column.
@@ -683,6 +683,31 @@ class TuningDB:
             self.db["runs"].update(run_id, {"status": status, "ended_at": now_stamp(),
                                             "trials": trials, "winners": winners})
         return RunRow.from_columns(self.db["runs"].get(run_id))
+
+    def record_pulled_run(self, run_id: str, key: TuningKey, flashgen_version: str,
+                          started_at: str, ended_at: str, command: str) -> None:
+        """Record run `run_id` of another host, whose trials `flashgen pull` copied in
+        (status "pulled"; its times are those of its first and last copied trial), so the
+        gathered file keeps its provenance; a run the file records already keeps its row,
+        and its counts are brought up to date."""
+        with self._write():
+            held = self.db["runs"].exists() and list(self.db["runs"].rows_where(
+                "id = ?", [run_id], limit=1))
+            if not held:
+                self.db["runs"].insert({
+                    "id": run_id, "status": "pulled", "started_at": started_at,
+                    "ended_at": ended_at, "gpu_name": key.gpu_name,
+                    "device_key": key.device_key, "triton_version": key.triton_version,
+                    "torch_version": key.torch_version, "flashgen_version": flashgen_version,
+                    "command": without_password(command)})
+            elif held[0]["status"] != "pulled":
+                return  # this file's own run (a worker's --db pulled into): its row stands
+            trials = self.db.execute("SELECT count(*) FROM trials WHERE run_id = ?",
+                                     [run_id]).fetchone()[0]
+            winners = self.db.execute(
+                "SELECT count(*) FROM winners WHERE trial_id IN "
+                "(SELECT id FROM trials WHERE run_id = ?)", [run_id]).fetchone()[0]
+            self.db["runs"].update(run_id, {"trials": trials, "winners": winners})
 
     def runs(self) -> list[RunRow]:
         """Every recorded run, oldest first (none in a file older than the runs table)."""

@@ -37,9 +37,13 @@ class PullReport:
     keys: set[TuningKey] = field(default_factory=set)
 
 
-def pull(storage: BaseStorage, db: TuningDB, version: str) -> PullReport:
-    """Copy the rows of every study of flashgen `version` in `storage` into `db`."""
+def pull(storage: BaseStorage, db: TuningDB, version: str,
+         command: str = "flashgen pull") -> PullReport:
+    """Copy the rows of every study of flashgen `version` in `storage` into `db`, and a
+    "pulled" run row for each run they came from (`command`: this pull's, kept in it)."""
     report = PullReport()
+    # run id -> (a key of its, its first and last row's time)
+    runs: dict[str, tuple[TuningKey, str, str]] = {}
     for frozen, info in flashgen_studies(storage):
         if info.version != version:
             report.other_versions += 1
@@ -61,6 +65,11 @@ def pull(storage: BaseStorage, db: TuningDB, version: str) -> PullReport:
             except (TypeError, ValueError):
                 report.unreadable += 1
                 continue
+            if row["run_id"]:
+                first, last = runs.get(row["run_id"], (key, row["created_at"],
+                                                       row["created_at"]))[1:]
+                runs[row["run_id"]] = (key, min(first, row["created_at"]),
+                                       max(last, row["created_at"]))
             text = json.dumps(row["variant"], sort_keys=True)
             if ((text, row["status"], row["created_at"]) in held
                     or (row["status"] == "pruned" and text in pruned)):
@@ -86,4 +95,6 @@ def pull(storage: BaseStorage, db: TuningDB, version: str) -> PullReport:
                                key.torch_version, key.mode)
         report.keys.add(key)
     report.winners = sum(db.update_winner(key) is not None for key in report.keys)
+    for run_id, (key, first, last) in runs.items():
+        db.record_pulled_run(run_id, key, version, first, last, command)
     return report
