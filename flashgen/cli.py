@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from flashgen.kernels.problem import Problem
     from flashgen.store.db import TuningDB
     from flashgen.tune.search import RunOptions, TuneResult
-    from flashgen.tune.workers import WorkerEnd
+    from flashgen.tune.workers import WorkerEnd, WorkerPlan
 
 def _explained(invoke: Callable[[typer.Context], Any], ctx: typer.Context) -> Any:
     """Run a command; a known database or file error (not a database, damaged, read-only,
@@ -604,6 +604,8 @@ def _run_workers(problems: list[Problem], run: RunOptions, slots: list[int | Non
     if interrupted:
         raise typer.Exit(130)
     notes = _left_to_campaign(problems, results, ends, plan.campaign)
+    if storage is not None and run.trials is not None:
+        notes += _running_elsewhere(storage, plan, results)
     if tables and notes:
         typer.echo()
     for line in notes:  # folded at 80 columns, whole
@@ -653,6 +655,32 @@ def _left_to_campaign(problems: list[Problem], results: list[TuneResult],
                      f"A dead worker's lease expires {GRACE_S} s after its last heartbeat: run "
                      f"again to take it over")
     return lines
+
+
+def _running_elsewhere(url: str, plan: WorkerPlan, results: list[TuneResult]) -> list[str]:
+    """A line on the problems this invocation tuned whose campaign still has measurements
+    running when its own workers have all ended: another invocation's, or a worker killed
+    moments ago, whose claims count toward the budget until its heartbeat goes stale. A
+    rerun right after a kill otherwise ended short of --trials with status 0 and no word."""
+    from flashgen.kernels.presets import problem_label
+    from flashgen.tune.storage import GRACE_S, Shared, StorageError, open_storage
+
+    try:
+        shared = Shared(open_storage(url), plan.version, plan.campaign, "parent")
+    except StorageError:
+        return []  # the workers' own errors say more
+    try:
+        busy = [r for r in results if shared.running(r.key, r.problem)]
+    finally:
+        shared.close()
+    if not busy:
+        return []
+    labels = ", ".join(problem_label(r.problem) for r in busy[:3])
+    more = f" and {len(busy) - 3} more" if len(busy) > 3 else ""
+    return [f"{len(busy)} problem(s) ({labels}{more}) still have measurements of campaign "
+            f"{plan.campaign} running elsewhere: another invocation's, or a killed worker's "
+            f"until {GRACE_S} s after its last heartbeat. Their budget counts them; if none "
+            f"is running, run again after {GRACE_S} s to measure what they held"]
 
 
 def _redacted(url: str | None) -> str:

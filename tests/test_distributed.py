@@ -660,6 +660,31 @@ def test_hosts_joining_a_campaign_split_its_problems_and_a_rerun_does_nothing_ne
         assert runs[0].id.startswith("nightly-") and runs[0].id.endswith("-w0")
 
 
+def test_the_summary_names_problems_whose_campaign_still_measures_elsewhere(
+        tmp_path: Path) -> None:
+    """A rerun right after a worker was killed ended short of --trials with status 0 and no
+    word: the dead worker's claims counted toward the budget until they went stale."""
+    from flashgen.cli import _running_elsewhere
+
+    url = str(tmp_path / "studies.log")
+    plan = WorkerPlan((PROBLEM,), RunOptions("cpu", trials=3), url, "nightly", "0.1.test")
+    key = TuningKey.for_problem(PROBLEM, INTERPRETER, "fwd", VERSIONS)
+    result = TuneResult(PROBLEM, key, 2)
+    assert _running_elsewhere(url, plan, [result]) == []  # nothing runs
+    other = Shared(open_storage(url), plan.version, "nightly", "host-b-w0")
+    try:
+        sampler = optuna.samplers.RandomSampler(seed=0)
+        held = other.study(key, PROBLEM, sampler).claim('{"block_m": 16}', 3)
+        assert held.kind == "ours"
+        (line,) = _running_elsewhere(url, plan, [result])
+        assert line.startswith("1 problem(s) (") and "running elsewhere" in line
+        elsewhere = WorkerPlan((PROBLEM,), RunOptions("cpu", trials=3), url, "weekly",
+                               "0.1.test")
+        assert _running_elsewhere(url, elsewhere, [result]) == []  # another campaign's
+    finally:
+        other.close()
+
+
 def test_the_summary_names_the_problems_left_to_the_campaign() -> None:
     from flashgen.cli import _left_to_campaign
     from flashgen.tune.workers import WorkerEnd

@@ -588,6 +588,13 @@ class Shared:
                 lease.trial_id, state, [0.0] if finished else None)
         self.beater.drop(lease.trial_id)
 
+    def running(self, key: TuningKey, problem: Problem) -> int:
+        """This campaign's measurements of `problem` still running (claims held by live
+        workers, or by dead ones whose heartbeat has not yet gone stale)."""
+        return sum(1 for t in live_trials(self.claims_study(key, problem))
+                   if t.state == TrialState.RUNNING and "variant" in t.user_attrs
+                   and t.user_attrs.get("campaign") == self.campaign)
+
     def room(self, key: TuningKey, problem: Problem, budget: int) -> bool:
         """Whether this campaign has claimed fewer than `budget` variants of `problem`."""
         return sum(1 for t in live_trials(self.claims_study(key, problem))
