@@ -433,6 +433,53 @@ def test_show_reads_the_wal_of_a_file_in_a_read_only_folder(tmp_path: Path) -> N
     assert sorted(p.name for p in path.parent.iterdir()) == ["t.db", "t.db-wal"]
 
 
+def test_dispatch_waits_seconds_not_a_minute_for_a_lock_and_names_it_as_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first `attention` call waited the writers' full minute behind another process's
+    write lock, then advised moving or deleting a file that was only locked."""
+    from flashgen.store import table
+
+    path = flashgen_db(tmp_path / "t.db")
+    with sqlite3.connect(path) as conn:
+        conn.execute("PRAGMA journal_mode = DELETE")  # a lock that blocks readers too
+    monkeypatch.delenv(guard.BUSY_TIMEOUT_ENV, raising=False)
+    monkeypatch.setattr(table, "DISPATCH_BUSY_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(table, "_warned", set())
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN EXCLUSIVE")
+    try:
+        started = time.monotonic()
+        with pytest.warns(table.DatabaseWarning, match="is locked by another process") as got:
+            locked = table.device_table([path], INTERPRETER)
+        waited = time.monotonic() - started
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    assert 0.3 <= waited < 10 and not locked["fwd"]
+    assert "move" not in str(got[0].message) and "reads it again" in str(got[0].message)
+    assert len(table.device_table([path], INTERPRETER)["fwd"]) == 1  # read once unlocked
+
+
+def test_a_database_in_a_folder_that_cannot_be_entered_is_warned_of_not_raised(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Path.is_file raises on EACCES: every `attention` call raised PermissionError."""
+    from flashgen.store import table
+
+    path = tmp_path / "closed" / "user.db"
+    real = Path.is_file
+
+    def denied(self: Path) -> bool:
+        if self == path:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self)
+
+    monkeypatch.setattr(Path, "is_file", denied)
+    monkeypatch.setattr(table, "_warned", set())
+    with pytest.warns(table.DatabaseWarning, match="Permission denied"):
+        found = table.device_table([path], INTERPRETER)
+    assert not found["fwd"]
+
+
 def test_an_unreadable_wal_is_named_not_skipped(tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     path = killed_tune_copy(tmp_path)

@@ -506,11 +506,12 @@ class TuningDB:
                 delay = min(delay * 2, 0.5)
 
     @classmethod
-    def open_readonly(cls, path: str | Path) -> TuningDB:
+    def open_readonly(cls, path: str | Path, busy_s: float = BUSY_TIMEOUT_S) -> TuningDB:
         """Open an existing file for reading only: no migrations, no journal-mode change, and
         nothing is created, so it works on a database installed in a read-only place (the
         one shipped in the package). An older file simply lacks newer columns; the winner
-        queries use those of the first schema. Writes raise sqlite3.OperationalError."""
+        queries use those of the first schema. Writes raise sqlite3.OperationalError.
+        `busy_s`: how long a read waits out another process's write lock."""
         self = cls.__new__(cls)
         self.path = Path(path)
         self._read_only = True
@@ -518,7 +519,7 @@ class TuningDB:
         if not self.path.is_file():
             raise FileNotFoundError(f"no tuning database at {self.path}")
         self.db = sqlite_utils.Database(
-            read_only_connection(self.path, busy_timeout_s(BUSY_TIMEOUT_S)))
+            read_only_connection(self.path, busy_timeout_s(busy_s)))
         return self
 
     @classmethod

@@ -27,7 +27,6 @@ from flashgen.kernels.resources import data_dir
 from flashgen.kernels.variant import Variant
 from flashgen.store.current import hash_is_current
 from flashgen.store.db import (
-    BUSY_TIMEOUT_S,
     SCHEMA_VERSION,
     TuningDB,
     WinnerRow,
@@ -106,6 +105,12 @@ class DatabaseWarning(UserWarning):
 #: The files dispatch has warned about in this process (each is named once, not per device).
 _warned: set[str] = set()
 
+#: Seconds dispatch waits out another process's write lock on a database before going on
+#: without it: a tuner's writes hold it for milliseconds, so a lock held longer is a long
+#: transaction elsewhere, which the first `attention` call must not wait a minute for (the
+#: writers' wait, `BUSY_TIMEOUT_S`).
+DISPATCH_BUSY_TIMEOUT_S = 5.0
+
 
 def _winners(path: Path, device: DeviceInfo) -> list[tuple[WinnerRow, WinnerRow | None]]:
     """Every mode's winners for `device` in `path`, each with its key's fastest deterministic
@@ -113,12 +118,13 @@ def _winners(path: Path, device: DeviceInfo) -> list[tuple[WinnerRow, WinnerRow 
     its tables are read (a table named `winners` there is not ours); a newer flashgen's file
     is read as far as it is compatible, and where it is not, the error says why."""
     try:
-        check_writable(path, _migration_names(), SCHEMA_VERSION, busy_timeout_s(BUSY_TIMEOUT_S))
+        check_writable(path, _migration_names(), SCHEMA_VERSION,
+                       busy_timeout_s(DISPATCH_BUSY_TIMEOUT_S))
         newer = False
     except NewerDatabase:
         newer = True
     try:
-        with TuningDB.open_readonly(path) as db:
+        with TuningDB.open_readonly(path, DISPATCH_BUSY_TIMEOUT_S) as db:
             return [(row, db.fastest_deterministic(row)) for mode in MODES
                     for row in db.load_winners(device.key, mode=mode)]
     except sqlite3.DatabaseError as exc:
@@ -136,6 +142,15 @@ def _warn_unreadable(path: Path, exc: BaseException) -> None:
         return
     _warned.add(where)
     problem = str(exc) or type(exc).__name__
+    if isinstance(exc, sqlite3.OperationalError) and "locked" in problem:
+        # A lock is not the file's fault: the advice to move it would be wrong.
+        warnings.warn(f"flashgen: the tuning database {where} is locked by another process "
+                      f"(a long write: an open sqlite3 shell, a copy?) and was not read. Going "
+                      f"on without it in this process (the other databases' winners, if any, "
+                      f"and the defaults); winners are read once per process, so a new one "
+                      f"(or a new flashgen.Dispatcher) reads it again.", DatabaseWarning,
+                      stacklevel=2)
+        return
     warnings.warn(f"flashgen: cannot read the tuning database {where}: {problem}. Going on "
                   f"without it (the other databases' winners, if any, and the defaults); move "
                   f"or delete that file, or point FLASHGEN_DB elsewhere.", DatabaseWarning,
@@ -150,9 +165,9 @@ def device_table(paths: Sequence[Path], device: DeviceInfo) -> dict[str, Any]:
     table: dict[str, Any] = {mode: [] for mode in MODES}
     table["preprocess_block_m"] = PREPROCESS_BLOCK_M
     for path in paths:
-        if not path.is_file() and not path.is_dir():  # a folder: warned of, as unreadable
-            continue
         try:
+            if not path.is_file() and not path.is_dir():  # a folder: warned of, as unreadable
+                continue
             rows = _winners(path, device)
         except (sqlite3.DatabaseError, OSError) as exc:
             _warn_unreadable(path, exc)
