@@ -480,6 +480,22 @@ def test_a_database_in_a_folder_that_cannot_be_entered_is_warned_of_not_raised(
     assert not found["fwd"]
 
 
+@pytest.mark.parametrize("newer", [True, False])
+def test_show_names_a_file_whose_winners_lack_a_column(tmp_path: Path, newer: bool) -> None:
+    """A newer flashgen's file with a renamed column gave `show` a KeyError traceback."""
+    path = flashgen_db(tmp_path / "t.db")
+    with sqlite3.connect(path) as conn:
+        if newer:
+            conn.execute("INSERT INTO _sqlite_migrations(migration_set, name, applied_at) "
+                         "VALUES ('flashgen', 'm999_future', 'later')")
+        conn.execute("ALTER TABLE winners RENAME COLUMN triton_version TO triton")
+    before = hashlib.sha256(path.read_bytes()).hexdigest()
+    shown = runner.invoke(app, ["show", "--db", str(path)])
+    assert_one_error_line(shown, str(path), "no winners column 'triton_version'",
+                          "upgrade flashgen" if newer else "damaged")
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == before
+
+
 def test_an_unreadable_wal_is_named_not_skipped(tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     path = killed_tune_copy(tmp_path)

@@ -51,6 +51,8 @@ from flashgen.kernels.problem import Problem
 from flashgen.kernels.render import _templates
 from flashgen.store.current import LEGACY, RETIRED, family_hash, kernel_hash_now, row_is_current
 from flashgen.store.guard import (
+    NewerDatabase,
+    StoreError,
     busy_timeout_s,
     check_ours,
     check_writable,
@@ -860,7 +862,18 @@ class TuningDB:
             return []
         rows = self.db["winners"].rows_where(order_by="device_key, dtype, causal, head_dim, "
                                              "gqa, seq_q_bucket, seq_k_bucket")
-        return [w for w in (_winner_row(r, strict=False) for r in rows) if w is not None]
+        try:
+            return [w for w in (_winner_row(r, strict=False) for r in rows) if w is not None]
+        except KeyError as exc:  # a column this flashgen reads is gone: a traceback in show
+            try:
+                check_writable(self.path, _migration_names(), SCHEMA_VERSION, 0.0)
+                why = "damaged, or written by another program"
+            except NewerDatabase:
+                why = "written by a newer flashgen: upgrade flashgen to read it"
+            except sqlite3.DatabaseError:
+                why = "damaged, or written by another program"
+            raise StoreError(f"{self.path} has no winners column {exc} that this flashgen "
+                             f"reads: {why}") from None
 
 
 def _prefer(new: WinnerRow, held: WinnerRow, torch_now: str) -> bool:
