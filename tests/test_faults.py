@@ -496,6 +496,39 @@ def test_show_names_a_file_whose_winners_lack_a_column(tmp_path: Path, newer: bo
     assert hashlib.sha256(path.read_bytes()).hexdigest() == before
 
 
+_KILLED_MID_WRITE = """
+import os, sqlite3, sys
+c = sqlite3.connect(sys.argv[1], isolation_level=None)
+c.execute("PRAGMA journal_mode = DELETE")
+c.execute("PRAGMA cache_size = 1")
+c.execute("BEGIN")
+c.execute("UPDATE winners SET block_m = 16")
+c.execute("UPDATE trials SET reason = hex(randomblob(3000))")  # the cache spills to the file
+os._exit(0)  # killed: uncommitted pages in the file, the originals in its -journal
+"""
+
+
+def test_a_write_killed_midway_is_read_as_committed_and_rolled_back_by_the_next_writer(
+        tmp_path: Path) -> None:
+    """A hot rollback journal: readers fell back to an immutable read of the file as it
+    stood (`show` listed a winner never committed), and `tune` blamed permissions."""
+    path = flashgen_db(tmp_path / "t.db")
+    with TuningDB.open_readonly(path) as db:
+        (committed,) = db.all_winners()
+    subprocess.run([sys.executable, "-c", _KILLED_MID_WRITE, str(path)], check=True)
+    journal = path.with_name(path.name + "-journal")
+    assert journal.stat().st_size > 0
+    before = hashlib.sha256(path.read_bytes()).hexdigest()
+    with TuningDB.open_readonly(path) as db:  # show, export, dispatch
+        (read,) = db.all_winners()
+    assert read.variant == committed.variant
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == before and journal.exists()
+    with TuningDB(path) as db:  # a writer (tune) is let in, and rolls the write back
+        (read,) = db.all_winners()
+    assert read.variant == committed.variant
+    assert not journal.exists() or journal.stat().st_size == 0
+
+
 def test_an_unreadable_wal_is_named_not_skipped(tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     path = killed_tune_copy(tmp_path)

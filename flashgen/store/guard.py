@@ -82,9 +82,9 @@ def _read_only(path: Path, timeout: float) -> sqlite3.Connection:
 
 def read_only_connection(path: Path, timeout: float) -> sqlite3.Connection:
     """A read-only connection to an existing file that changes nothing in it; a WAL-mode
-    file in a folder where SQLite cannot create its shared-memory file is read through
-    `open_without_shm` (nobody can be writing it there either). A file a writer holds
-    locked raises: reading around its lock could see half a write."""
+    file in a folder where SQLite cannot create its shared-memory file, and a file with the
+    journal of a write killed midway, are read through `open_without_shm`. A file a writer
+    holds locked raises: reading around its lock could see half a write."""
     conn = _read_only(path, timeout)
     try:
         conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
@@ -153,7 +153,9 @@ def check_writable(path: Path, known_migrations: Collection[str], schema_version
     SQLite's own error here, also before anything is written."""
     if not path.is_file() or path.stat().st_size == 0:
         return
-    conn = _read_only(path, timeout)
+    # As every reader reads it (a write killed midway is read as committed): a writer let
+    # in then rolls that write back in the file itself.
+    conn = read_only_connection(path, timeout)
     try:
         app_id, user_version, tables, applied = _identity(conn)
     finally:
@@ -188,7 +190,8 @@ class _SnapshotConnection(sqlite3.Connection):
 
 def open_without_shm(path: Path) -> sqlite3.Connection:
     """Read a database that SQLite cannot open read-only in place, which happens to a
-    WAL-mode file in a folder where its `-shm` file cannot be created.
+    WAL-mode file in a folder where its `-shm` file cannot be created, and to a file with a
+    hot rollback journal (read from a copy where the interrupted write is rolled back).
 
     Without a `-wal` file beside it, the file is all there is, and opening it as immutable
     reads it as it stands. With one, immutable would ignore the log and show the results a
@@ -196,21 +199,35 @@ def open_without_shm(path: Path) -> sqlite3.Connection:
     there; if the log cannot be copied, `StoreError` says so rather than show less."""
     uri = path.resolve().as_uri()
     wal = path.with_name(path.name + "-wal")
+    journal = path.with_name(path.name + "-journal")
+    if journal.exists() and journal.stat().st_size > 0:
+        # A hot rollback journal: a writer was killed mid-write, and the file holds pages of
+        # a write never committed, which a read-only connection may not roll back (SQLite
+        # refuses) and immutable would read as they stand. The pair is copied, and a
+        # read-write connection to the copy rolls the write back there, so this reads what
+        # was committed; the next writer of the file itself rolls it back in place.
+        return _snapshot(path, journal, "an interrupted write's journal", "")
     if not wal.exists() or wal.stat().st_size == 0:
         return sqlite3.connect(f"{uri}?mode=ro&immutable=1", uri=True)
+    return _snapshot(path, wal, "recent results", "?mode=ro")
+
+
+def _snapshot(path: Path, beside: Path, what: str, mode: str) -> sqlite3.Connection:
+    """A connection to a copy of `path` and its `beside` file (its WAL or its rollback
+    journal) in a temporary folder, opened with URI `mode`; `StoreError` if the pair cannot
+    be copied."""
     scratch = tempfile.TemporaryDirectory(prefix="flashgen-db-")
     copy = Path(scratch.name) / path.name
     try:
         shutil.copyfile(path, copy)
-        shutil.copyfile(wal, copy.with_name(copy.name + "-wal"))
+        shutil.copyfile(beside, copy.with_name(copy.name + beside.name[len(path.name):]))
     except OSError as exc:
         scratch.cleanup()
         raise StoreError(
-            f"{path} keeps recent results in {wal}, which cannot be read here "
+            f"{path} keeps {what} in {beside}, which cannot be read here "
             f"({exc.strerror or exc}); copy both files to a folder you can write and pass "
             f"that copy with --db") from exc
-    conn = sqlite3.connect(f"{copy.as_uri()}?mode=ro", uri=True,
-                           factory=_SnapshotConnection)
+    conn = sqlite3.connect(f"{copy.as_uri()}{mode}", uri=True, factory=_SnapshotConnection)
     conn.scratch = scratch
     return conn
 
