@@ -125,7 +125,8 @@ class Dispatcher(dispatch.Dispatcher):
             # folds them anywhere, and the command is meant to be copied as it stands.
             return (f"flashgen: no tuned {what}kernels for {dev.name} in\n  {where};\n"
                     f"  using default {what}variants. To tune {whom}, run\n"
-                    f"  `{tune_command(dev, problem, mode)}`{more}")
+                    f"  `{tune_command(dev, problem, mode)}`{more}\n"
+                    f"  (a process reads the winners once: a new one serves them)")
 
         whole = notice("", "both", "this device")
         return {"fwd": whole, "bwd": notice("backward ", "bwd", "them") if tuned_fwd else whole,
