@@ -529,6 +529,18 @@ def test_a_write_killed_midway_is_read_as_committed_and_rolled_back_by_the_next_
     assert not journal.exists() or journal.stat().st_size == 0
 
 
+def test_a_file_that_cannot_be_read_is_not_blamed_on_its_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = flashgen_db(tmp_path / "t.db")
+    exc = sqlite3.OperationalError("unable to open database file")
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: (
+        False if (str(p), mode) == (str(path), os.R_OK) else real(p, mode)))
+    assert "cannot be read here (its permissions)" in guard.explain(exc, path, 1.0)
+    missing = tmp_path / "gone" / "t.db"  # the folder is the trouble here
+    assert "its folder is missing or not writable" in guard.explain(exc, missing, 1.0)
+
+
 def test_an_unreadable_wal_is_named_not_skipped(tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     path = killed_tune_copy(tmp_path)

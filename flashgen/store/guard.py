@@ -288,6 +288,10 @@ def explain(exc: BaseException, path: Path | str | None, wait_s: float) -> str |
         return str(exc)  # its own message names the place and what to do
     if isinstance(exc, sqlite3.Error):
         text = str(exc)
+        if "unable to open database file" in text and path and Path(path).is_file() and (
+                not os.access(path, os.R_OK)):  # the folder is fine: the file is not readable
+            return (f"cannot open {where}: the file cannot be read here (its permissions); "
+                    "make it readable, or pass --db with another file")
         for needle, advice in _SQLITE_ADVICE:
             if needle in text:
                 return advice.format(path=where, wait=wait_s, env=BUSY_TIMEOUT_ENV)
