@@ -541,6 +541,18 @@ def test_a_file_that_cannot_be_read_is_not_blamed_on_its_folder(
     assert "its folder is missing or not writable" in guard.explain(exc, missing, 1.0)
 
 
+def test_a_winner_with_a_knob_unknown_here_is_skipped_naming_its_file(tmp_path: Path) -> None:
+    path = flashgen_db(tmp_path / "t.db")
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE winners SET variant_json = "
+                     "json_set(variant_json, '$.future_knob', 3)")
+    with pytest.warns(UserWarning, match="skipping winner") as got, \
+            TuningDB.open_readonly(path) as db:
+        assert db.all_winners() == []
+    text = str(got[0].message)
+    assert f"of {path} (written by a newer flashgen?)" in text and "future_knob" in text
+
+
 def test_an_unreadable_wal_is_named_not_skipped(tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     path = killed_tune_copy(tmp_path)

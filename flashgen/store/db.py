@@ -847,7 +847,7 @@ class TuningDB:
         )
         chosen: dict[tuple[Any, ...], WinnerRow] = {}
         for row in rows:
-            winner = _winner_row(row, strict=False)
+            winner = _winner_row(row, strict=False, where=self.path)
             if winner is None:
                 continue
             bucket = tuple(row.get(c) for c in KEY_COLUMNS if c != "torch_version")
@@ -863,7 +863,8 @@ class TuningDB:
         rows = self.db["winners"].rows_where(order_by="device_key, dtype, causal, head_dim, "
                                              "gqa, seq_q_bucket, seq_k_bucket")
         try:
-            return [w for w in (_winner_row(r, strict=False) for r in rows) if w is not None]
+            return [w for w in (_winner_row(r, strict=False, where=self.path) for r in rows)
+                    if w is not None]
         except KeyError as exc:  # a column this flashgen reads is gone: a traceback in show
             try:
                 check_writable(self.path, _migration_names(), SCHEMA_VERSION, 0.0)
@@ -902,7 +903,8 @@ def _kernel_hash(row: dict[str, Any]) -> str | None:
     return LEGACY + row["template_hash"] if row.get("template_hash") else None
 
 
-def _winner_row(row: dict[str, Any], strict: bool = True) -> WinnerRow | None:
+def _winner_row(row: dict[str, Any], strict: bool = True,
+                where: Path | None = None) -> WinnerRow | None:
     try:
         variant = _variant_now(row["mode"], row["variant_json"])
     except (TypeError, ValueError) as exc:
@@ -910,7 +912,9 @@ def _winner_row(row: dict[str, Any], strict: bool = True) -> WinnerRow | None:
         # one this flashgen renders, so it is never served, but `show` must not crash on it.
         if strict:
             raise
-        warnings.warn(f"skipping winner {row['key_id']}: {exc}", stacklevel=3)
+        source = f" of {where}" if where else ""
+        warnings.warn(f"skipping winner {row['key_id']}{source} (written by a newer "
+                      f"flashgen?): {exc}", stacklevel=3)
         return None
     return WinnerRow(
         key=TuningKey.from_columns(row), variant=variant,
