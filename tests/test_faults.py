@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
@@ -551,6 +552,30 @@ def test_a_winner_with_a_knob_unknown_here_is_skipped_naming_its_file(tmp_path: 
         assert db.all_winners() == []
     text = str(got[0].message)
     assert f"of {path} (written by a newer flashgen?)" in text and "future_knob" in text
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dangling link", "missing"])
+def test_a_database_path_that_is_no_file_is_warned_of_unless_missing(
+        tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """$FLASHGEN_DB at /dev/null, a pipe or a link to nothing was skipped without a word
+    (a missing file is the user database not written yet: skipped quietly)."""
+    from flashgen.store import table
+
+    path = tmp_path / "user.db"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "dangling link":
+        path.symlink_to(tmp_path / "nowhere.db")
+    monkeypatch.setattr(table, "_warned", set())
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        assert not table.device_table([path], INTERPRETER)["fwd"]
+    said = [str(w.message) for w in got if issubclass(w.category, table.DatabaseWarning)]
+    if kind == "missing":
+        assert said == []
+    else:
+        (text,) = said
+        assert str(path) in text and "not a regular file" in text
 
 
 def test_an_unreadable_wal_is_named_not_skipped(tmp_path: Path,

@@ -167,6 +167,9 @@ def device_table(paths: Sequence[Path], device: DeviceInfo) -> dict[str, Any]:
     for path in paths:
         try:
             if not path.is_file() and not path.is_dir():  # a folder: warned of, as unreadable
+                if path.is_symlink() or path.exists():  # /dev/null, a pipe, a link to nothing
+                    _warn_unreadable(path, OSError(
+                        "it is not a regular file (a device, a pipe, or a link to nothing)"))
                 continue
             rows = _winners(path, device)
         except (sqlite3.DatabaseError, OSError) as exc:
