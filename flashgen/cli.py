@@ -624,7 +624,6 @@ def _left_to_campaign(problems: list[Problem], results: list[TuneResult],
     """Lines on the problems no worker of this invocation tuned: finished by the campaign
     (a rerun of a named one) or led by another of its workers and not joined. Without them
     a rerun of a finished campaign would end with no table and no word."""
-    from flashgen.kernels.presets import problem_label
     from flashgen.tune.storage import GRACE_S
 
     tuned = {r.problem for r in results}
@@ -634,23 +633,18 @@ def _left_to_campaign(problems: list[Problem], results: list[TuneResult],
             if problem not in tuned and kinds.get(problem) != "done":
                 kinds[problem] = kind
 
-    def named(group: list[Problem]) -> str:
-        labels = [problem_label(p) for p in group[:3]]
-        more = f" and {len(group) - 3} more" if len(group) > 3 else ""
-        return f"{len(group)} problem(s) ({', '.join(labels)}{more})"
-
     done = [p for p in problems if kinds.get(p) == "done"]
     held = [p for p in problems if kinds.get(p) == "held"]
     lines = []
     if done:
         lead = "nothing new to tune: " if len(done) == len(problems) else ""
-        lines.append(f"{lead}{named(done)} already done by campaign {campaign}: an "
+        lines.append(f"{lead}{_named(done)} already done by campaign {campaign}: an "
                      f"invocation of it measured their --trials, and a campaign tunes a "
                      f"problem once; a new --campaign tunes them again. `flashgen pull` "
                      f"gathers their rows")
     if held:
         # Not joined: its budget was taken, or --timeout alone left none to share.
-        lines.append(f"{named(held)} led by another worker of campaign {campaign} and left "
+        lines.append(f"{_named(held)} led by another worker of campaign {campaign} and left "
                      f"to it; its rows go to that worker's --db (`flashgen pull` gathers them). "
                      f"A dead worker's lease expires {GRACE_S} s after its last heartbeat: run "
                      f"again to take it over")
@@ -662,7 +656,6 @@ def _running_elsewhere(url: str, plan: WorkerPlan, results: list[TuneResult]) ->
     running when its own workers have all ended: another invocation's, or a worker killed
     moments ago, whose claims count toward the budget until its heartbeat goes stale. A
     rerun right after a kill otherwise ended short of --trials with status 0 and no word."""
-    from flashgen.kernels.presets import problem_label
     from flashgen.tune.storage import GRACE_S, Shared, StorageError, open_storage
 
     try:
@@ -675,12 +668,19 @@ def _running_elsewhere(url: str, plan: WorkerPlan, results: list[TuneResult]) ->
         shared.close()
     if not busy:
         return []
-    labels = ", ".join(problem_label(r.problem) for r in busy[:3])
-    more = f" and {len(busy) - 3} more" if len(busy) > 3 else ""
-    return [f"{len(busy)} problem(s) ({labels}{more}) still have measurements of campaign "
+    return [f"{_named([r.problem for r in busy])} still have measurements of campaign "
             f"{plan.campaign} running elsewhere: another invocation's, or a killed worker's "
             f"until {GRACE_S} s after its last heartbeat. Their budget counts them; if none "
             f"is running, run again after {GRACE_S} s to measure what they held"]
+
+
+def _named(group: list[Problem]) -> str:
+    """`group` in a note: how many problems, and the first three's labels."""
+    from flashgen.kernels.presets import problem_label
+
+    labels = [problem_label(p) for p in group[:3]]
+    more = f" and {len(group) - 3} more" if len(group) > 3 else ""
+    return f"{len(group)} problem(s) ({', '.join(labels)}{more})"
 
 
 def _redacted(url: str | None) -> str:

@@ -678,14 +678,18 @@ class TuningDB:
         """Record how run `run_id` ended, and count the trials it wrote and the winners whose
         trial is one of them."""
         with self._write():
-            trials = self.db.execute("SELECT count(*) FROM trials WHERE run_id = ?",
-                                     [run_id]).fetchone()[0]
-            winners = self.db.execute(
-                "SELECT count(*) FROM winners WHERE trial_id IN "
-                "(SELECT id FROM trials WHERE run_id = ?)", [run_id]).fetchone()[0]
             self.db["runs"].update(run_id, {"status": status, "ended_at": now_stamp(),
-                                            "trials": trials, "winners": winners})
+                                            **self._run_counts(run_id)})
         return RunRow.from_columns(self.db["runs"].get(run_id))
+
+    def _run_counts(self, run_id: str) -> dict[str, int]:
+        """The trials run `run_id` wrote, and the winners whose trial is one of them."""
+        trials = self.db.execute("SELECT count(*) FROM trials WHERE run_id = ?",
+                                 [run_id]).fetchone()[0]
+        winners = self.db.execute(
+            "SELECT count(*) FROM winners WHERE trial_id IN "
+            "(SELECT id FROM trials WHERE run_id = ?)", [run_id]).fetchone()[0]
+        return {"trials": trials, "winners": winners}
 
     def record_pulled_run(self, run_id: str, key: TuningKey, flashgen_version: str,
                           started_at: str, ended_at: str, command: str) -> None:
@@ -705,12 +709,7 @@ class TuningDB:
                     "command": without_password(command)})
             elif held[0]["status"] != "pulled":
                 return  # this file's own run (a worker's --db pulled into): its row stands
-            trials = self.db.execute("SELECT count(*) FROM trials WHERE run_id = ?",
-                                     [run_id]).fetchone()[0]
-            winners = self.db.execute(
-                "SELECT count(*) FROM winners WHERE trial_id IN "
-                "(SELECT id FROM trials WHERE run_id = ?)", [run_id]).fetchone()[0]
-            self.db["runs"].update(run_id, {"trials": trials, "winners": winners})
+            self.db["runs"].update(run_id, self._run_counts(run_id))
 
     def runs(self) -> list[RunRow]:
         """Every recorded run, oldest first (none in a file older than the runs table)."""
@@ -866,13 +865,13 @@ class TuningDB:
             return [w for w in (_winner_row(r, strict=False, where=self.path) for r in rows)
                     if w is not None]
         except KeyError as exc:  # a column this flashgen reads is gone: a traceback in show
+            why = "damaged, or written by another program"
             try:
                 check_writable(self.path, _migration_names(), SCHEMA_VERSION, 0.0)
-                why = "damaged, or written by another program"
             except NewerDatabase:
                 why = "written by a newer flashgen: upgrade flashgen to read it"
             except sqlite3.DatabaseError:
-                why = "damaged, or written by another program"
+                pass  # not ours, or unreadable: the default says so
             raise StoreError(f"{self.path} has no winners column {exc} that this flashgen "
                              f"reads: {why}") from None
 

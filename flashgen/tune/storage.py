@@ -97,12 +97,17 @@ def storage_file(url: str) -> Path | None:
         return Path(url)
     if url.split("://", 1)[0].split("+", 1)[0] == "sqlite":
         try:
-            name = sqlalchemy.engine.make_url(url).database
+            return _sqlite_file(sqlalchemy.engine.make_url(url).database)
         except sqlalchemy.exc.ArgumentError:
             return None
-        if name and name != ":memory:" and not name.startswith("file:"):
-            return Path(name)
     return None
+
+
+def _sqlite_file(name: str | None) -> Path | None:
+    """The file an SQLite URL's database `name` is; None for memory and `file:` URIs."""
+    if not name or name == ":memory:" or name.startswith("file:"):
+        return None
+    return Path(name).expanduser()
 
 
 def open_storage(url: str, *, heartbeat_s: int = HEARTBEAT_S, grace_s: int = GRACE_S,
@@ -314,12 +319,11 @@ def _check_sqlite_file(url: str, must_exist: bool) -> None:
     from flashgen.store.guard import APPLICATION_ID, file_identity
 
     try:
-        name = sqlalchemy.engine.make_url(url).database
+        path = _sqlite_file(sqlalchemy.engine.make_url(url).database)
     except sqlalchemy.exc.ArgumentError as exc:
         raise StorageError(f"--storage {url}: {exc}") from None
-    if not name or name == ":memory:" or name.startswith("file:"):
+    if path is None:
         return
-    path = Path(name).expanduser()
     if not path.exists():
         if must_exist:
             raise StorageError(f"--storage {url}: {path} does not exist (`flashgen tune "
