@@ -127,6 +127,28 @@ def test_a_row_whose_kernel_changed_gives_way_and_is_checked_once(tmp_path: Path
     assert [a.split(" ")[0] for a in asked] == [str(user), str(shipped)]
 
 
+def test_explain_names_the_file_of_each_stale_row_and_fits_80_columns(tmp_path: Path) -> None:
+    # Stale in both databases: each passed-over row says which file it is in, so the user
+    # knows which one to re-tune; and the text, long as it is, is folded at 80 columns.
+    user, shipped = tmp_path / "user.db", tmp_path / "shipped.db"
+    _store(shipped, P64, WINNER)
+    _store(user, P64, WINNER)
+
+    class Stale(flashgen.Dispatcher):
+        def kernel_is_current(self, mode: str, entry: object) -> str | None:
+            return "its kernel has changed since it was tuned (re-tune)"
+
+    q, k, v = make_inputs(1, 2, 1, 64, 64, 32, torch.float32)
+    choice = Stale([user, shipped]).explain(q, k, v, causal=True)
+    assert choice.how == "fallback"
+    assert "Nk64 of user.db: its kernel" in choice.reason
+    assert "Nk64 of shipped.db: its kernel" in choice.reason
+    text = str(choice)
+    assert max(map(len, text.splitlines())) <= 80
+    assert " ".join(text.split()) == " ".join(
+        f"{choice.variant} ({choice.how}): {choice.reason} backward: {choice.backward}".split())
+
+
 def test_no_entries_logs_one_suggestion(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     d = flashgen.Dispatcher(tmp_path / "none.db")
     q, k, v = make_inputs(1, 1, 1, 16, 16, 16, torch.float32)

@@ -36,6 +36,7 @@ programs a split launches besides its splits), measured in the distance with the
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -127,12 +128,42 @@ class Choice:
     backward: Choice | None = None
 
     def __str__(self) -> str:
-        where = f"\n  from: {self.source}" if self.source else ""
+        return "\n".join(map(_fold, self._lines()))
+
+    def _lines(self) -> list[str]:
+        """The text's lines before folding: the choice, its row, then the backward's."""
         # A dict where no variant class is at hand (an exported package): one line of knobs.
         variant = (" ".join(f"{k}={v}" for k, v in self.variant.items())
                    if isinstance(self.variant, dict) else self.variant)
-        text = f"{variant} ({self.how}): {self.reason}{where}"
-        return f"{text}\nbackward: {self.backward}" if self.backward else text
+        lines = [f"{variant} ({self.how}): {self.reason}"]
+        if self.source:
+            lines.append(f"  from: {self.source}")
+        if self.backward is not None:
+            first, *rest = self.backward._lines()
+            lines += [f"backward: {first}", *rest]
+        return lines
+
+
+#: `Choice`'s text is folded to this width (what a terminal of 80 columns shows whole).
+TEXT_WIDTH = 80
+
+
+def _fold(line: str) -> str:
+    """`line` folded at `TEXT_WIDTH` on spaces, continued 4 spaces in; a word longer than
+    the width (a file path) stays whole on its own line."""
+    if len(line) <= TEXT_WIDTH:
+        return line
+    return textwrap.fill(line, TEXT_WIDTH, subsequent_indent="    ", break_long_words=False,
+                         break_on_hyphens=False)
+
+
+def source_file(e: Entry) -> str | None:
+    """The name of the database file an entry's row comes from (its "source" reads "<path>
+    winners[<key>] trial <id>"), or None for an entry without one (a default)."""
+    source = e.get("source")
+    if not source or " winners[" not in source:
+        return None
+    return source.split(" winners[", 1)[0].rsplit("/", 1)[-1]
 
 
 def bucket(n: int) -> int:
@@ -313,7 +344,10 @@ class Table:
                                                   self.sm_count) if whole_heads else None
             reason = self._too_short(e, shape) or idle or check(e)
             if reason:
-                skipped.append(f"bucket{label} Nq{got[0]}/Nk{got[1]}: {reason}")
+                # The row's file: a bucket stale in both databases reads alike otherwise.
+                where = source_file(e)
+                where = f" of {where}" if where else ""
+                skipped.append(f"bucket{label} Nq{got[0]}/Nk{got[1]}{where}: {reason}")
             else:
                 return e, got, want
         return None
