@@ -534,8 +534,11 @@ def test_show_tables_fit_80_columns(tmp_path: Path) -> None:
     result = runner.invoke(app, ["show", "--db", str(db_path)], env={"COLUMNS": "80"})
     assert result.exit_code == 0, result.output
     text = result.stdout.split("\n", 1)[1]  # after the line naming the database
-    _lines_fit(text, 2 * len(LONG_ROWS) + 1)
-    assert "db · NVIDIA H100 80GB HBM3 · sm90 · forward" in text and "stale" in text
+    # The rows, one line each, and the two lines of the stale note's legend under its table.
+    _lines_fit(text, 2 * len(LONG_ROWS) + 1 + 2)
+    assert "db · NVIDIA H100 80GB HBM3 · sm90 · forward" in text and "  stale\n" in text
+    assert "stale: not served (tuned with other Triton or torch versions" in text
+    assert text.count("stale: not served") == 1  # only under the table that has one
     assert "own128x32 w4 s3 fa3-dq dq-x128" in text and "1.2e-05" in text
     wide = runner.invoke(app, ["show", "--db", str(db_path), "--wide"], env={"COLUMNS": "80"})
     assert "B32 Hq64 Hkv8 Nq512 Nk2048" in wide.stdout and "…" not in wide.stdout

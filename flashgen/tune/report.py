@@ -315,11 +315,21 @@ def winners_tables(rows: Iterable[Listed], wide: bool = False) -> list[Table]:
                           w.key.triton_version, (w.kernel_hash or "-")[:16],
                           w.updated_at[:10]]
             table.add_row(*cells, *([note] if any(notes) else []))
-        table.caption = legend([r.winner.key.modifiers for r in group], decode=mode == "decode",
-                               bh=mode == "decode") or None
+        caption = [legend([r.winner.key.modifiers for r in group], decode=mode == "decode",
+                          bh=mode == "decode")]
+        caption += [NOTE_WORDS[n] for n in NOTE_WORDS if n in notes]
+        table.caption = "; ".join(filter(None, caption)) or None
         table.caption_justify = "left"
         tables.append(table)
     return tables
+
+
+#: What each note of `winners_tables` means, spelt out under a table that has it.
+NOTE_WORDS = {
+    "stale": "stale: not served (tuned with other Triton or torch versions, or its "
+             "variant renders another kernel now: re-tune it)",
+    "shadowed": "shadowed: not served (an earlier database has this bucket)",
+}
 
 
 def _note(row: Listed) -> str:
