@@ -29,6 +29,7 @@ _PUBLIC: dict[str, str] = {
     "default_variant": "flashgen.kernels.fwd_space",
     "device_info": "flashgen.kernels.hardware",
     "explain": "flashgen.runtime.api",
+    "reload": "flashgen.serve",
     "render": "flashgen.kernels.render",
     "scaled_dot_product_attention": "flashgen.runtime.sdpa",
     "kernel_hash": "flashgen.kernels.render",
@@ -54,6 +55,7 @@ __all__ = [
     "explain",
     "fp8",
     "kernel_hash",
+    "reload",
     "render",
     "scaled_dot_product_attention",
     "search_space",
@@ -72,7 +74,7 @@ if TYPE_CHECKING:
     from flashgen.runtime.api import attention, attention_varlen, attention_with_kvcache, explain
     from flashgen.runtime.sdpa import scaled_dot_product_attention
     from flashgen.runtime.table import Choice
-    from flashgen.serve import Dispatcher
+    from flashgen.serve import Dispatcher, reload
 
 
 def __getattr__(name: str) -> Any:

@@ -126,7 +126,8 @@ class Dispatcher(dispatch.Dispatcher):
             return (f"flashgen: no tuned {what}kernels for {dev.name} in\n  {where};\n"
                     f"  using default {what}variants. To tune {whom}, run\n"
                     f"  `{tune_command(dev, problem, mode)}`{more}\n"
-                    f"  (a process reads the winners once: a new one serves them)")
+                    f"  (a process reads the winners once: flashgen.reload() reads them "
+                    f"again)")
 
         whole = notice("", "both", "this device")
         return {"fwd": whole, "bwd": notice("backward ", "bwd", "them") if tuned_fwd else whole,
@@ -177,6 +178,14 @@ class Dispatcher(dispatch.Dispatcher):
 
 
 dispatch.serve(Dispatcher)
+
+
+def reload() -> None:
+    """Read the tuning databases again at the next call. Dispatch reads the winners once per
+    process, at its first call, and then serves from memory; winners tuned since then (by
+    another process's `flashgen tune`) are served after this, or in a new process. Kernels
+    already built stay built: only the tables are read again."""
+    dispatch.serve(Dispatcher)
 
 
 def default_dispatcher() -> Dispatcher:

@@ -149,6 +149,27 @@ def test_explain_names_the_file_of_each_stale_row_and_fits_80_columns(tmp_path: 
         f"{choice.variant} ({choice.how}): {choice.reason} backward: {choice.backward}".split())
 
 
+def test_reload_serves_winners_tuned_after_the_first_call(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The default dispatcher reads the databases at its first call; a winner stored later
+    # (another process tuning) is served once `flashgen.reload()` has dropped its tables.
+    db = tmp_path / "live.db"
+    monkeypatch.setenv("FLASHGEN_DB", str(db))
+    q, k, v = make_inputs(1, 2, 1, 64, 64, 32, torch.float32)
+    flashgen.reload()
+    try:
+        assert flashgen.explain(q, k, v, causal=True).how == "fallback"
+        _store(db, P64, WINNER)
+        assert flashgen.explain(q, k, v, causal=True).how == "fallback"  # read once
+        flashgen.reload()
+        found = flashgen.explain(q, k, v, causal=True)
+        assert (found.variant, found.how) == (WINNER, "exact")
+        assert found.source is not None and found.source.startswith(str(db))
+    finally:
+        monkeypatch.undo()
+        flashgen.reload()  # later tests get a dispatcher of the suite's own databases
+
+
 def test_no_entries_logs_one_suggestion(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     d = flashgen.Dispatcher(tmp_path / "none.db")
     q, k, v = make_inputs(1, 1, 1, 16, 16, 16, torch.float32)

@@ -123,7 +123,8 @@ def test_untuned_backward_logs_once(tmp_path: Path, caplog: pytest.LogCaptureFix
     assert len(messages) == 1 and "no tuned backward kernels" in messages[0]
     assert "--mode bwd" in messages[0]
     # A process that tunes meanwhile keeps its table: the notice says what serves the rows.
-    assert messages[0].endswith("(a process reads the winners once: a new one serves them)")
+    assert messages[0].endswith("(a process reads the winners once: flashgen.reload() reads "
+                                "them again)")
 
 
 def test_a_backward_kernel_that_fails_to_compile_gives_way_to_the_portable_default(
