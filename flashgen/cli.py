@@ -653,9 +653,10 @@ def _left_to_campaign(problems: list[Problem], results: list[TuneResult],
 
 def _running_elsewhere(url: str, plan: WorkerPlan, results: list[TuneResult]) -> list[str]:
     """A line on the problems this invocation tuned whose campaign still has measurements
-    running when its own workers have all ended: another invocation's, or a worker killed
-    moments ago, whose claims count toward the budget until its heartbeat goes stale. A
-    rerun right after a kill otherwise ended short of --trials with status 0 and no word."""
+    running when its own workers have all ended: another invocation's, or a worker of
+    another host killed moments ago, whose claims count toward the budget until its
+    heartbeat goes stale (this host's dead workers' claims fail at once). A rerun right
+    after a kill otherwise ended short of --trials with status 0 and no word."""
     from flashgen.tune.storage import GRACE_S, Shared, StorageError, open_storage
 
     try:
@@ -669,9 +670,10 @@ def _running_elsewhere(url: str, plan: WorkerPlan, results: list[TuneResult]) ->
     if not busy:
         return []
     return [f"{_named([r.problem for r in busy])} still have measurements of campaign "
-            f"{plan.campaign} running elsewhere: another invocation's, or a killed worker's "
-            f"until {GRACE_S} s after its last heartbeat. Their budget counts them; if none "
-            f"is running, run again after {GRACE_S} s to measure what they held"]
+            f"{plan.campaign} running elsewhere: another invocation's, or the claims of a "
+            f"worker killed on another host, until {GRACE_S} s after its last heartbeat. "
+            f"Their budget counts them; if none is running, run again after {GRACE_S} s to "
+            f"measure what they held"]
 
 
 def _named(group: list[Problem]) -> str:

@@ -685,6 +685,51 @@ def test_the_summary_names_problems_whose_campaign_still_measures_elsewhere(
         other.close()
 
 
+def test_a_dead_local_workers_claims_fail_at_once_and_a_live_ones_hold(
+        tmp_path: Path) -> None:
+    """A rerun within the grace period of a worker killed on this host ended a trial short:
+    the dead worker's claim counted toward the campaign's budget until its heartbeat went
+    stale. A claim names its process; one of this host whose process is gone fails when
+    the claims are next read, and one whose process lives (or of another host) still holds."""
+    from flashgen.tune.storage import OWNER_ATTR
+
+    url = str(tmp_path / "studies.log")
+    key = TuningKey.for_problem(PROBLEM, INTERPRETER, "fwd", VERSIONS)
+    sampler = optuna.samplers.RandomSampler(seed=0)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    host = socket.gethostname()
+    # Long grace: only the owner, never the heartbeat, can fail a claim in this test.
+    killed = Shared(open_storage(url, grace_s=3600), "0.1.test", "nightly", "w-old")
+    try:
+        together = killed.study(key, PROBLEM, sampler)
+        claims = {}
+        for n, who in enumerate((f"{host} {dead.stdout.strip()}", f"{host} {alive.pid}",
+                                 f"host-b {dead.stdout.strip()}")):
+            claim = together.claim(f'{{"block_m": {16 << n}}}', 3)
+            assert claim.kind == "ours"
+            together.shared.storage.set_trial_user_attr(claim.trial_id, OWNER_ATTR, who)
+            claims[who] = claim.trial_id
+        # The budget of 3 is spent by the three claims until the dead one is seen for dead.
+        assert killed.running(key, PROBLEM) == 2  # the dead local process's failed here
+        states = {who: together.shared.storage.get_trial(i).state for who, i in claims.items()}
+        assert list(states.values()) == [TrialState.FAIL, TrialState.RUNNING,
+                                         TrialState.RUNNING]
+        again = Shared(open_storage(url, grace_s=3600), "0.1.test", "nightly", "w-new")
+        try:
+            retaken = again.study(key, PROBLEM, sampler).claim('{"block_m": 16}', 3)
+            assert retaken.kind == "ours"  # within budget: 2 live claims and this one
+            assert again.study(key, PROBLEM, sampler).claim('{"block_m": 32}', 3).kind == (
+                "held")  # the live process's claim stands
+        finally:
+            again.close()
+    finally:
+        killed.close()
+        alive.kill()
+        alive.wait()
+
+
 def test_the_summary_names_the_problems_left_to_the_campaign() -> None:
     from flashgen.cli import _left_to_campaign
     from flashgen.tune.workers import WorkerEnd

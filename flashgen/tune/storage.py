@@ -15,6 +15,8 @@ A worker that dies stops beating: Optuna's heartbeat (`heartbeat_interval`, `gra
 `fail_stale_trials`) turns its RUNNING trials and claims into FAIL, and the stale trial is
 enqueued again (`RetryFailedTrialCallback`), so it is measured by another worker. RDB
 storages beat natively; the journal file gets the same contract from `_HeartbeatJournal`.
+Claims and leases also name their process (`OWNER_ATTR`): one of this host whose process is
+gone fails at once, without waiting out the grace period.
 
 What flashgen's trials table needs rides on each measured or pruned trial as the user
 attribute `ROW_ATTR`, and the study's key and problem as study user attributes, so that
@@ -68,6 +70,8 @@ BASELINE_ATTR = "flashgen_baseline"
 CLAIMS_SUFFIX = " claims"
 #: The claims-study trial attribute naming the campaign a problem lease belongs to.
 LEASE_ATTR = "lease"
+#: The user attribute of a claim or lease naming its process: "<host> <pid>".
+OWNER_ATTR = "owner"
 #: The system attribute of a journal trial holding its latest heartbeat (seconds since epoch).
 _BEAT_ATTR = "flashgen_heartbeat"
 
@@ -442,13 +446,37 @@ def fail_stale(study: optuna.Study) -> None:
         optuna.storages.fail_stale_trials(study)
 
 
+def owner() -> str:
+    """This process as `OWNER_ATTR` names it."""
+    return f"{socket.gethostname()} {os.getpid()}"
+
+
+def _gone(trial: FrozenTrial, host: str) -> bool:
+    """Whether a running claim or lease belongs to a process of `host` (this one) that no
+    longer exists. Another host's, or one without an owner, waits for its heartbeat."""
+    there, _, pid = str(trial.user_attrs.get(OWNER_ATTR, "")).rpartition(" ")
+    return (there == host and pid.isdigit() and int(pid) != os.getpid()
+            and not process_alive(int(pid)))
+
+
 def live_trials(claims: optuna.Study) -> list[FrozenTrial]:
     """The RUNNING and COMPLETE trials of a claims study, oldest first, once dead workers'
-    running ones have failed: what claims, budgets and leases are decided on."""
+    running ones have failed: what claims, budgets and leases are decided on.
+
+    A worker of this host killed a moment ago (SIGKILL, a crash) is known dead by its pid:
+    its claims fail here and now. Until its heartbeat went stale (`GRACE_S`) they counted
+    toward the campaign's budget, and a run resumed at once ended a trial short."""
     fail_stale(claims)
-    return sorted(claims.get_trials(deepcopy=False,
-                                    states=(TrialState.RUNNING, TrialState.COMPLETE)),
-                  key=lambda t: t._trial_id)
+    host = socket.gethostname()
+    live = []
+    for trial in claims.get_trials(deepcopy=False,
+                                   states=(TrialState.RUNNING, TrialState.COMPLETE)):
+        if trial.state == TrialState.RUNNING and _gone(trial, host):
+            with contextlib.suppress(UpdateFinishedTrialError):
+                claims._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+            continue
+        live.append(trial)
+    return sorted(live, key=lambda t: t._trial_id)
 
 
 class Beater:
@@ -572,7 +600,7 @@ class Shared:
             return Lease("done" if leases[0].state == TrialState.COMPLETE else "held")
         template = optuna.trial.create_trial(
             state=TrialState.RUNNING,
-            user_attrs={LEASE_ATTR: self.campaign, "worker": self.worker})
+            user_attrs={LEASE_ATTR: self.campaign, "worker": self.worker, OWNER_ATTR: owner()})
         trial_id = self.storage.create_new_trial(claims._study_id, template_trial=template)
         self.beater.hold(trial_id)
         first = self._leases(claims)[0]
@@ -673,7 +701,7 @@ class SharedStudy:
         template = optuna.trial.create_trial(
             state=TrialState.RUNNING,
             user_attrs={"variant": variant_json, "campaign": self.shared.campaign,
-                        "worker": self.shared.worker})
+                        "worker": self.shared.worker, OWNER_ATTR: owner()})
         trial_id = self.shared.storage.create_new_trial(self.claims._study_id,
                                                         template_trial=template)
         self.shared.beater.hold(trial_id)
