@@ -110,15 +110,28 @@ def test_host_time_is_measured_behind_a_spin_and_capped(monkeypatch) -> None:
     assert slow == MAX_HOST_S  # a call that waits on the GPU must not size hour-long spins
 
 
-def test_a_gpu_timing_reports_the_host_time_to_queue_a_call(monkeypatch) -> None:
+def test_a_timing_asked_for_host_time_reports_warm_calls_alone(monkeypatch) -> None:
+    # The bench's host_us: the calls after the timed ones, behind one spin, with no flush or
+    # event between them (those are the timer's, not the caller's); the tuner asks none.
     log = _Log()
     log.install(monkeypatch)
     monkeypatch.setattr(timing, "_flush_buffer", lambda device: log.flush)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    t = timing.time_cuda(lambda: time.sleep(0.001), torch.device("cuda"), warmup_ms=1,
-                         rep_ms=10, min_reps=3, max_reps=5)
+
+    def call() -> None:
+        log.calls.append(("call", 0))
+        time.sleep(0.001)
+
+    t = timing.time_cuda(call, torch.device("cuda"), warmup_ms=1, rep_ms=10, min_reps=3,
+                         max_reps=5, host=True)
     assert t.median_ms == 1.0 and t.reps == 5  # the fake events' 1 ms each
     assert t.host_ms is not None and 1.0 <= t.host_ms < 50.0
+    kinds = [k for k, _ in log.calls]
+    assert kinds[-timing.HOST_CALLS - 1:] == ["spin"] + ["call"] * timing.HOST_CALLS
+    assert kinds[-timing.HOST_CALLS - 2] == "event"  # the last timed call's end
+    untold = timing.time_cuda(call, torch.device("cuda"), warmup_ms=1, rep_ms=10,
+                              min_reps=3, max_reps=5)
+    assert untold.host_ms is None
 
 
 def test_one_slow_call_does_not_set_the_host_time(monkeypatch) -> None:

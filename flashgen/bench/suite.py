@@ -100,7 +100,7 @@ def default_timer(device: torch.device, rep_ms: float = 100.0, timer: str = "wal
     the CPU."""
     if device.type == "cuda":
         return lambda fn: time_cuda(fn, device, warmup_ms=rep_ms / 4, rep_ms=rep_ms,
-                                    timer=timer)
+                                    timer=timer, host=True)
     return lambda fn: time_cpu(fn)
 
 

@@ -58,6 +58,9 @@ SPIN_HZ = 2.0e9
 #: The spin lasts this many times the host's measured time to queue the batch behind it.
 SPIN_MARGIN = 2.0
 
+#: Calls whose host time to queue `time_cuda(..., host=True)` reports (their median).
+HOST_CALLS = 15
+
 #: Longest host time per launch a spin is sized for: a call that synchronises with the GPU
 #: cannot be queued ahead anyway, and must not turn every batch into a long wait.
 MAX_HOST_S = 5e-3
@@ -140,19 +143,28 @@ def gpu_lock(device: torch.device) -> Iterator[None]:
 def time_cuda(
     fn: Callable[[], object], device: torch.device, *, warmup_ms: float = 25.0,
     rep_ms: float = 100.0, min_reps: int = 10, max_reps: int = 200, timer: str = "gpu",
+    host: bool = False,
 ) -> Timing:
     """Median time of `fn` on `device`, with L2 flushed before every launch, by `timer`
     ("gpu" or "wall", see the module's docstring).
 
     The first call (compilation, autotuning caches, allocator growth) is never timed; then
     roughly `warmup_ms` of untimed calls, then enough timed ones to fill `rep_ms`, within
-    [min_reps, max_reps]. An unsteady measurement is taken again (`steady`).
+    [min_reps, max_reps]. An unsteady measurement is taken again (`steady`). With `host`,
+    the timing also carries the host time to queue one call (`host_ms`): the median of
+    `HOST_CALLS` calls, warm, each alone (no flush or events) behind a GPU spin, so what a
+    caller pays to issue it and nothing else.
     """
     if timer not in TIMERS:
         raise ValueError(f"timer must be one of {TIMERS}, not {timer!r}")
     with gpu_lock(device):
-        return steady(lambda: _time_cuda_once(fn, device, warmup_ms, rep_ms, min_reps,
-                                              max_reps, spin=timer == "gpu"))
+        timing = steady(lambda: _time_cuda_once(fn, device, warmup_ms, rep_ms, min_reps,
+                                                max_reps, spin=timer == "gpu"))
+        if host:
+            with torch.cuda.device(device):
+                timing = dataclasses.replace(timing,
+                                             host_ms=queue_seconds(fn, HOST_CALLS) * 1e3)
+        return timing
 
 
 def _time_cuda_once(fn: Callable[[], object], device: torch.device, warmup_ms: float,
@@ -168,8 +180,7 @@ def _time_cuda_once(fn: Callable[[], object], device: torch.device, warmup_ms: f
         for _ in range(max(1, int(warmup_ms / per_call))):
             fn()
         reps = min(max_reps, max(min_reps, int(rep_ms / per_call)))
-        timing = Timing.from_samples(_events(fn, flush, reps, queued))
-        return dataclasses.replace(timing, host_ms=host_s * 1e3)
+        return Timing.from_samples(_events(fn, flush, reps, queued))
 
 
 def queue_seconds(fn: Callable[[], object], calls: int = 5) -> float:
