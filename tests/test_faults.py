@@ -457,8 +457,18 @@ def test_dispatch_waits_seconds_not_a_minute_for_a_lock_and_names_it_as_one(
         other.execute("ROLLBACK")
         other.close()
     assert 0.3 <= waited < 10 and not locked["fwd"]
-    assert "move" not in str(got[0].message) and "reads it again" in str(got[0].message)
-    assert len(table.device_table([path], INTERPRETER)["fwd"]) == 1  # read once unlocked
+    assert "move" not in str(got[0].message) and "flashgen.reload()" in str(got[0].message)
+    # explain's fallback names the file that was not read, not only "nothing tuned".
+    (unread,) = locked["unread"]
+    assert unread.startswith(f"{path} (") and "locked" in unread
+    from flashgen.runtime.table import Table
+    from flashgen.serve import shape_of
+
+    _, how, why = Table(locked, "cpu-interpreter", 1).lookup("fwd", shape_of(PROBLEM),
+                                                             lambda e: None)
+    assert how == "fallback" and why.endswith(f"; not read: {unread}")
+    again = table.device_table([path], INTERPRETER)
+    assert len(again["fwd"]) == 1 and "unread" not in again  # read once unlocked
 
 
 def test_a_database_in_a_folder_that_cannot_be_entered_is_warned_of_not_raised(

@@ -10,7 +10,8 @@ in flashgen):
      "modifier_sets": {"k": "softcap", ...},        optional: an export's modifier sets
      "no_defaults": [...],                          optional: kinds without defaults, and why
      "preprocess_block_m": 64,                      rows per backward preprocessing program
-     "untuned": {"fwd": "...", "bwd": "..."}}       optional: logged once if a mode has none
+     "untuned": {"fwd": "...", "bwd": "..."},       optional: logged once if a mode has none
+     "unread": ["<path> (<why>)", ...]}             optional: databases that could not be read
 
 An entry holds the bucket it was tuned for ("dtype", "causal", "head_dim", "gqa",
 "seq_q_bucket", "seq_k_bucket"; defaults have no "gqa"), "variant" (the knobs, a dict),
@@ -305,9 +306,11 @@ class Table:
         if skipped:
             return None, "fallback", "tuned buckets of this kind are invalid here: " + "; ".join(
                 skipped)
+        unread = self.data.get("unread")
+        unread = f"; not read: {'; '.join(unread)}" if unread else ""
         return None, "fallback", (f"nothing tuned ({mode}) for {shape.dtype} causal="
                                   f"{shape.causal} D={shape.head_dim} GQA={shape.group} on "
-                                  f"{self.name}")
+                                  f"{self.name}{unread}")
 
     def nearest_plain(self, mode: str, shape: Shape,
                       check: Check) -> tuple[Entry, tuple] | None:

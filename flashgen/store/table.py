@@ -147,8 +147,8 @@ def _warn_unreadable(path: Path, exc: BaseException) -> None:
         warnings.warn(f"flashgen: the tuning database {where} is locked by another process "
                       f"(a long write: an open sqlite3 shell, a copy?) and was not read. Going "
                       f"on without it in this process (the other databases' winners, if any, "
-                      f"and the defaults); winners are read once per process, so a new one "
-                      f"(or a new flashgen.Dispatcher) reads it again.", DatabaseWarning,
+                      f"and the defaults); winners are read once per process, so "
+                      f"flashgen.reload() (or a new process) reads it again.", DatabaseWarning,
                       stacklevel=2)
         return
     warnings.warn(f"flashgen: cannot read the tuning database {where}: {problem}. Going on "
@@ -164,16 +164,20 @@ def device_table(paths: Sequence[Path], device: DeviceInfo) -> dict[str, Any]:
     the defaults)."""
     table: dict[str, Any] = {mode: [] for mode in MODES}
     table["preprocess_block_m"] = PREPROCESS_BLOCK_M
+    unread: list[str] = []  # `explain` names them where nothing tuned serves a call
     for path in paths:
         try:
             if not path.is_file() and not path.is_dir():  # a folder: warned of, as unreadable
                 if path.is_symlink() or path.exists():  # /dev/null, a pipe, a link to nothing
-                    _warn_unreadable(path, OSError(
-                        "it is not a regular file (a device, a pipe, or a link to nothing)"))
+                    exc: BaseException = OSError(
+                        "it is not a regular file (a device, a pipe, or a link to nothing)")
+                    _warn_unreadable(path, exc)
+                    unread.append(f"{path} ({exc})")
                 continue
             rows = _winners(path, device)
         except (sqlite3.DatabaseError, OSError) as exc:
             _warn_unreadable(path, exc)
+            unread.append(f"{path} ({str(exc) or type(exc).__name__})")
             continue
         for row, alternate in rows:
             source = f"{path} winners[{row.key.id}] trial {row.trial_id}"
@@ -183,4 +187,6 @@ def device_table(paths: Sequence[Path], device: DeviceInfo) -> dict[str, Any]:
                           f"({DETERMINISTIC_ROLE})")
                 table[row.key.mode].append(
                     winner_entry(alternate, source, device, DETERMINISTIC_ROLE))
+    if unread:
+        table["unread"] = unread
     return table
