@@ -452,6 +452,49 @@ def test_an_interrupt_of_the_parent_alone_stops_its_workers(
     assert "interrupted" in statuses and "running" not in statuses, statuses
 
 
+class _Marked(FakeBench):
+    """Measures a variant in 0.2 s, and names the third in $SLOW_MARK when it starts it."""
+
+    def measure(self, variant: Variant) -> Any:
+        if len(self.measured) == 2:
+            Path(os.environ["SLOW_MARK"]).write_text("started")
+        time.sleep(0.2)
+        return super().measure(variant)
+
+
+def marked_bench(mode: str, problem: Problem, *args: Any) -> _Marked:
+    return _Marked(problem)
+
+
+def test_an_interrupted_parent_hears_what_its_workers_measured_until_they_stopped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SIGINT to the parent alone: the workers measure on through the grace period, and
+    the counts the summary prints stopped at the interrupt while the database held more."""
+    from flashgen.tune.workers import INTERRUPT_GRACE_S, run_workers
+
+    mark = tmp_path / "slow"
+    monkeypatch.setenv("SLOW_MARK", str(mark))
+
+    def watch() -> None:
+        deadline = time.monotonic() + 120
+        while not mark.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=watch, daemon=True).start()
+    run = RunOptions("cpu", trials=200, db_path=tmp_path / "tuning.db")
+    plan = WorkerPlan((PROBLEM,), run, str(tmp_path / "studies.log"), "slow", "0.1.test",
+                      BEAT_S, GRACE_S, marked_bench)
+    heard: dict[int, int] = {}
+    with pytest.raises(KeyboardInterrupt):
+        run_workers(plan, [None], lambda i, r: heard.__setitem__(i, r.measured))
+    with TuningDB(tmp_path / "tuning.db") as db:
+        stored = len([r for r in db.trials() if r.status == "ok"])
+    # The grace period let it measure several more after the interrupt: all were heard of.
+    assert stored >= 3 + INTERRUPT_GRACE_S / 0.2 / 2, stored
+    assert heard == {0: stored}
+
+
 def test_sigterm_to_the_workers_ends_their_runs_as_interrupted(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # As a batch scheduler's time limit sends it: to every process of the job. The workers

@@ -362,6 +362,9 @@ def run_workers(plan: WorkerPlan, gpus: list[int | None],
         _pump(report, processes, handle, on_killed=on_killed)
     except KeyboardInterrupt:
         _interrupt(processes)
+        # What the workers reported while they stopped (they measure on through the grace
+        # period, and a killed parent's summary read counts that short of the database).
+        _pump(report, processes, handle, on_killed=on_killed)
         raise
     finally:
         for process in processes:
