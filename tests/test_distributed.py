@@ -413,6 +413,20 @@ def test_a_message_that_lands_as_the_last_worker_ends_is_still_handled() -> None
     assert handled == [("done", 0, "ok", "")]
 
 
+def _when_made(mark: Path, action: Callable[[], None]) -> None:
+    """Call `action` from a thread once a worker has written `mark` (not after 120 s: the
+    test then fails on its own terms)."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + 120
+        while not mark.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if mark.exists():
+            action()
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def _hung_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, campaign: str,
                signal_once_hung: Callable[[], None]) -> WorkerPlan:
     """A plan whose workers hang for 600 s in their third measurement, and a thread that
@@ -420,15 +434,7 @@ def _hung_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, campaign: str,
     fails on its own terms)."""
     mark = tmp_path / "hang"
     monkeypatch.setenv("HANG_MARK", str(mark))
-
-    def watch() -> None:
-        deadline = time.monotonic() + 120
-        while not mark.exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if mark.exists():
-            signal_once_hung()
-
-    threading.Thread(target=watch, daemon=True).start()
+    _when_made(mark, signal_once_hung)
     run = RunOptions("cpu", trials=10, db_path=tmp_path / "tuning.db")
     return WorkerPlan((PROBLEM,), run, str(tmp_path / "studies.log"), campaign, "0.1.test",
                       BEAT_S, GRACE_S, hanging_bench)
@@ -474,14 +480,7 @@ def test_an_interrupted_parent_hears_what_its_workers_measured_until_they_stoppe
 
     mark = tmp_path / "slow"
     monkeypatch.setenv("SLOW_MARK", str(mark))
-
-    def watch() -> None:
-        deadline = time.monotonic() + 120
-        while not mark.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGINT)
-
-    threading.Thread(target=watch, daemon=True).start()
+    _when_made(mark, lambda: os.kill(os.getpid(), signal.SIGINT))
     run = RunOptions("cpu", trials=200, db_path=tmp_path / "tuning.db")
     plan = WorkerPlan((PROBLEM,), run, str(tmp_path / "studies.log"), "slow", "0.1.test",
                       BEAT_S, GRACE_S, marked_bench)
