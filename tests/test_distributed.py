@@ -489,9 +489,11 @@ def test_an_interrupted_parent_hears_what_its_workers_measured_until_they_stoppe
         run_workers(plan, [None], lambda i, r: heard.__setitem__(i, r.measured))
     with TuningDB(tmp_path / "tuning.db") as db:
         stored = len([r for r in db.trials() if r.status == "ok"])
-    # The grace period let it measure several more after the interrupt: all were heard of.
+    # The grace period let it measure several more after the interrupt: they were heard of
+    # (all but, at most, the last: the forwarded interrupt may land between its row and its
+    # progress message).
     assert stored >= 3 + INTERRUPT_GRACE_S / 0.2 / 2, stored
-    assert heard == {0: stored}
+    assert list(heard) == [0] and stored - 1 <= heard[0] <= stored, (heard, stored)
 
 
 def test_sigterm_to_the_workers_ends_their_runs_as_interrupted(
