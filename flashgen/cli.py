@@ -971,6 +971,84 @@ def show(
     _print_tables(console, winners_tables(rows, wide), wide)
 
 
+@app.command()
+def explain(
+    shape: ShapeOption = None,
+    preset: PresetOption = None,
+    dtype: Annotated[str, typer.Option(
+        metavar="LIST", help="Comma-separated input dtypes: fp16, bf16, fp32, fp8.")] = "bf16",
+    causal: Annotated[str, typer.Option(
+        metavar="yes|no|both", help="Masking: yes (causal), no (full), or both.")] = "both",
+    gpu_name: Annotated[str | None, typer.Option(
+        "--gpu-name", metavar="TEXT",
+        help="Only the GPUs whose name holds this text (case ignored), e.g. H100.")] = None,
+    db: DbOption = None,
+) -> None:
+    """Which forward and backward variants each problem would run on each GPU the databases
+    hold winners for, and why: what `flashgen.explain` says on that GPU, asked from any
+    machine (to check what a database covers before shipping it). Without --db, the
+    databases dispatch reads: the user database, then the one shipped with flashgen. Plain
+    attention only (modifiers, packed batches and decode are asked through
+    `flashgen.explain` on the GPU)."""
+    import dataclasses
+
+    from flashgen.bench.report import wrapped
+    from flashgen.export.rows import device_of
+    from flashgen.kernels import presets
+    from flashgen.kernels.presets import problem_label
+    from flashgen.runtime.kvcache import serves_as_decode
+    from flashgen.serve import Dispatcher
+    from flashgen.store.db import TuningDB
+    from flashgen.store.table import default_paths
+
+    if not shape and not preset:
+        raise _fail("name the problems: --shape B,Hq,Hkv,Nq,Nk,D or --preset NAME")
+    if db is not None and not db.is_file():
+        raise _fail(f"no tuning database at {db}")
+    try:
+        problems = presets.expand(shape or [], preset or [], presets.parse_dtypes(dtype),
+                                  presets.parse_causal(causal))
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    paths = [db] if db is not None else default_paths()
+    gpus: dict[str, tuple[str, str, int]] = {}
+    for path in paths:
+        if not path.is_file():
+            continue
+        try:
+            with TuningDB.open_ours(path) as database:
+                for row in database.all_winners():
+                    k = row.key
+                    gpus.setdefault(k.device_key, (k.gpu_name, k.capability, k.sm_count))
+        except (sqlite3.Error, OSError) as exc:
+            failure = _store_failure(exc, path)
+            if failure is None:
+                raise
+            raise failure from None
+    found = sorted(gpus.values())
+    chosen = [g for g in found if gpu_name is None or gpu_name.lower() in g[0].lower()]
+    if not chosen:
+        where = ", ".join(str(p) for p in paths)
+        names = ", ".join(sorted({g[0] for g in found})) or "none"
+        raise _fail(f"no GPU {'named like ' + repr(gpu_name) + ' ' if gpu_name else ''}has "
+                    f"winners in {where} (GPUs there: {names})")
+    dispatcher = Dispatcher(paths)
+    for name, capability, sm_count in chosen:
+        device = device_of(name, capability, sm_count)
+        for problem in problems:
+            typer.echo(f"{name} · sm{capability.replace('.', '')} · {problem_label(problem)}")
+            if problem.dtype != "fp8" and serves_as_decode(problem.seq_q, problem.seq_k):
+                typer.echo(wrapped(f"the decode family: {problem.seq_q} queries against "
+                                   f"{problem.seq_k} keys (`flashgen.explain` on the GPU "
+                                   "says which of its variants)") + "\n")
+                continue
+            choice = dispatcher.choose(problem, device)
+            if problem.dtype != "fp8":  # fp8 is forward only
+                choice = dataclasses.replace(choice,
+                                             backward=dispatcher.choose_bwd(problem, device))
+            typer.echo(f"{choice}\n")
+
+
 def _show_runs(sources: list[tuple[str, Path, list[Any]]], as_json: bool) -> None:
     """`show --runs`: each database's runs, in a table that fits 80 columns however wide
     the console (its command column folds), or as JSON with each run's database."""

@@ -769,3 +769,58 @@ def test_flashgens_warnings_print_as_note_lines(tmp_path: Path,
     result = runner.invoke(app, ["show", "--db", str(tmp_path / "t.db")])
     assert "note: FLASHGEN_BUSY_TIMEOUT='soon-ish' is not a number" in result.output
     assert "RuntimeWarning" not in result.output and "guard.py" not in result.output
+
+
+# ---- explain: what a database serves, asked from any machine ------------------------------
+
+
+def test_explain_says_what_each_gpu_of_a_database_runs_without_that_gpu(
+        tmp_path: Path) -> None:
+    """`flashgen explain` answers as `flashgen.explain` would on each GPU the database has
+    winners for (here an H100 and an H200, read on the CPU machine): the exact winner where
+    the bucket is tuned, the nearest or the default elsewhere, the backward too."""
+    db_path = tmp_path / "t.db"
+    h200 = DeviceInfo("NVIDIA H200", (9, 0), 132, 232448)
+    fwd_problem, fwd_mode, fwd_variant, _ = LONG_ROWS[0]
+    bwd_problem, _, bwd_variant, _ = LONG_ROWS[4]
+    with TuningDB(db_path) as db:
+        _winner(db, TuningKey.for_problem(fwd_problem, HOPPER, fwd_mode), fwd_problem,
+                fwd_variant, 612.3)
+        _winner(db, TuningKey.for_problem(bwd_problem, h200, "bwd"), bwd_problem, bwd_variant)
+    shape = "32,64,8,512,512,128"
+    result = runner.invoke(app, ["explain", "--shape", shape, "--causal", "yes", "--db",
+                                 str(db_path)], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    h100, h200_text = result.stdout.split("NVIDIA H200 · ")
+    assert h100.startswith("NVIDIA H100 80GB HBM3 · sm90 · bf16 c D128 g8 512 B32 H64\n")
+    assert "fa3 m128 n128 w4 s2 p1 pp (exact): tuned winner for this bucket" in h100
+    assert "backward: " in h100 and "(fallback): nothing tuned (bwd)" in " ".join(h100.split())
+    # The H200 has no forward winner but a backward one in another bucket: nearest.
+    assert "(fallback): nothing tuned (fwd)" in " ".join(h200_text.split())
+    assert "backward: bwd-separate own128x64 w4 s2 fa3 fused-delta smem-stats (nearest)" in (
+        h200_text)
+    assert all(len(line) <= 80 for line in result.stdout.splitlines()
+               if not line.startswith("  from: "))
+    only = runner.invoke(app, ["explain", "--shape", shape, "--causal", "yes", "--db",
+                               str(db_path), "--gpu-name", "h200"])
+    assert only.exit_code == 0 and "H100" not in only.stdout and "H200" in only.stdout
+    decode = runner.invoke(app, ["explain", "--shape", "8,32,8,1,8192,128", "--db",
+                                 str(db_path), "--gpu-name", "H100", "--causal", "yes"])
+    assert decode.exit_code == 0 and "the decode family: 1 queries" in decode.stdout
+
+
+def test_explain_names_the_gpus_there_are_when_none_matches(tmp_path: Path) -> None:
+    db_path = tmp_path / "t.db"
+    problem, mode, variant, tflops = LONG_ROWS[0]
+    with TuningDB(db_path) as db:
+        _winner(db, TuningKey.for_problem(problem, HOPPER, mode), problem, variant, tflops)
+    none = runner.invoke(app, ["explain", "--shape", "1,1,1,16,16,16", "--db", str(db_path),
+                               "--gpu-name", "a100"])
+    assert none.exit_code == 2
+    assert "no GPU named like 'a100' has winners" in none.output
+    assert "(GPUs there: NVIDIA H100 80GB HBM3)" in none.output
+    bare = runner.invoke(app, ["explain", "--db", str(db_path)])
+    assert bare.exit_code == 2 and "name the problems" in bare.output
+    missing = runner.invoke(app, ["explain", "--shape", "1,1,1,16,16,16", "--db",
+                                  str(tmp_path / "none.db")])
+    assert missing.exit_code == 2 and "no tuning database at" in missing.output

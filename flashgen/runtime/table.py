@@ -129,7 +129,10 @@ class Choice:
     backward: Choice | None = None
 
     def __str__(self) -> str:
-        return "\n".join(map(_fold, self._lines()))
+        # The row's line stays whole: its key id holds the GPU's name, spaces and all, and
+        # a folded id cannot be copied back.
+        return "\n".join(line if line.startswith(FROM) else _fold(line)
+                         for line in self._lines())
 
     def _lines(self) -> list[str]:
         """The text's lines before folding: the choice, its row, then the backward's."""
@@ -138,7 +141,7 @@ class Choice:
                    if isinstance(self.variant, dict) else self.variant)
         lines = [f"{variant} ({self.how}): {self.reason}"]
         if self.source:
-            lines.append(f"  from: {self.source}")
+            lines.append(f"{FROM}{self.source}")
         if self.backward is not None:
             first, *rest = self.backward._lines()
             lines += [f"backward: {first}", *rest]
@@ -147,6 +150,8 @@ class Choice:
 
 #: `Choice`'s text is folded to this width (what a terminal of 80 columns shows whole).
 TEXT_WIDTH = 80
+#: How `Choice`'s text begins the line naming its database row.
+FROM = "  from: "
 
 
 def _fold(line: str) -> str:
