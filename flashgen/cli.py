@@ -982,14 +982,20 @@ def explain(
     gpu_name: Annotated[str | None, typer.Option(
         "--gpu-name", metavar="TEXT",
         help="Only the GPUs whose name holds this text (case ignored), e.g. H100.")] = None,
+    mode: Annotated[str, typer.Option(
+        metavar="attention|decode",
+        help="attention: the forward and backward of `flashgen.attention`; decode: the "
+             "KV-cache call's (`attention_with_kvcache`), with --page-size.")] = "attention",
+    page_size: Annotated[str, typer.Option(
+        metavar="LIST", help="--mode decode: comma-separated page sizes of the cache (0: "
+                             "contiguous).")] = "0",
     db: DbOption = None,
 ) -> None:
-    """Which forward and backward variants each problem would run on each GPU the databases
-    hold winners for, and why: what `flashgen.explain` says on that GPU, asked from any
-    machine (to check what a database covers before shipping it). Without --db, the
-    databases dispatch reads: the user database, then the one shipped with flashgen. Plain
-    attention only (modifiers, packed batches and decode are asked through
-    `flashgen.explain` on the GPU)."""
+    """Which variants each problem would run on each GPU the databases hold winners for,
+    and why: what `flashgen.explain` says on that GPU, asked from any machine (to check
+    what a database covers before shipping it). Without --db, the databases dispatch reads:
+    the user database, then the one shipped with flashgen. Plain attention and the KV-cache
+    call (modifiers and packed batches are asked through `flashgen.explain` on the GPU)."""
     import dataclasses
 
     from flashgen.bench.report import wrapped
@@ -997,17 +1003,21 @@ def explain(
     from flashgen.kernels import presets
     from flashgen.kernels.presets import problem_label
     from flashgen.runtime.kvcache import serves_as_decode
-    from flashgen.serve import Dispatcher
+    from flashgen.serve import Dispatcher, shape_of
     from flashgen.store.db import TuningDB
     from flashgen.store.table import default_paths
 
     if not shape and not preset:
         raise _fail("name the problems: --shape B,Hq,Hkv,Nq,Nk,D or --preset NAME")
+    if mode not in ("attention", "decode"):
+        raise _fail(f"--mode is attention or decode, not {mode!r}")
     if db is not None and not db.is_file():
         raise _fail(f"no tuning database at {db}")
     try:
-        problems = presets.expand(shape or [], preset or [], presets.parse_dtypes(dtype),
-                                  presets.parse_causal(causal))
+        problems: list[Problem] = list(presets.decode_problems(
+            shape or [], preset or [], presets.parse_dtypes(dtype), presets.parse_causal(causal),
+            presets.parse_page_sizes(page_size))) if mode == "decode" else presets.expand(
+            shape or [], preset or [], presets.parse_dtypes(dtype), presets.parse_causal(causal))
     except ValueError as exc:
         raise _fail(str(exc)) from None
     paths = [db] if db is not None else default_paths()
@@ -1037,10 +1047,14 @@ def explain(
         device = device_of(name, capability, sm_count)
         for problem in problems:
             typer.echo(f"{name} · sm{capability.replace('.', '')} · {problem_label(problem)}")
+            if mode == "decode":
+                table = dispatcher.table_for(device)
+                typer.echo(f"{dispatcher.lookup(table, 'decode', shape_of(problem))[0]}\n")
+                continue
             if problem.dtype != "fp8" and serves_as_decode(problem.seq_q, problem.seq_k):
                 typer.echo(wrapped(f"the decode family: {problem.seq_q} queries against "
-                                   f"{problem.seq_k} keys (`flashgen.explain` on the GPU "
-                                   "says which of its variants)") + "\n")
+                                   f"{problem.seq_k} keys (--mode decode says which of its "
+                                   "variants)") + "\n")
                 continue
             choice = dispatcher.choose(problem, device)
             if problem.dtype != "fp8":  # fp8 is forward only

@@ -809,6 +809,29 @@ def test_explain_says_what_each_gpu_of_a_database_runs_without_that_gpu(
     assert decode.exit_code == 0 and "the decode family: 1 queries" in decode.stdout
 
 
+def test_explain_mode_decode_says_what_the_kv_cache_call_runs(tmp_path: Path) -> None:
+    from flashgen.kernels.decode_variant import DecodeVariant
+    from flashgen.kernels.problem import DecodeProblem
+
+    db_path = tmp_path / "t.db"
+    paged = DecodeProblem(8, 32, 8, 1, 8192, 128, "bf16", True, page_size=16)
+    tuned = DecodeVariant(16, 32, 8, 1, 3)
+    with TuningDB(db_path) as db:
+        _winner(db, TuningKey.for_problem(paged, HOPPER, "decode"), paged, tuned, 3.0)
+    result = runner.invoke(app, ["explain", "--mode", "decode", "--shape", "8,32,8,1,8192,128",
+                                 "--page-size", "0,16", "--causal", "yes", "--db",
+                                 str(db_path)])
+    assert result.exit_code == 0, result.output
+    contig, pages = result.stdout.split("\n\n")[:2]
+    assert contig.startswith("NVIDIA H100 80GB HBM3 · sm90 · bf16 c D128 g4 1/8k B8 H32 contig")
+    assert "(fallback)" in contig  # nothing tuned for a contiguous cache
+    assert pages.splitlines()[0].endswith(" p16")
+    assert f"{tuned} (exact)" in pages
+    bad = runner.invoke(app, ["explain", "--mode", "prefill", "--shape", "1,1,1,16,16,16",
+                              "--db", str(db_path)])
+    assert bad.exit_code == 2 and "--mode is attention or decode" in bad.output
+
+
 def test_explain_names_the_gpus_there_are_when_none_matches(tmp_path: Path) -> None:
     db_path = tmp_path / "t.db"
     problem, mode, variant, tflops = LONG_ROWS[0]
