@@ -989,13 +989,22 @@ def explain(
     page_size: Annotated[str, typer.Option(
         metavar="LIST", help="--mode decode: comma-separated page sizes of the cache (0: "
                              "contiguous).")] = "0",
+    window: Annotated[str | None, typer.Option(
+        metavar="L,R", help="With a sliding window (attention's window=(L, R)).")] = None,
+    softcap: Annotated[float | None, typer.Option(
+        metavar="C", help="With a logit softcap (C > 0).")] = None,
+    sinks: Annotated[bool, typer.Option("--sinks", help="With attention sinks.")] = False,
+    varlen: Annotated[int | None, typer.Option(
+        metavar="S", min=1,
+        help="Packed: each problem's B x N tokens cut into S sequences of seeded random "
+             "lengths, as `flashgen tune --varlen` cuts them.")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of --varlen's lengths.")] = 0,
     db: DbOption = None,
 ) -> None:
     """Which variants each problem would run on each GPU the databases hold winners for,
     and why: what `flashgen.explain` says on that GPU, asked from any machine (to check
     what a database covers before shipping it). Without --db, the databases dispatch reads:
-    the user database, then the one shipped with flashgen. Plain attention and the KV-cache
-    call (modifiers and packed batches are asked through `flashgen.explain` on the GPU)."""
+    the user database, then the one shipped with flashgen."""
     import dataclasses
 
     from flashgen.bench.report import wrapped
@@ -1014,10 +1023,15 @@ def explain(
     if db is not None and not db.is_file():
         raise _fail(f"no tuning database at {db}")
     try:
-        problems: list[Problem] = list(presets.decode_problems(
-            shape or [], preset or [], presets.parse_dtypes(dtype), presets.parse_causal(causal),
-            presets.parse_page_sizes(page_size))) if mode == "decode" else presets.expand(
-            shape or [], preset or [], presets.parse_dtypes(dtype), presets.parse_causal(causal))
+        if mode == "decode":
+            problems: list[Problem] = list(presets.decode_problems(
+                shape or [], preset or [], presets.parse_dtypes(dtype),
+                presets.parse_causal(causal), presets.parse_page_sizes(page_size)))
+        else:
+            problems = _modified(presets.expand(shape or [], preset or [],
+                                                presets.parse_dtypes(dtype),
+                                                presets.parse_causal(causal)),
+                                 window, softcap, sinks, varlen, seed)
     except ValueError as exc:
         raise _fail(str(exc)) from None
     paths = [db] if db is not None else default_paths()

@@ -809,6 +809,26 @@ def test_explain_says_what_each_gpu_of_a_database_runs_without_that_gpu(
     assert decode.exit_code == 0 and "the decode family: 1 queries" in decode.stdout
 
 
+def test_explain_with_modifiers_finds_the_rows_tuned_with_them(tmp_path: Path) -> None:
+    db_path = tmp_path / "t.db"
+    plain, mode, variant, tflops = LONG_ROWS[0]
+    capped = plain.with_(softcap=True)
+    one_tile = Variant("fa3", 128, 64, 4, 3)
+    with TuningDB(db_path) as db:
+        _winner(db, TuningKey.for_problem(plain, HOPPER, mode), plain, variant, tflops)
+        _winner(db, TuningKey.for_problem(capped, HOPPER, mode), capped, one_tile, 500.0)
+    args = ["explain", "--shape", "32,64,8,512,512,128", "--causal", "yes", "--db",
+            str(db_path)]
+    with_cap = runner.invoke(app, [*args, "--softcap", "30"])
+    assert with_cap.exit_code == 0, with_cap.output
+    assert with_cap.stdout.splitlines()[0].endswith("B32 H64 k")
+    assert f"{one_tile} (exact): tuned winner with modifiers 'k'" in with_cap.stdout
+    without = runner.invoke(app, args)
+    assert f"{variant} (exact): tuned winner for this bucket" in without.stdout
+    bad = runner.invoke(app, [*args, "--softcap", "-1"])
+    assert bad.exit_code == 2 and "softcap" in bad.output
+
+
 def test_explain_mode_decode_says_what_the_kv_cache_call_runs(tmp_path: Path) -> None:
     from flashgen.kernels.decode_variant import DecodeVariant
     from flashgen.kernels.problem import DecodeProblem
