@@ -362,23 +362,12 @@ def tune(
     if trials is None and timeout is None and not exhaustive:
         trials = DEFAULT_TRIALS
 
-    from flashgen.kernels import presets
-
     causal = causal or ("yes" if mode == "decode" else "no")
     if mode != "decode" and page_size != TUNE_PAGE_SIZES:
         raise _fail("--page-size is for --mode decode (KV-cache problems)")
     try:
-        if mode == "decode":
-            problems: list[Problem] = list(presets.decode_problems(
-                shape or [], preset or [], presets.parse_dtypes(dtype),
-                presets.parse_causal(causal), presets.parse_page_sizes(page_size)))
-        else:
-            problems = presets.expand(shape or [], preset or [], presets.parse_dtypes(dtype),
-                                      presets.parse_causal(causal))
-            problems = _modified(problems, window, softcap, sinks, varlen, seed)
-        if mode == "decode" and (window or softcap is not None or sinks or varlen):
-            raise ValueError("--mode decode tunes plain decode: drop --window, --softcap, "
-                             "--sinks and --varlen")
+        problems = _problems(shape, preset, dtype, causal, mode == "decode", page_size,
+                             window, softcap, sinks, varlen, seed)
     except (ValueError, TypeError) as exc:
         raise _fail(str(exc)) from None
     if device == "cpu" and any(p.dtype == "bf16" for p in problems):
@@ -403,6 +392,25 @@ def tune(
     else:
         with _terminate_as_interrupt():
             _run_tuning(problems, run)
+
+
+def _problems(shape: list[str] | None, preset: list[str] | None, dtype: str, causal: str,
+              decode: bool, page_size: str, window: str | None, softcap: float | None,
+              sinks: bool, varlen: int | None, seed: int) -> list[Problem]:
+    """The problems of `tune`'s and `explain`'s options: decode ones (with `decode`, one per
+    page size) or attention ones with the modifiers asked for (`_modified`)."""
+    from flashgen.kernels import presets
+
+    if decode:
+        if window or softcap is not None or sinks or varlen:
+            raise ValueError("--mode decode takes plain decode problems: drop --window, "
+                             "--softcap, --sinks and --varlen")
+        return list(presets.decode_problems(
+            shape or [], preset or [], presets.parse_dtypes(dtype),
+            presets.parse_causal(causal), presets.parse_page_sizes(page_size)))
+    problems = presets.expand(shape or [], preset or [], presets.parse_dtypes(dtype),
+                              presets.parse_causal(causal))
+    return _modified(problems, window, softcap, sinks, varlen, seed)
 
 
 def _modified(problems: list[Problem], window: str | None, softcap: float | None,
@@ -1009,7 +1017,6 @@ def explain(
 
     from flashgen.bench.report import wrapped
     from flashgen.export.rows import device_of
-    from flashgen.kernels import presets
     from flashgen.kernels.presets import problem_label
     from flashgen.runtime.kvcache import serves_as_decode
     from flashgen.serve import Dispatcher, shape_of
@@ -1023,16 +1030,9 @@ def explain(
     if db is not None and not db.is_file():
         raise _fail(f"no tuning database at {db}")
     try:
-        if mode == "decode":
-            problems: list[Problem] = list(presets.decode_problems(
-                shape or [], preset or [], presets.parse_dtypes(dtype),
-                presets.parse_causal(causal), presets.parse_page_sizes(page_size)))
-        else:
-            problems = _modified(presets.expand(shape or [], preset or [],
-                                                presets.parse_dtypes(dtype),
-                                                presets.parse_causal(causal)),
-                                 window, softcap, sinks, varlen, seed)
-    except ValueError as exc:
+        problems = _problems(shape, preset, dtype, causal, mode == "decode", page_size,
+                             window, softcap, sinks, varlen, seed)
+    except (ValueError, TypeError) as exc:
         raise _fail(str(exc)) from None
     paths = [db] if db is not None else default_paths()
     gpus: dict[str, tuple[str, str, int]] = {}
