@@ -850,6 +850,12 @@ def test_explain_mode_decode_says_what_the_kv_cache_call_runs(tmp_path: Path) ->
     bad = runner.invoke(app, ["explain", "--mode", "prefill", "--shape", "1,1,1,16,16,16",
                               "--db", str(db_path)])
     assert bad.exit_code == 2 and "--mode is attention or decode" in bad.output
+    for command in ("explain", "tune"):  # one rule for both: decode problems are plain
+        windowed = runner.invoke(app, [command, "--mode", "decode", "--shape",
+                                       "8,32,8,1,8192,128", "--window", "64,0", "--db",
+                                       str(db_path)])
+        assert windowed.exit_code == 2
+        assert "--mode decode takes plain decode problems" in windowed.output
 
 
 def test_explain_names_the_gpus_there_are_when_none_matches(tmp_path: Path) -> None:
