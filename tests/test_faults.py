@@ -253,14 +253,17 @@ def test_an_unusable_kernel_folder_stops_the_tune_and_stores_no_trial(
     """A kernel folder that is a file: one error line naming it, and no trial stored. The
     place failed, not the variant; stored as a failed trial, that variant (the default) was
     never measured again once the folder was mended."""
+    from flashgen import serve
     from flashgen.kernels import render
 
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("")
     monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(blocker))
-    # A kernel this test process loaded earlier is not written again: forget them all, so
-    # the tune's first kernel goes to the folder (pytest-xdist workers run other tests first).
-    render._load_module.cache_clear()
+    # A kernel this test process loaded earlier is not written again, nor one whose launcher
+    # it prepared (the same problem tuned by another test): forget them all, so the tune's
+    # first kernel goes to the folder (pytest-xdist workers run other tests first).
+    for cached in (render._load_module, serve._forward, serve._backward, serve._decode):
+        cached.cache_clear()
     path = tmp_path / "t.db"
     result = runner.invoke(app, [*TUNE, "--trials", "1", "--db", str(path)])
     assert_one_error_line(result, str(blocker), "FLASHGEN_CACHE_DIR")
