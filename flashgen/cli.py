@@ -934,7 +934,7 @@ def show(
     databases dispatch reads: the user database, then the one shipped with flashgen; each
     table (JSON: each row's "db" and "source") says which, and a note marks the rows
     dispatch would not serve."""
-    from flashgen.store.db import TuningDB, default_db_path
+    from flashgen.store.db import default_db_path
     from flashgen.store.table import shipped_db_path
     from flashgen.tune.report import listed, winners_tables
 
@@ -953,17 +953,8 @@ def show(
             typer.echo(f"note: no {source} database at {path} yet (`flashgen tune` writes it)",
                        err=True)
             continue
-        # Read only: `show` must not migrate or re-journal the file it lists (say the
-        # database shipped inside the installed package, which may not be writable at all).
-        try:
-            with TuningDB.open_ours(path) as database:
-                sources.append((source, path, database.runs() if runs
-                                else database.all_winners()))
-        except (sqlite3.Error, OSError) as exc:  # the error line names this file
-            failure = _store_failure(exc, path)
-            if failure is None:
-                raise
-            raise failure from None
+        sources.append((source, path, _read_ours(
+            path, lambda d: d.runs() if runs else d.all_winners())))
     if runs:
         _show_runs(sources, as_json)
         return
@@ -1039,16 +1030,9 @@ def explain(
     for path in paths:
         if not path.is_file():
             continue
-        try:
-            with TuningDB.open_ours(path) as database:
-                for row in database.all_winners():
-                    k = row.key
-                    gpus.setdefault(k.device_key, (k.gpu_name, k.capability, k.sm_count))
-        except (sqlite3.Error, OSError) as exc:
-            failure = _store_failure(exc, path)
-            if failure is None:
-                raise
-            raise failure from None
+        for row in _read_ours(path, TuningDB.all_winners):
+            k = row.key
+            gpus.setdefault(k.device_key, (k.gpu_name, k.capability, k.sm_count))
     found = sorted(gpus.values())
     chosen = [g for g in found if gpu_name is None or gpu_name.lower() in g[0].lower()]
     if not chosen:
@@ -1075,6 +1059,23 @@ def explain(
                 choice = dataclasses.replace(choice,
                                              backward=dispatcher.choose_bwd(problem, device))
             typer.echo(f"{choice}\n")
+
+
+def _read_ours(path: Path, read: Callable[[TuningDB], list[Any]]) -> list[Any]:
+    """`read` of flashgen's database at `path`, opened read only: `show` and `explain` must
+    not migrate or re-journal the file they read (say the database shipped inside the
+    installed package, which may not be writable at all). A database error is one error
+    line naming this file."""
+    from flashgen.store.db import TuningDB
+
+    try:
+        with TuningDB.open_ours(path) as database:
+            return read(database)
+    except (sqlite3.Error, OSError) as exc:
+        failure = _store_failure(exc, path)
+        if failure is None:
+            raise
+        raise failure from None
 
 
 def _show_runs(sources: list[tuple[str, Path, list[Any]]], as_json: bool) -> None:

@@ -30,7 +30,7 @@ from flashgen.store.db import (
     TuningDB,
     _problem_json,
     _trial_row,
-    process_alive,
+    gone_here,
     settles,
 )
 from flashgen.store.keys import TuningKey
@@ -67,7 +67,7 @@ def stored_trial(db: TuningDB, key: TuningKey, problem: Problem, variant: AnyVar
 def _alive(host: str, pid: int, claimed_at: float) -> bool:
     if time.time() - claimed_at > CLAIM_TTL_S:
         return False
-    return host != socket.gethostname() or process_alive(pid)
+    return not gone_here(host, pid)
 
 
 def claim(db: TuningDB, key: TuningKey, problem: Problem, variant: AnyVariant,

@@ -420,6 +420,12 @@ def process_alive(pid: int) -> bool:
     return True
 
 
+def gone_here(host: str | None, pid: int | None) -> bool:
+    """Whether process `pid` of `host` is known to have ended: `host` is this one and no
+    such process exists. Another host's processes cannot be asked (their marks expire)."""
+    return pid is not None and host == socket.gethostname() and not process_alive(pid)
+
+
 @dataclass(frozen=True)
 class RunRow:
     """One run that wrote to the file: where, with what, by which command, and what it left."""
@@ -447,9 +453,7 @@ class RunRow:
     def died(self) -> bool:
         """Still marked running, though its process, on this host, is gone: it ended
         without a word (SIGKILL, a crash). Runs of other hosts cannot be asked."""
-        if self.status != "running" or self.pid is None or self.host != socket.gethostname():
-            return False
-        return not process_alive(self.pid)
+        return self.status == "running" and gone_here(self.host, self.pid)
 
 
 def settles(row: TrialRow) -> bool:

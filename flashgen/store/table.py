@@ -169,10 +169,8 @@ def device_table(paths: Sequence[Path], device: DeviceInfo) -> dict[str, Any]:
         try:
             if not path.is_file() and not path.is_dir():  # a folder: warned of, as unreadable
                 if path.is_symlink() or path.exists():  # /dev/null, a pipe, a link to nothing
-                    exc: BaseException = OSError(
+                    raise OSError(
                         "it is not a regular file (a device, a pipe, or a link to nothing)")
-                    _warn_unreadable(path, exc)
-                    unread.append(f"{path} ({exc})")
                 continue
             rows = _winners(path, device)
         except (sqlite3.DatabaseError, OSError) as exc:

@@ -51,7 +51,7 @@ from optuna.storages.journal._file import LOCK_FILE_SUFFIX
 from optuna.trial import FrozenTrial, TrialState
 
 from flashgen.kernels.problem import Problem
-from flashgen.store.db import now_stamp, process_alive
+from flashgen.store.db import gone_here, now_stamp
 from flashgen.store.keys import TuningKey
 
 #: Seconds between heartbeats of a running trial or claim.
@@ -370,7 +370,7 @@ def temporary_journal() -> Iterator[str]:
 
     sweep_journals(Path(tempfile.gettempdir()))
     with tempfile.TemporaryDirectory(prefix=f"{JOURNAL_PREFIX}{os.getpid()}-") as folder:
-        (Path(folder) / JOURNAL_OWNER).write_text(f"{socket.gethostname()} {os.getpid()}\n")
+        (Path(folder) / JOURNAL_OWNER).write_text(f"{owner()}\n")
         yield str(Path(folder) / "studies.log")
 
 
@@ -384,7 +384,7 @@ def sweep_journals(root: Path, still_s: float = JOURNAL_STILL_S) -> list[Path]:
             if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
                 continue
             host, pid = (folder / JOURNAL_OWNER).read_text().split()
-            if host != socket.gethostname() or process_alive(int(pid)):
+            if not gone_here(host, int(pid)):
                 continue
             changed = max([info.st_mtime, *(f.stat().st_mtime for f in folder.iterdir())])
         except (OSError, ValueError):  # gone meanwhile, not ours to read, or no owner named
@@ -447,16 +447,15 @@ def fail_stale(study: optuna.Study) -> None:
 
 
 def owner() -> str:
-    """This process as `OWNER_ATTR` names it."""
+    """This process as `OWNER_ATTR` (and a temporary journal's owner file) names it."""
     return f"{socket.gethostname()} {os.getpid()}"
 
 
-def _gone(trial: FrozenTrial, host: str) -> bool:
-    """Whether a running claim or lease belongs to a process of `host` (this one) that no
-    longer exists. Another host's, or one without an owner, waits for its heartbeat."""
-    there, _, pid = str(trial.user_attrs.get(OWNER_ATTR, "")).rpartition(" ")
-    return (there == host and pid.isdigit() and int(pid) != os.getpid()
-            and not process_alive(int(pid)))
+def _gone(trial: FrozenTrial) -> bool:
+    """Whether a running claim or lease belongs to a process of this host that no longer
+    exists. Another host's, or one without an owner, waits for its heartbeat."""
+    host, _, pid = str(trial.user_attrs.get(OWNER_ATTR, "")).rpartition(" ")
+    return pid.isdigit() and int(pid) != os.getpid() and gone_here(host, int(pid))
 
 
 def live_trials(claims: optuna.Study) -> list[FrozenTrial]:
@@ -467,11 +466,10 @@ def live_trials(claims: optuna.Study) -> list[FrozenTrial]:
     its claims fail here and now. Until its heartbeat went stale (`GRACE_S`) they counted
     toward the campaign's budget, and a run resumed at once ended a trial short."""
     fail_stale(claims)
-    host = socket.gethostname()
     live = []
     for trial in claims.get_trials(deepcopy=False,
                                    states=(TrialState.RUNNING, TrialState.COMPLETE)):
-        if trial.state == TrialState.RUNNING and _gone(trial, host):
+        if trial.state == TrialState.RUNNING and _gone(trial):
             with contextlib.suppress(UpdateFinishedTrialError):
                 claims._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
             continue
