@@ -101,17 +101,32 @@ def gaps(fn: Attention, leaves: tuple[torch.Tensor, ...], do: torch.Tensor, labe
             flush.zero_()
             step()
         torch.cuda.synchronize()
-    kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
-                     key=lambda e: e.time_range.start)
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    lead, busy, idle, between = timeline(kernels, skip=2)  # the first steps run slow
+    med = statistics.median
+    print(f"  {label:9s} wall {wall.median_ms * 1e3:8.1f} us (p20 {wall.p20_ms * 1e3:.1f}, p80 "
+          f"{wall.p80_ms * 1e3:.1f}); busy {med(busy):8.1f}, lead {med(lead):6.1f}, idle "
+          f"between kernels {med(idle):6.1f}", flush=True)
+    for pair, values in between.items():
+        print(f"      {med(values):7.1f} us  {pair}")
+
+
+def timeline(kernels: list, skip: int = 0) -> tuple[list[float], list[float], list[float],
+                                                   dict[str, list[float]]]:
+    """From a profiler's GPU events (`name`, `time_range.start` and `.end`, us) of steps each
+    queued behind an L2 flush (an int8 fill): per step after the first `skip`, the idle time
+    from the flush's end to its first kernel (lead), its kernels' busy time, and its idle
+    time between them; and each pair of consecutive kernels' gaps, by their names. A flush
+    with no kernel after it counts no step."""
     steps: list[tuple[float, list]] = []  # (the flush's end, the step's kernels)
-    for e in kernels:
-        if "signed char" in e.name:  # the flush: an int8 fill
+    for e in sorted(kernels, key=lambda e: e.time_range.start):
+        if "signed char" in e.name:  # the flush
             steps.append((e.time_range.end, []))
         elif steps:
             steps[-1][1].append(e)
     lead, busy, idle = [], [], []
     between: dict[str, list[float]] = defaultdict(list)
-    for flushed, ks in steps[2:]:  # the profiler's first steps run slow
+    for flushed, ks in steps[skip:]:
         if not ks:
             continue
         lead.append(ks[0].time_range.start - flushed)
@@ -120,12 +135,7 @@ def gaps(fn: Attention, leaves: tuple[torch.Tensor, ...], do: torch.Tensor, labe
         for a, b in itertools.pairwise(ks):
             between[f"{_short(a.name)} -> {_short(b.name)}"].append(
                 b.time_range.start - a.time_range.end)
-    med = statistics.median
-    print(f"  {label:9s} wall {wall.median_ms * 1e3:8.1f} us (p20 {wall.p20_ms * 1e3:.1f}, p80 "
-          f"{wall.p80_ms * 1e3:.1f}); busy {med(busy):8.1f}, lead {med(lead):6.1f}, idle "
-          f"between kernels {med(idle):6.1f}", flush=True)
-    for pair, values in between.items():
-        print(f"      {med(values):7.1f} us  {pair}")
+    return lead, busy, idle, between
 
 
 def _short(name: str) -> str:

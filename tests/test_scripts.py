@@ -1,4 +1,5 @@
-"""scripts/retune.sh: the commands it would run are ones `flashgen tune` accepts."""
+"""scripts/: the commands retune.sh would run are ones `flashgen tune` accepts, and the pure
+parts of the Python scripts (search_quality sampling, probe_step_phases timelines)."""
 
 from __future__ import annotations
 
@@ -51,15 +52,19 @@ def test_retune_tunes_fp8_forward_only_when_asked() -> None:
     assert [c[c.index("--dtype") + 1] for c in _dry_run("--db", "x.db")] == ["fp16,bf16"] * 2
 
 
-def _search_quality() -> object:
+def _script(name: str) -> object:
+    """scripts/`name`.py imported as a module (the scripts folder is not a package)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("search_quality",
-                                                  ROOT / "scripts" / "search_quality.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _search_quality() -> object:
+    return _script("search_quality")
 
 
 def test_search_quality_samples_keep_the_portfolio_and_every_point_asked_for() -> None:
@@ -156,3 +161,22 @@ def test_sweep_space_gives_every_gpu_its_workers_and_parts(tmp_path: Path) -> No
     assert failed.returncode == 1 and "part 1 failed (exit 7)" in failed.stderr
     cut = again("echo 'GPU 0: A'", "sleep 30")  # stopped by the time limit: resumable
     assert cut.returncode == 3 and "run again to resume" in cut.stdout
+
+
+def test_step_timeline_splits_steps_at_flushes_and_times_their_gaps() -> None:
+    from types import SimpleNamespace
+
+    def event(name: str, start: float, end: float) -> SimpleNamespace:
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end))
+
+    flush = "void at::native::vectorized_elementwise_kernel<FillFunctor<signed char>>"
+    kernels = [  # out of order, as a profiler may list them
+        event("attn_bwd", 130.0, 190.0), event(flush, 0.0, 10.0), event("attn_fwd", 15.0, 40.0),
+        event(flush, 100.0, 110.0), event("attn_bwd", 60.0, 90.0),
+        event("attn_fwd", 112.0, 125.0), event(flush, 200.0, 210.0),  # nothing after it
+    ]
+    timeline = _script("probe_step_phases").timeline  # type: ignore[attr-defined]
+    lead, busy, idle, between = timeline(kernels)
+    assert lead == [5.0, 2.0] and busy == [55.0, 73.0] and idle == [20.0, 5.0]
+    assert dict(between) == {"attn_fwd -> attn_bwd": [20.0, 5.0]}
+    assert timeline(kernels, skip=1)[1] == [73.0]  # the first step left out
