@@ -1,5 +1,6 @@
-"""scripts/: the commands retune.sh would run are ones `flashgen tune` accepts, and the pure
-parts of the Python scripts (search_quality sampling, probe_step_phases timelines)."""
+"""scripts/: the commands retune.sh would run are ones `flashgen tune` accepts, sweep_space's
+parts, and the pure parts of the Python scripts (search_quality's sampling,
+probe_step_phases' timelines)."""
 
 from __future__ import annotations
 
