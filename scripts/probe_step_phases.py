@@ -46,7 +46,7 @@ import flashgen
 from flashgen.bench.competitors import COMPETITORS
 from flashgen.kernels.problem import Problem
 from flashgen.tune.check import make_inputs
-from flashgen.tune.timing import FLUSH_BYTES, time_cuda
+from flashgen.tune.timing import SPIN_HZ, _flush_buffer, time_cuda
 
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 PHASES = ("fwd", "to-node", "node", "after", "step")
@@ -66,7 +66,7 @@ def phases(fn: Attention, leaves: tuple[torch.Tensor, ...], do: torch.Tensor, ca
     rows = []
     for _ in range(batches):
         torch.cuda.synchronize()
-        torch.cuda._sleep(300_000_000)  # ~0.15 s of GPU spin: the steps queue behind it
+        torch.cuda._sleep(int(0.15 * SPIN_HZ))  # a GPU spin: the steps queue behind it
         for _ in range(steps):
             if reset:
                 for t in leaves:
@@ -88,7 +88,7 @@ def phases(fn: Attention, leaves: tuple[torch.Tensor, ...], do: torch.Tensor, ca
 def gaps(fn: Attention, leaves: tuple[torch.Tensor, ...], do: torch.Tensor, label: str) -> None:
     """Print the bench-timed step's wall time, its kernels' busy time and its GPU idle time
     (see the module's docstring)."""
-    flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device=do.device)
+    flush = _flush_buffer(do.device)  # the bench's: an int8 fill, as `timeline` finds it
 
     def step() -> None:
         for t in leaves:
