@@ -55,10 +55,21 @@ def db(tmp_path: Path) -> TuningDB:
 # ---- key -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("n", "bucket"), [(1, 1), (2, 2), (3, 4), (17, 32), (1000, 1024),
-                                           (1024, 1024), (1025, 2048), (16384, 16384)])
-def test_seq_bucket_is_next_power_of_two(n: int, bucket: int) -> None:
+@pytest.mark.parametrize(("n", "bucket"), [
+    (1, 1), (2, 2), (3, 3), (4, 4), (5, 6), (7, 8), (17, 24), (25, 32), (197, 256),
+    (257, 384), (384, 384), (385, 512), (577, 768), (1000, 1024), (1024, 1024), (1025, 1536),
+    (1537, 2048), (16384, 16384)])
+def test_seq_bucket_steps_by_at_most_one_and_a_half(n: int, bucket: int) -> None:
     assert seq_bucket(n) == bucket
+
+
+def test_the_runtime_buckets_lengths_as_the_keys_do() -> None:
+    # Exported packages carry the runtime's copy of the rule: a row keyed by one rule and
+    # looked up by the other would never be exact.
+    from flashgen.runtime.table import bucket
+
+    assert all(bucket(n) == seq_bucket(n) for n in range(1, 5000))
+    assert {seq_bucket(n) for n in range(2049, 4097)} == {3072, 4096}
 
 
 def test_seq_bucket_rejects_non_positive() -> None:
@@ -67,11 +78,12 @@ def test_seq_bucket_rejects_non_positive() -> None:
 
 
 def test_key_buckets_q_and_k_separately_and_ignores_batch_and_heads() -> None:
-    key = key_of(Problem(1, 32, 8, 100, 3000, 128))
+    key = key_of(Problem(1, 32, 8, 100, 3500, 128))
     assert (key.seq_q_bucket, key.seq_k_bucket, key.gqa) == (128, 4096, 4)
-    assert key_of(Problem(7, 64, 16, 120, 2500, 128)).id == key.id
-    assert key_of(Problem(1, 32, 8, 100, 3000, 128, causal=True)).id != key.id
-    assert key_of(Problem(1, 32, 32, 100, 3000, 128)).id != key.id
+    assert key_of(Problem(7, 64, 16, 120, 3100, 128)).id == key.id
+    assert key_of(Problem(1, 32, 8, 100, 3000, 128)).id != key.id  # Nk bucket 3072
+    assert key_of(Problem(1, 32, 8, 100, 3500, 128, causal=True)).id != key.id
+    assert key_of(Problem(1, 32, 32, 100, 3500, 128)).id != key.id
     assert key_of(versions=replace(VERSIONS, triton="3.5.0")).id != key_of().id
 
 
@@ -473,6 +485,44 @@ def test_m011_gives_m010_rows_empty_modifiers_and_keeps_their_ids(tmp_path: Path
                         kernel_hash=kernel_hash(variant, problem))
         db.update_winner(window)
         assert {w.key.id for w in db.all_winners()} == {key.id, window.id}
+
+
+def test_m014_moves_rows_tuned_in_a_new_bucket_and_keeps_the_others(tmp_path: Path) -> None:
+    # Keyed by powers of two, N257 and N512 were one bucket; a file of that rule gets each
+    # row's bucket from its tuned lengths, and the ids TuningKey gives today.
+    path = tmp_path / "m013.db"
+    old = sqlite_utils.Database(path)
+    migrations.apply(old, stop_before="m014_length_ladder")
+    variant = Variant("fa2", 64, 64, 4, 2)
+    problems = {"odd": Problem(256, 16, 16, 257, 257, 64), "even": Problem(32, 16, 16, 512, 512,
+                                                                           64)}
+    for name, problem in problems.items():
+        key = key_of(problem)
+        pow2 = {"seq_q_bucket": 512, "seq_k_bucket": 512}
+        columns = {**key.to_columns(), **pow2}
+        key_id = "|".join(str(columns[c]) for c in TuningKey.__dataclass_fields__
+                          if c in columns)
+        row = {"key_id": key_id, **columns, **problem.to_dict(),
+               "problem_json": json.dumps(problem.to_dict(), sort_keys=True),
+               "variant_json": variant.to_json(), "status": "ok", "median_ms": 1.0,
+               "p20_ms": 1.0, "p80_ms": 1.0, "reps": 10, "tflops": 1.0,
+               "kernel_hash": kernel_hash(variant, problem), "created_at": "x"}
+        trial_id = old["trials"].insert(row).last_pk
+        if name == "odd":  # the bucket's one winner, tuned at N257
+            winner = {c: v for c, v in row.items() if c in old["winners"].columns_dict}
+            old["winners"].insert({**winner, "trial_id": trial_id, "updated_at": "x"})
+    old.close()
+    with TuningDB(path) as db:
+        assert db.schema_version == SCHEMA_VERSION
+        keys = {name: key_of(problem) for name, problem in problems.items()}
+        assert keys["odd"].seq_q_bucket == 384 and keys["even"].seq_q_bucket == 512
+        assert sorted((r["key_id"], r["seq_q_bucket"], r["seq_k_bucket"]) for r in db.db.query(
+            "SELECT key_id, seq_q_bucket, seq_k_bucket FROM trials")) == sorted(
+                (k.id, k.seq_q_bucket, k.seq_k_bucket) for k in keys.values())
+        (found,) = db.all_winners()
+        assert found.key == keys["odd"]
+        # The N512 key lost a winner another length won: a re-tune picks its own again.
+        assert db.update_winner(keys["even"]).key == keys["even"]
 
 
 # ---- read-only -------------------------------------------------------------------------

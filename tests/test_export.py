@@ -143,8 +143,8 @@ cases = {  # name: (package, shape, dtype, causal, with gradients)
     "hit": (fgk, (1, 2, 1, 50, 60, 32), torch.float32, True, True),
     "nearest": (fgk, (1, 2, 1, 100, 120, 32), torch.float32, True, False),
     "miss": (fgk, (1, 2, 1, 9, 9, 32), torch.float32, True, False),
-    "fp16_hit": (fgk, (1, 2, 2, 20, 30, 16), torch.float16, False, True),
-    "fp16_unaligned": (fgk, (1, 2, 2, 20, 30, 16), torch.float16, False, False),
+    "fp16_hit": (fgk, (1, 2, 2, 25, 30, 16), torch.float16, False, True),
+    "fp16_unaligned": (fgk, (1, 2, 2, 25, 30, 16), torch.float16, False, False),
 }
 stale, res["warnings"]["stale"] = imported("fgk_stale")
 other, res["warnings"]["other"] = imported("fgk_other")

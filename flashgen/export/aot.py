@@ -135,14 +135,14 @@ ABI: dict[str, Any] = {
 
 DISPATCH_RULE = (
     "For (gpu, dtype, out_dtype, causal, head_dim, gqa) and lengths Nq, Nk (out_dtype: the "
-    "output's dtype, the input dtype except for fp8): bucket(n) = the next power of "
-    "two >= n. Among `dispatch` rows of that kind whose need = [q, k] satisfies "
-    "max(16, bucket(Nq)) >= q and max(16, bucket(Nk)) >= k, take the smallest "
-    "|log2(seq_q_bucket / bucket(Nq))| + |log2(seq_k_bucket / bucket(Nk))| (ties: the larger "
-    "seq_q_bucket). If none fits, take the `defaults` row of (gpu, dtype, out_dtype, causal, "
-    "head_dim) "
-    "with seq_q_bucket = clamp(bucket(Nq), 16, 256) and seq_k_bucket = clamp(bucket(Nk), 16, "
-    "256)."
+    "output's dtype, the input dtype except for fp8): pow2(n) = the next power of two >= n; "
+    "bucket(n) = 3 * pow2(n) / 4 where pow2(n) >= 4 and n <= 3 * pow2(n) / 4, else pow2(n) "
+    "(the ladder 1, 2, 3, 4, 6, 8, 12, 16, 24, ...). Among `dispatch` rows of that kind whose "
+    "need = [q, k] satisfies max(16, pow2(Nq)) >= q and max(16, pow2(Nk)) >= k, take the "
+    "smallest |log2(seq_q_bucket / bucket(Nq))| + |log2(seq_k_bucket / bucket(Nk))| (ties: "
+    "the larger seq_q_bucket). If none fits, take the `defaults` row of (gpu, dtype, "
+    "out_dtype, causal, head_dim) with seq_q_bucket = clamp(pow2(Nq), 16, 256) and "
+    "seq_k_bucket = clamp(pow2(Nk), 16, 256)."
 )
 
 

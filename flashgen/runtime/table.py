@@ -22,8 +22,9 @@ bucket where it is not the winner, such as the fastest deterministic trial that 
 nondeterministic backward winner) and what a dispatcher's `kernel_is_current` reads (such as
 the hash of the kernel the row was tuned with).
 
-For a call: the exact (dtype, causal, head dim, GQA ratio, Nq bucket, Nk bucket) entry; else
-the nearest tuned bucket of the same kind that is valid for the call; else the default.
+For a call: the exact (dtype, causal, head dim, GQA ratio, Nq bucket, Nk bucket) entry (lengths
+bucketed by `bucket`'s ladder of 1.5x steps); else the nearest tuned bucket of the same kind
+that is valid for the call; else the default.
 
 Entries tuned on modified or packed problems carry "modifiers" (`modifier_key`: "w", "k",
 "s", "v4", "wv2", ...; absent or "" for plain ones), part of their kind. A modified call looks
@@ -172,9 +173,19 @@ def source_file(e: Entry) -> str | None:
     return source.split(" winners[", 1)[0].rsplit("/", 1)[-1]
 
 
-def bucket(n: int) -> int:
-    """The length bucket of `n`: the next power of two (n itself if it is one)."""
+def pow2(n: int) -> int:
+    """The next power of two of `n` (n itself if it is one): the batch x Hkv bucket, and the
+    lengths the tile rule and the default grids are given for."""
     return 1 << (n - 1).bit_length()
+
+
+def bucket(n: int) -> int:
+    """The length bucket of `n`: the smallest step of the ladder 1, 2, 3, 4, 6, 8, 12, 16,
+    24, ... (powers of two and three quarters of each from 4 on) at or above `n` (flashgen's
+    `store.keys.seq_bucket`, the same rule)."""
+    top = pow2(n)
+    three_quarters = top // 4 * 3
+    return three_quarters if top >= 4 and n <= three_quarters else top
 
 
 def knobs(data: Mapping[str, Any]) -> SimpleNamespace:
@@ -331,7 +342,7 @@ class Table:
         it, with its bucket and the call's; each passed over is added to `skipped`.
         `whole_heads`: apply the whole-heads dispatch rule to each entry's variant."""
         want_q, want_k = bucket(shape.seq_q), bucket(shape.seq_k)
-        want_bh = bucket(shape.batch * shape.heads_kv)
+        want_bh = pow2(shape.batch * shape.heads_kv)
 
         def distance(e: Entry) -> tuple[float, int]:
             d = (abs(math.log2(e["seq_q_bucket"] / want_q))
@@ -367,7 +378,7 @@ class Table:
         if "need" not in e:
             return None
         need_q, need_k = e["need"]
-        if max(16, bucket(shape.seq_q)) >= need_q and max(16, bucket(shape.seq_k)) >= need_k:
+        if max(16, pow2(shape.seq_q)) >= need_q and max(16, pow2(shape.seq_k)) >= need_k:
             return None
         return f"its tiles need Nq and Nk buckets of at least {need_q} and {need_k}"
 
@@ -384,7 +395,7 @@ class Table:
         if mode == "decode":
             return grid[decode_default_key(shape)]
         low, high = self.lengths[0], self.lengths[-1]
-        clamp = lambda n: min(high, max(low, bucket(n)))
+        clamp = lambda n: min(high, max(low, pow2(n)))
         keys = clamp(shape.seq_k)
         if mode == "fwd" and shape.seq_k > high:
             # Past the tiles' lengths the defaults choose by key counts (powers of two): the
@@ -434,6 +445,6 @@ def decode_default_key(shape: Any) -> tuple[int, int]:
     packed rows 16, 32, 64 x page size 0, 16, 32, 64): its packed query rows (GQA group x
     Nq) and page size, rounded into the grid. The defaults' tiles are at most 64 rows and 64
     keys, so larger calls share the largest cell."""
-    rows = min(64, max(16, bucket(shape.group * shape.seq_q)))
+    rows = min(64, max(16, pow2(shape.group * shape.seq_q)))
     page = min(64, max(16, shape.page_size)) if shape.page_size else 0
     return rows, page

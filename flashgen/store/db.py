@@ -313,8 +313,60 @@ def m013_run_process(db: sqlite_utils.Database) -> None:
         db["runs"].add_column("pid", int)
 
 
+#: A decode key's columns after the lengths (m010), in the order its id joins them.
+_DECODE_KEY = ("page_size", "bh_bucket")
+
+
+def _ladder_bucket(n: int) -> int:
+    """m014's length bucket (`keys.seq_bucket` when it was written): the step of 1, 2, 3,
+    4, 6, 8, 12, ... at or above n."""
+    top = 1 << (n - 1).bit_length()
+    return top // 4 * 3 if top >= 4 and n <= top // 4 * 3 else top
+
+
+@migrations()
+def m014_length_ladder(db: sqlite_utils.Database) -> None:
+    """Sequence lengths are bucketed by a ladder of 1.5x steps (`keys.seq_bucket`), not by
+    powers of two: a row tuned at a length in the lower part of a power-of-two bucket (257
+    to 384 of (256, 512]) moves to its own bucket, its id with it. Decode's batch x Hkv
+    bucket stays a power of two. Two winners cannot meet (each old bucket splits into new
+    ones); a row whose id is not its columns' (not flashgen's writing), or whose new id a
+    winner holds, is left as it is. A claim names no lengths: one held under the old rule
+    goes stale and is taken over."""
+    assert _M006_KEY[-2:] == ("seq_q_bucket", "seq_k_bucket")
+
+    def key_id(row: dict[str, Any], q: int, k: int) -> str:
+        parts = [*(row[c] for c in _M006_KEY[:-2]), q, k]
+        if row["mode"] == "decode":
+            parts += [row[c] for c in _DECODE_KEY]
+        if row["modifiers"]:
+            parts.append(row["modifiers"])
+        return "|".join(str(v) for v in parts)
+
+    read = ", ".join((*_M006_KEY, *_DECODE_KEY, "modifiers", "seq_q", "seq_k"))
+    for table, pk in (("trials", "id"), ("winners", "key_id")):
+        rows = list(db.query(f"SELECT {pk} AS pk, key_id AS id, {read} FROM {table}"))
+        held = {row["id"] for row in rows}
+        moves = []
+        for row in rows:
+            if not (isinstance(row["seq_q"], int) and isinstance(row["seq_k"], int)
+                    and row["seq_q"] > 0 and row["seq_k"] > 0):
+                continue
+            q, k = _ladder_bucket(row["seq_q"]), _ladder_bucket(row["seq_k"])
+            new = key_id(row, q, k)
+            if new == row["id"] or row["id"] != key_id(row, row["seq_q_bucket"],
+                                                       row["seq_k_bucket"]):
+                continue
+            if table == "winners" and new in held:
+                continue
+            held.add(new)
+            moves.append((new, q, k, row["pk"]))
+        db.conn.executemany(f"UPDATE {table} SET key_id = ?, seq_q_bucket = ?, "
+                            f"seq_k_bucket = ? WHERE {pk} = ?", moves)
+
+
 #: The number of migrations above; a test checks that a fresh file reaches it.
-SCHEMA_VERSION = 13
+SCHEMA_VERSION = 14
 
 
 def _migration_names() -> list[str]:

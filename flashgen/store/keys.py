@@ -5,7 +5,9 @@ same framework (torch), for a problem of the same kind, and only while the kerne
 the one flashgen renders: that part is not in the key but in each row (its `kernel_hash`, see
 `flashgen.store.current`), so a template edit retires exactly the rows whose kernel it changed.
 "The same kind" is bucketed: dtype, causal, head dim and GQA ratio exactly, sequence lengths
-by the next power of two, so a handful of tuned lengths covers every length a model sees.
+by a ladder of powers of two and 1.5x between them (`seq_bucket`), so a handful of tuned lengths
+covers every length a model sees, and an odd length (ViT's 257) is not keyed with one twice
+its size, whose tiles may waste a third of its work.
 Batch and head count are left out on purpose: they only change how many programs a launch has,
 and the winners are served to every batch size.
 """
@@ -31,11 +33,21 @@ DECODE_ONLY: tuple[str, ...] = ("page_size", "bh_bucket")
 OMIT_EMPTY: tuple[str, ...] = ("modifiers",)
 
 
-def seq_bucket(n: int) -> int:
-    """The sequence-length bucket of `n`: the next power of two (n itself if it is one)."""
+def pow2_bucket(n: int) -> int:
+    """The next power of two of `n` (n itself if it is one): the batch x Hkv bucket of decode
+    keys, and the lengths tile rules and default grids are given for."""
     if n < 1:
         raise ValueError(f"sequence length must be positive, got {n}")
     return 1 << (n - 1).bit_length()
+
+
+def seq_bucket(n: int) -> int:
+    """The sequence-length bucket of `n`: the smallest step of the ladder 1, 2, 3, 4, 6, 8,
+    12, 16, 24, ... (powers of two and three quarters of each from 4 on) at or above `n`.
+    Steps of 1.5x at most, where powers of two alone make steps of 2x."""
+    top = pow2_bucket(n)
+    three_quarters = top // 4 * 3
+    return three_quarters if top >= 4 and n <= three_quarters else top
 
 
 @functools.cache
@@ -110,7 +122,7 @@ class TuningKey:
             seq_q_bucket=seq_bucket(problem.seq_q),
             seq_k_bucket=seq_bucket(problem.seq_k),
             **({"page_size": problem.page_size,
-                "bh_bucket": seq_bucket(problem.batch * problem.heads_kv)}
+                "bh_bucket": pow2_bucket(problem.batch * problem.heads_kv)}
                if mode == "decode" and isinstance(problem, DecodeProblem) else {}),
             modifiers="" if mode == "decode" else problem.modifier_key,
         )
