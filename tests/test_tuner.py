@@ -387,6 +387,16 @@ def test_model_presets_have_their_gqa() -> None:
     assert {"llama3-70b", "mistral-7b"} <= set(PRESETS)
 
 
+def test_the_vit_preset_holds_its_two_models_as_they_are() -> None:
+    # Whole shapes, not a grid: neither batch is 16k tokens / N, and they share no heads.
+    problems = preset_problems("vit", ["bf16"], [False, True])
+    assert [(p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k, p.head_dim, p.causal)
+            for p in problems] == [(64, 12, 12, 197, 197, 64, False),
+                                   (64, 12, 12, 197, 197, 64, True),
+                                   (256, 16, 16, 257, 257, 64, False),
+                                   (256, 16, 16, 257, 257, 64, True)]
+
+
 def test_expand_combines_and_dedupes() -> None:
     problems = expand(["1,2,1,32,32,16", "1,2,1,32,32,16"], ["tiny"], ["fp16", "fp32"],
                       parse_causal("both"))

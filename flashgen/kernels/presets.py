@@ -24,14 +24,17 @@ class Preset:
     heads: tuple[tuple[int, int, int], ...]  # (Hq, Hkv, D) combinations
     seq_lens: tuple[int, ...]
     batch: int | None = None  # None: TOKENS_PER_BATCH // N
+    #: Whole (B, Hq, Hkv, Nq, Nk, D) shapes, for a preset of models that share no grid.
+    problems: tuple[tuple[int, int, int, int, int, int], ...] = ()
 
     def shapes(self) -> list[tuple[int, int, int, int, int, int]]:
-        """(B, Hq, Hkv, Nq, Nk, D) for every head layout and length (self-attention: Nq = Nk)."""
+        """(B, Hq, Hkv, Nq, Nk, D) for every head layout and length (self-attention: Nq = Nk),
+        then the preset's whole shapes."""
         return [
             (self.batch or max(1, TOKENS_PER_BATCH // n), hq, hkv, n, n, d)
             for hq, hkv, d in self.heads
             for n in self.seq_lens
-        ]
+        ] + list(self.problems)
 
 
 _PAPER_LENS = (512, 1024, 2048, 4096, 8192, 16384)
@@ -52,6 +55,10 @@ PRESETS: dict[str, Preset] = {
                          _MODEL_LENS),
     "gemma2-9b": Preset("Gemma 2 9B: 16 query heads, 8 KV heads, D 256", ((16, 8, 256),),
                         (512, 1024, 2048, 4096)),
+    # Vision transformers at 224 px, a batch each: short odd lengths (a class token on 14 x 14
+    # or 16 x 16 patches), where launch cost and tile waste weigh most.
+    "vit": Preset("ViT-B/16 (B64 H12 N197) and ViT-L/14 (B256 H16 N257), D 64", (), (),
+                  problems=((64, 12, 12, 197, 197, 64), (256, 16, 16, 257, 257, 64))),
     # Small enough for the Triton interpreter on a CPU (CI); deliberately odd lengths and D.
     "tiny": Preset("Tiny shapes for the CPU interpreter (CI smoke tests)",
                    ((2, 1, 16), (4, 2, 24)), (32, 48), batch=1),
