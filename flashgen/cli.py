@@ -1058,7 +1058,31 @@ def explain(
             if problem.dtype != "fp8":  # fp8 is forward only
                 choice = dataclasses.replace(choice,
                                              backward=dispatcher.choose_bwd(problem, device))
-            typer.echo(f"{choice}\n")
+            hint = _tune_hint(problem, choice, window, softcap)
+            # The command stays whole on its line, to be copied.
+            typer.echo(f"{choice}\n" + (f"for rows of its own:\n  {hint}\n" if hint else ""))
+
+
+def _tune_hint(problem: Problem, choice: Any, window: str | None,
+               softcap: float | None) -> str | None:
+    """The `flashgen tune` command that gives `problem` rows of its own where a pass of it
+    runs another bucket's row or a default (None where both are exact or explicit, and for a
+    packed problem, whose --shape is the batch before it was cut)."""
+    modes = [mode for mode, c in (("fwd", choice), ("bwd", choice.backward))
+             if c is not None and c.how in ("nearest", "fallback")]
+    if not modes or problem.varlen:
+        return None
+    p = problem
+    flags = [f"--shape {p.batch},{p.heads_q},{p.heads_kv},{p.seq_q},{p.seq_k},{p.head_dim}",
+             f"--dtype {p.dtype}", f"--causal {'yes' if p.causal else 'no'}",
+             f"--mode {'both' if len(modes) == 2 else modes[0]}"]
+    if p.window:
+        flags.append(f"--window {window}")
+    if p.softcap and softcap is not None:
+        flags.append(f"--softcap {softcap:g}")
+    if p.sinks:
+        flags.append("--sinks")
+    return "flashgen tune " + " ".join(flags)
 
 
 def _read_ours(path: Path, read: Callable[[TuningDB], list[Any]]) -> list[Any]:

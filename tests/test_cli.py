@@ -799,8 +799,13 @@ def test_explain_says_what_each_gpu_of_a_database_runs_without_that_gpu(
     assert "(fallback): nothing tuned (fwd)" in " ".join(h200_text.split())
     assert "backward: bwd-separate own128x64 w4 s2 fa3 fused-delta smem-stats (nearest)" in (
         h200_text)
+    # Where a pass runs another bucket's row or a default, the command that tunes it rows
+    # of its own, whole on its line (to be copied), as the row lines are.
+    tune = f"  flashgen tune --shape {shape} --dtype bf16 --causal yes --mode"
+    assert f"for rows of its own:\n{tune} bwd\n" in h100
+    assert f"for rows of its own:\n{tune} both\n" in h200_text
     assert all(len(line) <= 80 for line in result.stdout.splitlines()
-               if not line.startswith("  from: "))
+               if not line.startswith(("  from: ", "  flashgen tune ")))
     only = runner.invoke(app, ["explain", "--shape", shape, "--causal", "yes", "--db",
                                str(db_path), "--gpu-name", "h200"])
     assert only.exit_code == 0 and "H100" not in only.stdout and "H200" in only.stdout
@@ -825,6 +830,9 @@ def test_explain_with_modifiers_finds_the_rows_tuned_with_them(tmp_path: Path) -
     assert f"{one_tile} (exact): tuned winner with modifiers 'k'" in with_cap.stdout
     without = runner.invoke(app, args)
     assert f"{variant} (exact): tuned winner for this bucket" in without.stdout
+    # The backward is untuned: the hint tunes it with the modifiers asked about.
+    assert with_cap.stdout.endswith("--causal yes --mode bwd --softcap 30\n\n")
+    assert "--softcap" not in without.stdout
     bad = runner.invoke(app, [*args, "--softcap", "-1"])
     assert bad.exit_code == 2 and "softcap" in bad.output
 
