@@ -519,10 +519,12 @@ def test_m014_moves_rows_tuned_in_a_new_bucket_and_keeps_the_others(tmp_path: Pa
         assert sorted((r["key_id"], r["seq_q_bucket"], r["seq_k_bucket"]) for r in db.db.query(
             "SELECT key_id, seq_q_bucket, seq_k_bucket FROM trials")) == sorted(
                 (k.id, k.seq_q_bucket, k.seq_k_bucket) for k in keys.values())
-        (found,) = db.all_winners()
-        assert found.key == keys["odd"]
-        # The N512 key lost a winner another length won: a re-tune picks its own again.
-        assert db.update_winner(keys["even"]).key == keys["even"]
+        # The N257 winner moved to its own key, and the N512 key it left got the best of
+        # its own trials as its winner, as a tune would have chosen it.
+        assert sorted((w.key.seq_q_bucket, w.problem.seq_q) for w in db.all_winners()) == [
+            (384, 257), (512, 512)]
+    with TuningDB(path) as again:  # once: a later open finds nothing to do
+        assert len(again.all_winners()) == 2
 
 
 # ---- read-only -------------------------------------------------------------------------

@@ -331,8 +331,9 @@ def m014_length_ladder(db: sqlite_utils.Database) -> None:
     to 384 of (256, 512]) moves to its own bucket, its id with it. Decode's batch x Hkv
     bucket stays a power of two. Two winners cannot meet (each old bucket splits into new
     ones); a row whose id is not its columns' (not flashgen's writing), or whose new id a
-    winner holds, is left as it is. A claim names no lengths: one held under the old rule
-    goes stale and is taken over."""
+    winner holds, is left as it is. A key left without its winner gets one from its own
+    trials when `TuningDB` opens the file. A claim names no lengths: one held under the old
+    rule goes stale and is taken over."""
     assert _M006_KEY[-2:] == ("seq_q_bucket", "seq_k_bucket")
 
     def key_id(row: dict[str, Any], q: int, k: int) -> str:
@@ -538,12 +539,27 @@ class TuningDB:
         try:
             self._enable_wal()
             with self._write():
+                ladder = any(m.name == "m014_length_ladder" for m in migrations.pending(self.db))
+                held = self._winner_ids() if ladder else set()
                 migrations.apply(self.db)
                 mark(self.db.conn)
                 self.db.execute(f"PRAGMA user_version = {len(migrations.applied(self.db))}")
+            # m014 moves a winner tuned at a length of a new bucket out of its old key; the
+            # key it leaves gets one from its own trials, as a tune would have chosen it.
+            for key_id in sorted(held - self._winner_ids()):
+                row = next(self.db["trials"].rows_where("key_id = ?", [key_id], limit=1), None)
+                key = None if row is None else TuningKey.from_columns(row)
+                if key is not None and key.id == key_id:
+                    self.update_winner(key)
         except BaseException:
             conn.close()  # a failed open keeps no handle (nor lock) on the file
             raise
+
+    def _winner_ids(self) -> set[str]:
+        """The key ids the winners table holds (none before it exists)."""
+        if not self.db["winners"].exists():
+            return set()
+        return {row["key_id"] for row in self.db.query("SELECT key_id FROM winners")}
 
     def _enable_wal(self) -> None:
         """Switch the file to WAL mode, retrying while another process holds it.
