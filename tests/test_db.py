@@ -487,19 +487,19 @@ def test_m011_gives_m010_rows_empty_modifiers_and_keeps_their_ids(tmp_path: Path
         assert {w.key.id for w in db.all_winners()} == {key.id, window.id}
 
 
-def test_m014_moves_rows_tuned_in_a_new_bucket_and_keeps_the_others(tmp_path: Path) -> None:
-    # Keyed by powers of two, N257 and N512 were one bucket; a file of that rule gets each
-    # row's bucket from its tuned lengths, and the ids TuningKey gives today.
-    path = tmp_path / "m013.db"
+LADDER_PROBLEMS = {"odd": Problem(256, 16, 16, 257, 257, 64),
+                   "even": Problem(32, 16, 16, 512, 512, 64)}
+
+
+def _m013_file(path: Path) -> None:
+    """A file of the power-of-two rule: an N257 and an N512 trial in the (512, 512) key,
+    the N257 one its winner."""
     old = sqlite_utils.Database(path)
     migrations.apply(old, stop_before="m014_length_ladder")
     variant = Variant("fa2", 64, 64, 4, 2)
-    problems = {"odd": Problem(256, 16, 16, 257, 257, 64), "even": Problem(32, 16, 16, 512, 512,
-                                                                           64)}
-    for name, problem in problems.items():
+    for name, problem in LADDER_PROBLEMS.items():
         key = key_of(problem)
-        pow2 = {"seq_q_bucket": 512, "seq_k_bucket": 512}
-        columns = {**key.to_columns(), **pow2}
+        columns = {**key.to_columns(), "seq_q_bucket": 512, "seq_k_bucket": 512}
         key_id = "|".join(str(columns[c]) for c in TuningKey.__dataclass_fields__
                           if c in columns)
         row = {"key_id": key_id, **columns, **problem.to_dict(),
@@ -508,10 +508,18 @@ def test_m014_moves_rows_tuned_in_a_new_bucket_and_keeps_the_others(tmp_path: Pa
                "p20_ms": 1.0, "p80_ms": 1.0, "reps": 10, "tflops": 1.0,
                "kernel_hash": kernel_hash(variant, problem), "created_at": "x"}
         trial_id = old["trials"].insert(row).last_pk
-        if name == "odd":  # the bucket's one winner, tuned at N257
+        if name == "odd":
             winner = {c: v for c, v in row.items() if c in old["winners"].columns_dict}
             old["winners"].insert({**winner, "trial_id": trial_id, "updated_at": "x"})
     old.close()
+
+
+def test_m014_moves_rows_tuned_in_a_new_bucket_and_keeps_the_others(tmp_path: Path) -> None:
+    # Keyed by powers of two, N257 and N512 were one bucket; a file of that rule gets each
+    # row's bucket from its tuned lengths, and the ids TuningKey gives today.
+    path = tmp_path / "m013.db"
+    _m013_file(path)
+    problems = LADDER_PROBLEMS
     with TuningDB(path) as db:
         assert db.schema_version == SCHEMA_VERSION
         keys = {name: key_of(problem) for name, problem in problems.items()}
@@ -525,6 +533,22 @@ def test_m014_moves_rows_tuned_in_a_new_bucket_and_keeps_the_others(tmp_path: Pa
             (384, 257), (512, 512)]
     with TuningDB(path) as again:  # once: a later open finds nothing to do
         assert len(again.all_winners()) == 2
+
+
+def test_dispatch_reads_a_file_before_m014_as_the_migration_would_key_it(
+        tmp_path: Path) -> None:
+    # Dispatch opens files read only and never migrates them: its entries take their length
+    # buckets from the lengths their rows were tuned at, so an unmigrated file serves as a
+    # migrated one does.
+    from flashgen.store.table import device_table
+
+    path = tmp_path / "m013.db"
+    _m013_file(path)
+    (found,) = device_table([path], H100)["fwd"]
+    assert (found["seq_q_bucket"], found["seq_k_bucket"]) == (384, 384)
+    assert "|512|512] trial" in found["source"]  # the row, as the file keys it
+    applied = sqlite3.connect(path).execute("SELECT name FROM _sqlite_migrations").fetchall()
+    assert ("m013_run_process",) in applied and ("m014_length_ladder",) not in applied
 
 
 # ---- read-only -------------------------------------------------------------------------

@@ -224,7 +224,7 @@ def _tuned(kernels: _Kernels, mode: str, row: Sourced, device: DeviceInfo,
     if row.alternate is not None:
         a = row.alternate
         found = winner_entry(a, f"{row.source(a)} ({DETERMINISTIC_ROLE})", device,
-                             DETERMINISTIC_ROLE)
+                             DETERMINISTIC_ROLE, w)
         entries.append(_shipped(found, kernels, mode, a.variant, a.problem, device, sets))
     return entries
 

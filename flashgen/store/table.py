@@ -34,7 +34,7 @@ from flashgen.store.db import (
     default_db_path,
 )
 from flashgen.store.guard import NewerDatabase, StoreError, busy_timeout_s, check_writable
-from flashgen.store.keys import MODES
+from flashgen.store.keys import MODES, seq_bucket
 
 SHIPPED_DB_NAME = "flashgen.db"
 #: The `role` of an entry that follows a nondeterministic winner in its bucket.
@@ -74,14 +74,17 @@ def entry(variant: AnyVariant, problem: Problem, device: DeviceInfo | None) -> d
 
 
 def winner_entry(winner: WinnerRow, source: str, device: DeviceInfo,
-                 role: str | None = None) -> dict[str, Any]:
+                 role: str | None = None, of: WinnerRow | None = None) -> dict[str, Any]:
     """A winner row as a tuned entry: its bucket, the entry of its variant, its row, and
     what `entry_is_current` reads (the problem it was tuned on, its kernel's hash); `role`
-    where it is not the bucket's winner (see the runtime table's entries)."""
-    k = winner.key
+    where it is not the bucket's winner (see the runtime table's entries), and `of` the
+    winner whose bucket it takes. The length buckets are those of the lengths the winner
+    was tuned at, as its key's are once migrated: a file read before m014 (read only) still
+    keys them by powers of two."""
+    k, p = winner.key, (of or winner).problem
     return {**({"role": role} if role else {}),
         "dtype": k.dtype, "causal": k.causal, "head_dim": k.head_dim, "gqa": k.gqa,
-        "seq_q_bucket": k.seq_q_bucket, "seq_k_bucket": k.seq_k_bucket,
+        "seq_q_bucket": seq_bucket(p.seq_q), "seq_k_bucket": seq_bucket(p.seq_k),
         **({"page_size": k.page_size, "bh_bucket": k.bh_bucket} if k.mode == "decode" else {}),
         **({"modifiers": k.modifiers} if k.modifiers else {}),
         **entry(winner.variant, winner.problem, device),
@@ -184,7 +187,7 @@ def device_table(paths: Sequence[Path], device: DeviceInfo) -> dict[str, Any]:
                 source = (f"{path} winners[{row.key.id}] trial {alternate.trial_id} "
                           f"({DETERMINISTIC_ROLE})")
                 table[row.key.mode].append(
-                    winner_entry(alternate, source, device, DETERMINISTIC_ROLE))
+                    winner_entry(alternate, source, device, DETERMINISTIC_ROLE, row))
     if unread:
         table["unread"] = unread
     return table
