@@ -358,6 +358,31 @@ def test_gpu_split_scratch_serves_back_to_back_calls() -> None:
         assert len(got) == 33 and all(torch.equal(o, first) for o in got)
 
 
+@gpu
+@pytest.mark.parametrize("variant", [GPU_FIXED_SPLITS, GPU_FUSED])
+def test_gpu_compiled_with_cuda_graph_trees(variant: DecodeVariant) -> None:
+    """torch.compile's "reduce-overhead" (CUDA graph trees: what a static-cache
+    `generate()` compiles) takes the call: warm-up, recording and replays all give the eager
+    call's output. A scratch buffer kept past the call made torch refuse the graph ("tensor(s)
+    in the cudagraph pool not tracked as outputs")."""
+    c = make_kvcache(DecodeProblem(2, 32, 8, 1, 8192, 128, "bf16", True), "cuda", 3,
+                     seqlens=[8192, 3001])
+
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             lens: torch.Tensor) -> torch.Tensor:
+        return flashgen.attention_with_kvcache(q, k, v, lens, variant=variant) * 1
+
+    eager = call(c.q, c.k, c.v, c.seqlens)
+    got = compare_kvcache(eager, c, True)
+    assert got.ok, got.reason
+    torch._dynamo.reset()
+    compiled = torch.compile(call, mode="reduce-overhead", fullgraph=True)
+    for _ in range(5):
+        out = compiled(c.q, c.k, c.v, c.seqlens).clone()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+
+
 @interpreter
 @pytest.mark.parametrize("splits", [1, 3])
 def test_output_without_the_lse_is_the_same(splits: int) -> None:
@@ -392,6 +417,44 @@ def test_gpu_growing_cache_hits_its_bucket_and_keeps_its_checks() -> None:
     with pytest.raises(ValueError, match="empty input"):
         flashgen.attention_with_kvcache(c.q, c.k[:, :, :0], c.v[:, :, :0], c.seqlens * 0,
                                         dispatcher=dispatcher)
+
+
+def test_compiled_calls_keep_no_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside `fresh_buffers` (the compiled graph's op runs there) a CUDA stream gets no
+    kept buffer: CUDA graph trees refuse an allocation of their pool that outlives the call.
+    Outside it the same stream has its key. The CUDA queries are faked: no GPU here."""
+    from flashgen.runtime import kvcache
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)
+    cuda = torch.device("cuda", 0)
+    assert kvcache._stream_key(cuda) == (0, 7)
+    with kvcache.fresh_buffers():
+        assert kvcache._stream_key(cuda) is None
+        with kvcache.fresh_buffers():  # nested: still fresh, and restored after
+            pass
+        assert kvcache._stream_key(cuda) is None
+    assert kvcache._stream_key(cuda) == (0, 7)
+    seen: list[object] = []
+    real = kvcache.fresh_buffers
+
+    def spied() -> Any:
+        seen.append(kvcache._stream_key(cuda))
+        return real()
+
+    # The op takes it: its kvcache call runs with no key for the stream.
+    from flashgen.runtime import ops
+
+    def dispatched(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        seen.append(kvcache._stream_key(cuda))
+        return torch.zeros(1), torch.zeros(1)
+
+    monkeypatch.setattr(ops, "fresh_buffers", spied)
+    monkeypatch.setattr(ops.default_dispatcher(), "kvcache", dispatched)
+    p = DecodeProblem(1, 2, 1, 1, 8, 16, "fp32", True)
+    c = make_kvcache(p, "cpu", 1, seqlens=[8])
+    ops.attention_kvcache(c.q, c.k, c.v, c.seqlens, None, True, None, "")
+    assert seen == [(0, 7), None]
 
 
 def test_split_scratch_is_not_kept_on_the_cpu() -> None:

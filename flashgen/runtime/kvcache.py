@@ -16,9 +16,10 @@ decode step is a few microseconds of kernel). Without it the kernel clamps each 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -242,11 +243,32 @@ _SCRATCH = threading.local()
 MAX_SCRATCH = 1 << 22
 
 
+#: Set while a compiled graph's op runs the decode family (`fresh_buffers`).
+_FRESH = threading.local()
+
+
+@contextlib.contextmanager
+def fresh_buffers() -> Iterator[None]:
+    """Within it, each call allocates its scratch and counters and keeps none. The compiled
+    graph's op (`ops.attention_kvcache`) runs here: CUDA graph trees (torch.compile's
+    "reduce-overhead", what a static-cache `generate()` compiles) run a graph's first calls
+    on the graph's private memory pool, and a buffer kept past the call is then a live
+    allocation of that pool that no output accounts for, which torch refuses ("tensor(s) in
+    the cudagraph pool not tracked as outputs")."""
+    before = getattr(_FRESH, "on", False)
+    _FRESH.on = True
+    try:
+        yield
+    finally:
+        _FRESH.on = before
+
+
 def _stream_key(device: torch.device) -> tuple[int, int] | None:
     """(device index, current raw stream) for a buffer kept between launches, or None where
-    none may be: the CPU (the interpreter) and CUDA graph capture (a replay may run on
-    another stream, beside another replay)."""
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    none may be: the CPU (the interpreter), CUDA graph capture (a replay may run on another
+    stream, beside another replay) and compiled graphs (`fresh_buffers`)."""
+    if (device.type != "cuda" or getattr(_FRESH, "on", False)
+            or torch.cuda.is_current_stream_capturing()):
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     return index, torch._C._cuda_getCurrentRawStream(index)

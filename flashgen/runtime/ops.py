@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .dispatch import PACKAGE, Saved, default_dispatcher
+from .kvcache import fresh_buffers
 from .modifiers import Mods
 
 
@@ -175,8 +176,9 @@ def attention_kvcache(
     mods = None
     if window is not None or softcap is not None or sinks is not None:
         mods = Mods(None if window is None else (window[0], window[1]), softcap, sinks)
-    return dispatcher.kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale,
-                              dispatcher.decode("decode", variant), mods, cache_leftpad)
+    with fresh_buffers():  # no buffer kept past the call: CUDA graph trees refuse one
+        return dispatcher.kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale,
+                                  dispatcher.decode("decode", variant), mods, cache_leftpad)
 
 
 @attention_kvcache.register_fake
