@@ -56,10 +56,35 @@ def _encoded(mode: str, variant: Any) -> str:
     return default_dispatcher().encode(mode, variant)
 
 
-# What `torch.compiler.assume_constant_result(_encoded)` does, without importing
+def _encoded_fields(mode: str, kind: str, names: tuple[str, ...], values: tuple) -> str:
+    """`_encoded` of the variant of class name `kind` with these fields' values."""
+    dispatcher = default_dispatcher()
+    cls = dispatcher.variant_types.get(mode)
+    if cls is None or cls.__name__ != kind:  # encode's TypeError, naming the class
+        dispatcher.check_variant(mode, type(kind, (), {})())
+    return dispatcher.encode(mode, cls(**dict(zip(names, values, strict=True))))
+
+
+# What `torch.compiler.assume_constant_result(...)` does, without importing
 # torch._dynamo (and with it triton) whenever the package is imported: the CLI must choose
 # the Triton interpreter before triton is first imported.
 _encoded._dynamo_marked_constant = True  # type: ignore[attr-defined]
+_encoded_fields._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def _op_text(mode: str, variant: Any) -> str:
+    """The op's text for an explicit variant, under torch.compile. The tracer of torch 2.11
+    cannot hand a frozen dataclass to a constant-result function ("can't reconstruct
+    arbitrary frozen dataclass instances"), so a variant goes as its class name and its
+    fields' values, which it reads as constants (`__match_args__`: a dataclass's field
+    names)."""
+    if variant is None:
+        return ""
+    names = getattr(variant, "__match_args__", None)
+    if names is None:  # not a variant: encode's TypeError
+        return _encoded(mode, variant)
+    return _encoded_fields(mode, type(variant).__name__, names,
+                           tuple([getattr(variant, name) for name in names]))
 
 
 def attention(
@@ -130,8 +155,7 @@ def attention(
             d.check_variant("bwd", bwd_variant)
             out, lse = ops.EagerAttention.apply(q, k, v, causal, scale, variant, bwd_variant, d)
             return (out, lse) if return_lse else out
-        text = "" if variant is None else _encoded("fwd", variant)
-        bwd_text = "" if bwd_variant is None else _encoded("bwd", bwd_variant)
+        text, bwd_text = _op_text("fwd", variant), _op_text("bwd", bwd_variant)
         out, lse = ops.attention_fwd(q, k, v, causal, scale, text, bwd_text)
     else:
         out, lse = (dispatcher or default_dispatcher()).forward(q, k, v, causal, scale, variant)
@@ -303,7 +327,7 @@ def attention_with_kvcache(
     elif dispatcher is None:
         # The registered op, opaque to the compiler as the forward's is; modifiers as its
         # plain arguments.
-        text = "" if variant is None else _encoded("decode", variant)
+        text = _op_text("decode", variant)
         m = mods or Mods()
         out, lse = ops.attention_kvcache(*args, text, cache_leftpad,
                                          None if m.window is None else list(m.window),
