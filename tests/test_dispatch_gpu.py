@@ -35,3 +35,27 @@ def test_torch_compile_inductor_fullgraph() -> None:
     out = torch.compile(f, fullgraph=True)(q, k, v)
     ref = flashgen.attention(q.sin(), k, v, causal=True) * 2
     torch.testing.assert_close(out, ref)
+
+
+def test_torch_compile_takes_explicit_variants_and_trains() -> None:
+    """Explicit forward and backward variants under torch.compile (inductor, fullgraph): the
+    output and the gradients are the eager call's with the same variants. torch 2.11's
+    tracer refused the variants themselves ("can't reconstruct arbitrary frozen dataclass
+    instances"); they reach the op as their fields' values."""
+    q, k, v = make_inputs(2, 8, 2, 700, 700, 128, torch.bfloat16, "cuda", seed=6)
+    choice = flashgen.explain(q, k, v, causal=True)
+    assert choice.backward is not None
+    pinned = {"variant": choice.variant, "bwd_variant": choice.backward.variant}
+
+    def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return flashgen.attention(q, k, v, causal=True, **pinned)  # type: ignore[arg-type]
+
+    results = []
+    for run in (step, torch.compile(step, fullgraph=True)):
+        torch._dynamo.reset()
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = run(*leaves)
+        out.float().square().sum().backward()
+        results.append((out.detach(), *(t.grad for t in leaves)))
+    for eager, compiled in zip(*results, strict=True):
+        assert torch.equal(eager, compiled)
