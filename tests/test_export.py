@@ -611,6 +611,22 @@ def test_aot_manifest_and_cubins(aot_export: Path) -> None:
         "global_scratch", "profile_scratch"]
 
 
+def test_aot_buckets_an_unmigrated_files_rows_by_their_tuned_lengths(tmp_path: Path) -> None:
+    """A file keyed by powers of two (before m014) holds an N257 winner in its (512, 512)
+    key: the AOT dispatch table puts it at (384, 384), as the runtime's dispatch and a
+    migrated file do, and the export leaves the file unmigrated."""
+    from test_db import _m013_file
+
+    path = tmp_path / "m013.db"
+    _m013_file(path)
+    _export("--db", str(path), "--out", str(tmp_path), "--name", "fgold", "--format", "aot")
+    manifest = json.loads((tmp_path / "fgold" / "manifest.json").read_text())
+    rows = {(r["seq_q_bucket"], r["seq_k_bucket"]) for r in manifest["dispatch"]}
+    assert rows == {(384, 384)}
+    applied = sqlite3.connect(path).execute("SELECT name FROM _sqlite_migrations").fetchall()
+    assert ("m014_length_ladder",) not in applied
+
+
 def test_aot_loader_checks_without_a_gpu(aot_export: Path) -> None:
     loader = _load_module(aot_export / "cuda_loader.py")
     entry = json.loads((aot_export / "manifest.json").read_text())["kernels"][0]
