@@ -275,6 +275,35 @@ def test_torch_compile_fullgraph() -> None:
     assert explained.graph_break_count == 0
 
 
+def test_torch_compile_takes_explicit_variants_as_their_fields() -> None:
+    """Under torch.compile an explicit variant reaches the op as its class name and fields'
+    values (torch 2.11's tracer refused a frozen dataclass handed to a constant function):
+    the variant runs, a variant of the wrong kind is the eager call's TypeError, and every
+    variant class's `__match_args__` (what the tracer reads) names all of its fields."""
+    import dataclasses
+
+    from flashgen import BwdVariant, DecodeVariant, Variant
+
+    for cls in (Variant, BwdVariant, DecodeVariant):
+        assert cls.__match_args__ == tuple(f.name for f in dataclasses.fields(cls)), cls
+    q, k, v = make_inputs(1, 2, 1, 33, 33, 32, torch.float32, seed=2)
+    pinned = Variant("fa2", 16, 16, 2, 1)
+
+    def f(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return flashgen.attention(q, k, v, causal=True, variant=pinned) + 0.0
+
+    torch._dynamo.reset()
+    out = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+    assert torch.equal(out, flashgen.attention(q, k, v, causal=True, variant=pinned))
+
+    def wrong(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return flashgen.attention(q, k, v, variant=BwdVariant())  # type: ignore[arg-type]
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="variant must be a flashgen.Variant, got BwdVariant"):
+        torch.compile(wrong, fullgraph=True, backend="aot_eager")(q, k, v)
+
+
 def test_sdpa_drop_in_matches_torch() -> None:
     q, k, v = make_inputs(2, 4, 2, 24, 24, 16, torch.float32, seed=4)
     ours = flashgen.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
