@@ -300,7 +300,7 @@ def test_torch_compile_takes_explicit_variants_as_their_fields() -> None:
         return flashgen.attention(q, k, v, variant=BwdVariant())  # type: ignore[arg-type]
 
     torch._dynamo.reset()
-    with pytest.raises(Exception, match="variant must be a flashgen.Variant, got BwdVariant"):
+    with pytest.raises(Exception, match=r"variant must be a flashgen\.Variant, got BwdVariant"):
         torch.compile(wrong, fullgraph=True, backend="aot_eager")(q, k, v)
 
 
