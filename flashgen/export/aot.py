@@ -58,7 +58,8 @@ from flashgen.kernels.hardware import CPU_INTERPRETER
 from flashgen.kernels.problem import Problem
 from flashgen.kernels.render import render
 from flashgen.kernels.variant import Variant
-from flashgen.store.keys import Versions, seq_bucket
+from flashgen.store.keys import Versions
+from flashgen.store.table import tuned_buckets
 from flashgen.version import __version__
 
 #: Bumped when a manifest or header field changes meaning or layout (2: argument lists per
@@ -398,12 +399,11 @@ def _plan_gpu(comp: _Compiler, gpu: GpuWinners, families: list[Family],
     for row in gpu.fwd:
         w, k = row.winner, row.winner.key
         variant: AnyVariant = w.variant
-        # The buckets of the lengths the row was tuned at, as dispatch takes them
-        # (`store.table.winner_entry`): a file not yet migrated to the 1.5x ladder (m014)
-        # keys them by powers of two, and its rows serve as a migrated file's would.
+        # The buckets dispatch takes for the row (a file not yet migrated to m014's ladder
+        # serves as a migrated one would).
+        nq, nk = tuned_buckets(w.problem)
         bucket = {"dtype": k.dtype, "causal": k.causal, "head_dim": k.head_dim, "gqa": k.gqa,
-                  "seq_q_bucket": seq_bucket(w.problem.seq_q),
-                  "seq_k_bucket": seq_bucket(w.problem.seq_k)}
+                  "seq_q_bucket": nq, "seq_k_bucket": nk}
         if k.modifiers:
             manifest["skipped"].append(_bucket_row(
                 gpu, **bucket, modifiers=k.modifiers, variant=variant.to_dict(),

@@ -73,18 +73,24 @@ def entry(variant: AnyVariant, problem: Problem, device: DeviceInfo | None) -> d
     return found
 
 
+def tuned_buckets(problem: Problem) -> tuple[int, int]:
+    """The (Nq, Nk) buckets a row tuned on `problem` serves: those of its tuned lengths, as
+    its key's are once migrated (a file read before m014, read only, still keys them by
+    powers of two)."""
+    return seq_bucket(problem.seq_q), seq_bucket(problem.seq_k)
+
+
 def winner_entry(winner: WinnerRow, source: str, device: DeviceInfo,
                  role: str | None = None, of: WinnerRow | None = None) -> dict[str, Any]:
     """A winner row as a tuned entry: its bucket, the entry of its variant, its row, and
     what `entry_is_current` reads (the problem it was tuned on, its kernel's hash); `role`
     where it is not the bucket's winner (see the runtime table's entries), and `of` the
-    winner whose bucket it takes. The length buckets are those of the lengths the winner
-    was tuned at, as its key's are once migrated: a file read before m014 (read only) still
-    keys them by powers of two."""
-    k, p = winner.key, (of or winner).problem
+    winner whose bucket it takes. The length buckets are `tuned_buckets`."""
+    k = winner.key
+    nq, nk = tuned_buckets((of or winner).problem)
     return {**({"role": role} if role else {}),
         "dtype": k.dtype, "causal": k.causal, "head_dim": k.head_dim, "gqa": k.gqa,
-        "seq_q_bucket": seq_bucket(p.seq_q), "seq_k_bucket": seq_bucket(p.seq_k),
+        "seq_q_bucket": nq, "seq_k_bucket": nk,
         **({"page_size": k.page_size, "bh_bucket": k.bh_bucket} if k.mode == "decode" else {}),
         **({"modifiers": k.modifiers} if k.modifiers else {}),
         **entry(winner.variant, winner.problem, device),
