@@ -20,6 +20,7 @@ import flashgen
 from flashgen import DecodeVariant
 from flashgen.kernels.decode_render import decode_kernel_hash, render_decode
 from flashgen.kernels.decode_space import (
+    decode_portfolio,
     decode_search_space,
     default_decode_variant,
     why_invalid_decode,
@@ -113,6 +114,67 @@ def test_paged_shuffled(page: int, block_n: int, splits: int, nq: int) -> None:
 
 
 @interpreter
+@pytest.mark.parametrize("page,block_n,splits,nq,leftpad", [
+    (0, 16, 3, 1, False), (0, 32, 0, 3, True),  # contiguous; left-padded rows
+    (8, 16, 2, 3, False), (16, 32, 0, 1, False),  # tiles spanning pages (the gather)
+    (32, 16, 2, 3, False),  # two tiles a page: the second starts mid-page
+])
+@pytest.mark.parametrize("narrow", [True, False])
+def test_hoisted_rows(page: int, block_n: int, splits: int, nq: int, leftpad: bool,
+                      narrow: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Row offsets split into a loop-invariant part and a step's part give the same keys as
+    offsets recomputed each step: contiguous and left-padded caches, tiles spanning pages,
+    and pages holding two tiles; a shuffled table, ragged lengths, fp16. In int32 (these
+    caches are small) and, as for caches past 2^31 elements, in int64."""
+    from flashgen.runtime import kvcache
+
+    if not narrow:
+        monkeypatch.setattr(kvcache, "narrow_offsets", lambda *a: False)
+    p = DecodeProblem(3, 8, 2, nq, 64, 40, "fp16", True, page_size=page)
+    variant = DecodeVariant(16, block_n, splits, 1, 1, hoisted=True)
+    if not leftpad:
+        _check(p, [64, 19, 5], variant)
+        return
+    c = make_kvcache(p, "cpu", 7, seqlens=[40, 9, 23])
+    pads = [5, 0, 17]
+    k, v, lens = _left_padded(c, pads)
+    out = flashgen.attention_with_kvcache(c.q, k, v, lens, variant=variant,
+                                          cache_leftpad=torch.tensor(pads, dtype=torch.int32))
+    got = compare_kvcache(out, c, True)
+    assert got.ok, got.reason
+
+
+def test_narrow_offsets_bounds_the_farthest_element() -> None:
+    """int32 offsets only where the farthest element a hoisted kernel reaches from its
+    head's base is under 2^31: pages x page stride + slots x slot stride + D, per cache."""
+    from flashgen.runtime.kvcache import narrow_offsets
+
+    paged = (16 * 8 * 128, 128, 8 * 128, 1)  # (pages, 16 slots, 8 heads, D 128)
+    assert narrow_offsets(paged, paged, 2**31 // (16 * 8 * 128), 16, 128)
+    assert not narrow_offsets(paged, paged, 2**31 // (16 * 8 * 128) + 1, 16, 128)
+    contiguous = (2**40, 128, 8 * 128, 1)  # any batch: the kernel adds it in int64
+    assert narrow_offsets(contiguous, contiguous, 1, 2**21, 128)
+    assert not narrow_offsets(contiguous, contiguous, 1, 2**21 + 1, 128)
+    assert not narrow_offsets(contiguous, (2**40, 128, 2**31, 1), 1, 2, 128)  # V alone
+
+
+def test_hoisted_is_its_own_kernel_and_leaves_others_alone() -> None:
+    """A hoisted variant renders its own kernel (the step computes no slot offsets); one
+    without the knob renders as before it existed, so stored rows stay current."""
+    for page in (0, 16):
+        p = DecodeProblem(1, 8, 2, 1, 512, 128, "fp16", True, page_size=page)
+        plain, hoisted = DecodeVariant(16, 64, 0, 4, 2), DecodeVariant(16, 64, 0, 4, 2,
+                                                                       hoisted=True)
+        assert decode_kernel_hash(plain, p) != decode_kernel_hash(hoisted, p)
+        assert "_slot_offsets" not in render_decode("decode", plain, p)
+        assert ("_slot_offsets" in render_decode("decode", hoisted, p)) == bool(page)
+        assert "k_key" in render_decode("decode", hoisted, p) or page
+    assert str(hoisted) == "decode m16 n64 xauto w4 s2 hoisted"
+    assert "hoisted must be true or false" in why_invalid_decode(
+        DecodeVariant(16, 64, 0, 4, 2, hoisted=1), p, INTERPRETER)  # type: ignore[arg-type]
+
+
+@interpreter
 def test_default_variant_and_wide_group() -> None:
     """The default variant on MQA (8 query heads on one K/V head, Nq 3: 24 packed rows in a
     32-row tile) with a short cache."""
@@ -138,7 +200,11 @@ def test_space_rules_and_default() -> None:
     p = DecodeProblem(1, 32, 8, 1, 4096, 128, "fp16", True, page_size=16)
     space = decode_search_space(p, INTERPRETER)
     assert space and all(v.block_m == 16 for v in space)  # 4 query heads x 1 query
-    assert default_decode_variant(p, INTERPRETER) == DecodeVariant(16, 64, 0, 4, 2)
+    assert default_decode_variant(p, INTERPRETER) == DecodeVariant(16, 64, 0, 4, 2,
+                                                                   hoisted=True)
+    portfolio = decode_portfolio(p, INTERPRETER)
+    assert len(portfolio) >= 5 and all(v.hoisted for v in portfolio)
+    assert all(why_invalid_decode(v, p, INTERPRETER) is None for v in portfolio)
     assert "num_warps must be among" in why_invalid_decode(DecodeVariant(16, 64, 0, 3), p,
                                                            INTERPRETER)
     short = DecodeProblem(1, 4, 1, 1, 64, 64, "fp16", True)
@@ -248,6 +314,8 @@ def test_invalid_explicit_variant_is_an_error() -> None:
 GPU_FIXED_SPLITS = DecodeVariant(16, 64, 7, 4, 3)
 #: The split pass merging its own splits, with the launcher's count.
 GPU_FUSED = DecodeVariant(16, 64, 0, 4, 3, fused_combine=True)
+#: Row offsets hoisted out of the K/V loop (int32 at these sizes), 128-key tiles.
+GPU_HOISTED = DecodeVariant(16, 128, 5, 8, 3, hoisted=True)
 
 
 def test_the_gpu_tests_variant_is_valid_on_hopper() -> None:
@@ -260,6 +328,7 @@ def test_the_gpu_tests_variant_is_valid_on_hopper() -> None:
         p = DecodeProblem(4, 32, 8, nq, 8192, 128, dtype, True, page_size=page)
         assert space_of("decode").why_invalid(GPU_FIXED_SPLITS, p, h100) is None
         assert space_of("decode").why_invalid(GPU_FUSED, p, h100) is None
+        assert space_of("decode").why_invalid(GPU_HOISTED, p, h100) is None
 
 
 @gpu
@@ -270,7 +339,7 @@ def test_gpu_real_sizes(dtype: str, page: int, nq: int) -> None:
     """Llama 3 8B heads (32:8, D128), ragged lengths up to 8k, default and fixed splits."""
     p = DecodeProblem(4, 32, 8, nq, 8192, 128, dtype, True, page_size=page)
     lengths = [8192, 4097, 777, nq + 5]
-    for variant in (None, GPU_FIXED_SPLITS, GPU_FUSED):
+    for variant in (None, GPU_FIXED_SPLITS, GPU_FUSED, GPU_HOISTED):
         _check(p, lengths, variant, device="cuda")
 
 
@@ -486,7 +555,7 @@ def test_gpu_modifiers_on_the_kv_cache(mods: dict, page: int) -> None:
     kwargs = dict(mods)
     if kwargs.get("sinks") is True:
         kwargs["sinks"] = torch.randn(32, generator=torch.Generator().manual_seed(1)).cuda()
-    for variant in (None, GPU_FIXED_SPLITS, GPU_FUSED):
+    for variant in (None, GPU_FIXED_SPLITS, GPU_FUSED, GPU_HOISTED):
         out, lse = flashgen.attention_with_kvcache(
             cache.q, cache.k, cache.v, cache.seqlens, block_table=cache.block_table,
             return_lse=True, variant=variant, **kwargs)
@@ -502,7 +571,7 @@ def test_gpu_left_padded_rows() -> None:
     c = make_kvcache(p, "cuda", 7, seqlens=[4096, 900, 2300])
     pads = [100, 0, 1700]
     k, v, lens = _left_padded(c, pads)
-    for variant in (None, GPU_FIXED_SPLITS, GPU_FUSED):
+    for variant in (None, GPU_FIXED_SPLITS, GPU_FUSED, GPU_HOISTED):
         out = flashgen.attention_with_kvcache(
             c.q, k, v, lens, cache_leftpad=torch.tensor(pads, dtype=torch.int32).cuda(),
             variant=variant)
@@ -535,7 +604,10 @@ def test_transformers_step_limit_matches_dispatch() -> None:
     (-1, DecodeVariant(16, 64, 0, 4, 3), "bf16", 128),  # contiguous, left-padded rows
     (16, DecodeVariant(16, 64, 0, 4, 3), "bf16", 128),  # a tile spans 4 pages: the gather
     (256, DecodeVariant(32, 128, 0, 4, 3), "fp16", 72),  # one page per tile, padded D,
-])                                                      # Nq 8: 32 packed rows
+                                                         # Nq 8: 32 packed rows
+    (16, DecodeVariant(16, 128, 0, 8, 3, hoisted=True), "bf16", 128),  # hoisted, int32
+    (0, DecodeVariant(16, 64, 0, 4, 3, hoisted=True), "bf16", 128),
+])
 def test_decode_kernels_compile_for_hopper(page: int, variant: DecodeVariant, dtype: str,
                                            d: int) -> None:
     """The interpreter never runs Triton's compiler: compile both kernels for sm_90a (no GPU

@@ -58,6 +58,7 @@ def decode_render_context(kernel: DecodeKernel, variant: DecodeVariant,
         **mods,
         "leftpad": leftpad,
         "fused_combine": variant.fused_combine,
+        "hoisted": variant.hoisted,
     }
 
 

@@ -24,6 +24,9 @@ WARPS = (1, 2, 4, 8)
 STAGES = (1, 2, 3, 4)
 #: Merge the splits in a combine kernel (False) or in the split pass's last program (True).
 FUSED = (False, True)
+#: Per-key row offsets: recomputed each step (False, as rows tuned before the knob) or their
+#: loop-invariant part computed once (True).
+HOISTED = (False, True)
 #: The most splits the launcher makes or a variant may ask for: the combine kernel holds a
 #: row's partials (splits x D fp32) in registers.
 MAX_SPLITS = 128
@@ -47,6 +50,8 @@ def knobs_out_of_range(v: DecodeVariant, p: Problem, dev: DeviceInfo) -> str | N
         return f"num_splits must be 0 (automatic) to {MAX_SPLITS}"
     if not isinstance(v.fused_combine, bool):
         return f"fused_combine must be true or false, not {v.fused_combine!r}"
+    if not isinstance(v.hoisted, bool):
+        return f"hoisted must be true or false, not {v.hoisted!r}"
     return None
 
 
@@ -118,7 +123,8 @@ def decode_search_space(problem: Problem,
     """The valid decode variants for `problem` on `device`, in a stable order."""
     dev = device_info(device)
     points = (DecodeVariant(*knobs)
-              for knobs in itertools.product(BLOCK_M, BLOCK_N, SPLITS, WARPS, STAGES, FUSED))
+              for knobs in itertools.product(BLOCK_M, BLOCK_N, SPLITS, WARPS, STAGES, FUSED,
+                                             HOISTED))
     return [v for v in points if why_invalid_decode(v, problem, dev) is None]
 
 
@@ -130,26 +136,36 @@ def default_decode_variant(problem: Problem, device: DeviceInfo | str | None = N
                            fa3: bool = True) -> DecodeVariant:
     """The untuned choice: every packed row in one tile (up to 64), 64-key steps (32 for
     heads wider than 128), automatic splits, on paged caches too (a tile spanning pages
-    gathers a page id per key, and each key's row is still one contiguous read). Falls back
-    to smaller tiles until the rules pass; the 16 x 16 tile always does. `fa3` is accepted
-    for the modes' common signature: decode has no Gluon kernel."""
+    gathers a page id per key, and each key's row is still one contiguous read), row
+    offsets hoisted (as fast on a contiguous cache, faster on a paged one). Falls back to
+    smaller tiles until the rules pass; the 16 x 16 tile always does. `fa3` is accepted for
+    the modes' common signature: decode has no Gluon kernel."""
     dev = device_info(device)
     block_m = min(64, _pow2_at_least_16(packed_rows(problem)))
     block_n = 64 if problem.padded_head_dim <= 128 else 32
     stages = 2 if dev.is_interpreter else 3
     for bm, bn in ((block_m, block_n), (block_m, 32), (block_m, 16), (16, 16)):
         for warps in (4, 2, 1):
-            v = DecodeVariant(bm, bn, 0, warps, stages)
-            if why_invalid_decode(v, problem, dev) is None:
-                return v
-            v = DecodeVariant(bm, bn, 0, warps, 1)
-            if why_invalid_decode(v, problem, dev) is None:
-                return v
+            for v in (DecodeVariant(bm, bn, 0, warps, stages, hoisted=True),
+                      DecodeVariant(bm, bn, 0, warps, 1, hoisted=True)):
+                if why_invalid_decode(v, problem, dev) is None:
+                    return v
     raise AssertionError(f"no default decode variant fits {problem}")
+
+
+#: Hoisted points measured first when tuning (block_n, splits, warps, stages), at the
+#: default's block_m: the tile shapes that won decode keys before the knob existed, so a
+#: re-tune meets their hoisted forms before the sampler's picks.
+HOISTED_PORTFOLIO = ((64, 0, 4, 3), (64, 16, 4, 3), (128, 16, 4, 3), (128, 0, 8, 3),
+                     (128, 2, 8, 3), (32, 8, 1, 3), (16, 0, 1, 3))
 
 
 def decode_portfolio(problem: Problem,
                      device: DeviceInfo | str | None = None) -> list[DecodeVariant]:
-    """Points measured first when tuning: none measured yet beyond the default (the tuner
-    enqueues that itself), so the sampler starts from it."""
-    return []
+    """Points measured first when tuning, after the default (which the tuner enqueues
+    itself): `HOISTED_PORTFOLIO`'s valid points."""
+    dev = device_info(device)
+    block_m = default_decode_variant(problem, dev).block_m
+    points = (DecodeVariant(block_m, n, splits, warps, stages, hoisted=True)
+              for n, splits, warps, stages in HOISTED_PORTFOLIO)
+    return [v for v in points if why_invalid_decode(v, problem, dev) is None]

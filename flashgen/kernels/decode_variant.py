@@ -24,6 +24,11 @@ class DecodeVariant(Knobs):
         counter per tile), so a call is one launch, not a split pass and a combine kernel:
         less host time and no second kernel's start on short caches, against one program
         per tile doing the merge alone.
+    hoisted: each key's row offset split into what no tile changes (its slot in its page,
+        its page id's place in the tile), computed once before the K/V loop, and what a
+        step adds (the tile's start, or its page ids). Fewer integer instructions a step,
+        which is what bounds a program streaming its run alone (few programs per SM); off
+        renders the kernels the rows tuned before the knob ran.
     """
 
     kind = "decode variant"
@@ -33,8 +38,10 @@ class DecodeVariant(Knobs):
     num_warps: int = 4
     num_stages: int = 2
     fused_combine: bool = False
+    hoisted: bool = False
 
     def __str__(self) -> str:
         splits = f"x{self.num_splits}" if self.num_splits else "xauto"
         return (f"decode m{self.block_m} n{self.block_n} {splits} "
-                f"w{self.num_warps} s{self.num_stages}{' fused' if self.fused_combine else ''}")
+                f"w{self.num_warps} s{self.num_stages}{' fused' if self.fused_combine else ''}"
+                f"{' hoisted' if self.hoisted else ''}")

@@ -327,6 +327,16 @@ def merge_width(block_d: int, num_warps: int) -> int:
     return 1 << (max(4, min(64, fit)).bit_length() - 1)
 
 
+def narrow_offsets(k_strides: tuple[int, ...], v_strides: tuple[int, ...], rows: int,
+                   slots: int, d: int) -> bool:
+    """Whether a hoisted kernel's offsets from its head's base fit int32: the farthest is
+    (rows - 1) row strides, (slots - 1) slot strides and (d - 1) elements away. Strides as
+    the kernel takes them (row: a page, or 0 for a contiguous cache's batch, which the
+    kernel adds in int64; slot: a key)."""
+    return all((rows - 1) * s[0] + (slots - 1) * s[2] + (d - 1) * s[3] < 2**31
+               for s in (k_strides, v_strides))
+
+
 def _aligned(values: int) -> int:
     """`values` fp32 values rounded up to a multiple of four (16 bytes)."""
     return -(-values // 4) * 4
@@ -345,6 +355,7 @@ def prepare_decode(entry: Entry, shape: DecodeShape, kernel: KernelOf) -> Decode
     """
     variant = knobs(entry["variant"])
     fused = getattr(variant, "fused_combine", False)  # rows stored before the knob lack it
+    hoisted = getattr(variant, "hoisted", False)
     split_kernel = bind(kernel("decode"))
     combine: list[Any] = []  # the combine kernel, loaded on first need
     launch = {"num_warps": variant.num_warps, "num_stages": variant.num_stages}
@@ -406,10 +417,12 @@ def prepare_decode(entry: Entry, shape: DecodeShape, kernel: KernelOf) -> Decode
         if fused:
             extra += [split_counters(b * hkv * row_tiles, q.device), out, lse, *out.stride(),
                       *out_lse_strides]
+        narrow = {"NARROW": narrow_offsets(k_strides, v_strides, k.shape[0] if paged else 1,
+                                           page if paged else n_max, d)} if hoisted else {}
         split_kernel[(splits, b * hkv, row_tiles)](
             q, k, v, seqlens, table, part, part_lse,
             *q.stride(), *k_strides, *v_strides, table_stride, *part_strides, *lse_strides,
-            scale, nq, n_max, hkv, group, splits, *extra, PAGE_SIZE=page, **launch,
+            scale, nq, n_max, hkv, group, splits, *extra, PAGE_SIZE=page, **narrow, **launch,
         )  # fmt: skip
         if splits > 1 and not fused:
             if not combine:

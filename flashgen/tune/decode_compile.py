@@ -51,9 +51,10 @@ def compile_triton(fn: Any, signature: dict[str, str], constexprs: dict[str, Any
 
 
 def compile_decode(variant: DecodeVariant, problem: DecodeProblem,
-                   splits: int = 64) -> dict[str, Any]:
+                   splits: int = 64, narrow: bool = True) -> dict[str, Any]:
     """The decode kernels of `variant` (`decode_roles`) compiled for sm_90a as the launcher
-    calls them (no block table on a contiguous cache); the combine for `splits`."""
+    calls them (no block table on a contiguous cache); the combine for `splits`; a hoisted
+    variant with int32 offsets (`narrow`, caches under 2^31 elements) or int64 ones."""
     element = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}[problem.dtype]
     split_sig = {"Q": f"*{element}", "K": f"*{element}", "V": f"*{element}",
                  "SEQLENS": "*i32", "BLOCK_TABLE": "*i32", "O": "*fp32", "LSE": "*fp32",
@@ -75,7 +76,8 @@ def compile_decode(variant: DecodeVariant, problem: DecodeProblem,
                                  | ({} if problem.paged else {"BLOCK_TABLE": None})
                                  | ({"MERGE": merge_width(problem.padded_head_dim,
                                                           variant.num_warps)}
-                                    if variant.fused_combine else {}),
+                                    if variant.fused_combine else {})
+                                 | ({"NARROW": narrow} if variant.hoisted else {}),
                                  variant.num_warps, variant.num_stages),
     }
     if "decode_combine" in decode_roles(variant):
