@@ -463,6 +463,13 @@ def test_the_gpu_tables_read_whole_at_80_columns() -> None:
     assert "…" not in "".join(lines) and max(map(len, lines)) <= 80
     assert any(re.search(r"^bf16 D128 64:8 B128 Nk128k p256 +7544 +8000 +10k +12k ", line)
                for line in lines)
+    # Every median unsteady (its p20..p80 wider than UNSTEADY_SPREAD): "~" and still 80.
+    shaky = [DecodeRow(r.problem, r.competitor, "ok", r.us, r.gbps, "", 0.5 * r.us, 2 * r.us)
+             for r in decode]
+    lines = _at_80(decode_table(shaky, DECODE_COMPETITORS, 4.3e12))
+    assert "…" not in "".join(lines) and max(map(len, lines)) <= 80
+    assert any(re.search(r"^bf16 D128 64:8 B128 Nk128k p256 +~7544 +~8000 +~10k +~12k ",
+                         line) for line in lines)
 
 
 def test_a_table_wider_than_the_console_is_printed_whole() -> None:

@@ -646,7 +646,29 @@ def test_decode_bench_checks_and_times_each_competitor(tmp_path: Path) -> None:
                                                        ("sdpa-math", "ok")] * 2
     assert rows[3].note == "contiguous twin's figure" and rows[3].us == rows[1].us
     assert all(r.gbps and r.gbps > 0 for r in rows)
-    assert len(out.read_text().splitlines()) == 5
+    lines = out.read_text().splitlines()
+    assert len(lines) == 5 and lines[0].endswith(",note,p20_us,p80_us")
+    assert all(r.p20_us is not None and r.p20_us <= r.us <= r.p80_us for r in rows)
+
+
+def test_decode_table_marks_an_unsteady_median() -> None:
+    """A median whose repeats spread past UNSTEADY_SPREAD (a host-bound call, typically) is
+    shown "~", as the forward's tables show theirs, and the bench prints the legend."""
+    from rich.console import Console
+
+    from flashgen.bench.decoding import DecodeRow, decode_table
+    from flashgen.bench.report import print_whole
+
+    p = DecodeProblem(1, 32, 8, 1, 2048, 128, "bf16", True, page_size=16)
+    steady = DecodeRow(p, "flashgen", "ok", 14.0, 600.0, "", 13.8, 14.3)
+    shaky = DecodeRow(p, "sdpa-cudnn", "ok", 53.8, 600.0, "", 40.0, 70.0)
+    assert not steady.unsteady and shaky.unsteady
+    assert not DecodeRow(p, "flex", "n/a").unsteady
+    out = io.StringIO()
+    print_whole(Console(file=out, width=80),
+                decode_table([steady, shaky], ("flashgen", "sdpa-cudnn"), 4.3e12))
+    row = next(line for line in out.getvalue().splitlines() if "B1 Nk2k" in line)
+    assert " 14.0 " in row and "~53.8" in row
 
 
 @interpreter

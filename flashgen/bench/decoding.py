@@ -27,12 +27,12 @@ from rich.console import Console
 from rich.table import Table
 
 from flashgen.bench.competitors import FLASHGEN, resolve
-from flashgen.bench.report import print_whole
+from flashgen.bench.report import UNSTEADY_NOTE, print_whole, wrapped
 from flashgen.kernels.problem import DecodeProblem, Problem
 from flashgen.runtime.api import attention_with_kvcache
 from flashgen.serve import Dispatcher, default_dispatcher
 from flashgen.tune.decode_bench import KVCache, compare_kvcache, make_kvcache
-from flashgen.tune.timing import time_cpu, time_cuda
+from flashgen.tune.timing import UNSTEADY_SPREAD, time_cpu, time_cuda
 
 #: The yardsticks of a GPU run (sdpa-efficient is slower at decode than both of these).
 DECODE_COMPETITORS = (FLASHGEN, "sdpa-flash", "sdpa-cudnn", "flex")
@@ -43,7 +43,7 @@ GATE_KEYS = 2048
 #: The decode CSV's columns; its first row, by which a re-run knows the file as its own.
 DECODE_CSV_FIELDS = ("batch", "heads_q", "heads_kv", "seq_q", "seq_k", "head_dim", "dtype",
                      "causal", "page_size", "competitor", "status", "us", "gbps", "copy_gbps",
-                     "timer", "note")
+                     "timer", "note", "p20_us", "p80_us")
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,15 @@ class DecodeRow:
     us: float | None = None
     gbps: float | None = None
     note: str = ""
+    p20_us: float | None = None  # the repeats' spread around the median `us`
+    p80_us: float | None = None
+
+    @property
+    def unsteady(self) -> bool:
+        """Repeats spread past UNSTEADY_SPREAD of the median, as the forward's tables mark:
+        typically a call whose host time exceeds its GPU work."""
+        return (self.us is not None and self.p20_us is not None and self.p80_us is not None
+                and self.p80_us - self.p20_us > UNSTEADY_SPREAD * self.us)
 
 
 def copy_rate(device: torch.device, nbytes: int = COPY_BYTES) -> float:
@@ -149,6 +158,9 @@ def run_decode_bench(problems: Sequence[DecodeProblem], device: torch.device,
         rows = [r for r in rows if r.problem in done]  # a half-measured problem is dropped
         interrupted = True
     print_whole(console, decode_table(rows, names, rate))
+    if any(r.unsteady for r in rows):
+        console.print(wrapped(UNSTEADY_NOTE, "  "), highlight=False, markup=False,
+                      soft_wrap=True)
     if csv_path is not None:
         write_decode_csv(rows, csv_path, rate, timer if gpu else "cpu")
         console.print(f"CSV: {csv_path}")
@@ -196,7 +208,8 @@ def _measure(name: str, problem: DecodeProblem, small: KVCache, cache: KVCache,
     if timing is None:
         return DecodeRow(problem, name, "failed", note=checked.reason)
     us = timing.median_ms * 1e3
-    return DecodeRow(problem, name, "ok", us, problem.kv_bytes / (us * 1e-6) / 1e9, note)
+    return DecodeRow(problem, name, "ok", us, problem.kv_bytes / (us * 1e-6) / 1e9, note,
+                     timing.p20_ms * 1e3, timing.p80_ms * 1e3)
 
 
 def _label(p: DecodeProblem) -> str:
@@ -217,10 +230,10 @@ def _us_text(us: float | None) -> str:
 
 
 def decode_table(rows: Sequence[DecodeRow], names: Sequence[str], rate: float | None) -> Table:
-    """us per competitor; flashgen's GB/s of K/V read, its share of the copy rate and its
-    ratio to the fastest other competitor (above 1: flashgen is faster). Compact, to read
-    at 80 columns: headers broken at their dashes, a simple box, us to four digits (the
-    CSV has them whole)."""
+    """us per competitor ("~" before an unsteady median); flashgen's GB/s of K/V read, its
+    share of the copy rate and its ratio to the fastest other competitor (above 1: flashgen
+    is faster). Compact, to read at 80 columns: headers broken at their dashes, a simple
+    box, us to four digits (the CSV has them whole, with the p20 and p80 repeats)."""
     table = Table(title="decode: us a call; flashgen's K/V read rate (pN: pages of N keys)",
                   box=box.SIMPLE_HEAD,
                   collapse_padding=True, pad_edge=False, show_edge=False)
@@ -238,7 +251,7 @@ def decode_table(rows: Sequence[DecodeRow], names: Sequence[str], rate: float | 
         for name in names:
             r = found.get(name)
             cells.append("-" if r is None else r.status if r.status != "ok"
-                         else _us_text(r.us))
+                         else f"{'~' if r.unsteady else ''}{_us_text(r.us)}")
         mine = found.get(FLASHGEN)
         others = [r.us for n, r in found.items() if n != FLASHGEN and r.status == "ok"]
         share = (f"{mine.gbps * 1e9 / rate:.0%}" if mine and mine.gbps and rate else "-")
@@ -262,4 +275,6 @@ def write_decode_csv(rows: Sequence[DecodeRow], path: Path, rate: float | None,
                              p.dtype, int(p.causal), p.page_size, r.competitor, r.status,
                              "" if r.us is None else f"{r.us:.2f}",
                              "" if r.gbps is None else f"{r.gbps:.1f}",
-                             "" if rate is None else f"{rate / 1e9:.1f}", timer, r.note])
+                             "" if rate is None else f"{rate / 1e9:.1f}", timer, r.note,
+                             "" if r.p20_us is None else f"{r.p20_us:.2f}",
+                             "" if r.p80_us is None else f"{r.p80_us:.2f}"])
