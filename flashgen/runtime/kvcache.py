@@ -331,8 +331,8 @@ def narrow_offsets(k_strides: tuple[int, ...], v_strides: tuple[int, ...], rows:
                    slots: int, d: int) -> bool:
     """Whether a hoisted kernel's offsets from its head's base fit int32: the farthest is
     (rows - 1) row strides, (slots - 1) slot strides and (d - 1) elements away. Strides as
-    the kernel takes them (row: a page, or 0 for a contiguous cache's batch, which the
-    kernel adds in int64; slot: a key)."""
+    the kernel takes them (row: a page; slot: a key). A contiguous cache passes rows = 1:
+    the kernel adds its batch offset in int64."""
     return all((rows - 1) * s[0] + (slots - 1) * s[2] + (d - 1) * s[3] < 2**31
                for s in (k_strides, v_strides))
 
