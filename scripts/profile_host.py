@@ -22,7 +22,7 @@ and (with `--grad`) forward+backward.
 
 `--decode B,Hq,Hkv,Nq,Nk,D` does the same for `attention_with_kvcache` on a full contiguous
 cache (the database from $FLASHGEN_DB or `--db`), against SDPA flash and cuDNN on it, plus
-the host time of each of its two kernel launches alone.
+its launcher's host time three ways: the fast launch, through `launch.Bound`, through the JIT.
 """
 
 from __future__ import annotations
@@ -194,6 +194,8 @@ def profile_decode(text: str, args: argparse.Namespace) -> None:
     """Host time of a decode call, its parts and its competitors; then its cProfile."""
     from flashgen.bench.decoding import _other
     from flashgen.kernels.problem import DecodeProblem
+    from flashgen.runtime import kvcache
+    from flashgen.runtime.launch import hooks_idle
     from flashgen.serve import Dispatcher, default_dispatcher
     from flashgen.store.table import shipped_db_path
     from flashgen.tune.decode_bench import make_kvcache
@@ -221,18 +223,23 @@ def profile_decode(text: str, args: argparse.Namespace) -> None:
         print(f"{problem}: {choice.variant} ({choice.how}: {choice.reason})")
         for name, fn in calls.items():
             print(f"  {name:24s} {host_us(fn):7.1f} us host per call")
-        # The same launcher with every launch through Triton's JIT (as before runtime.launch
-        # bound them), interleaved with the bound one: this host's timings drift between runs.
+        # The same launcher three ways, interleaved (this host's timings drift between
+        # runs): the fast launch of a layout seen before (`kvcache.prepare_decode`), every
+        # launch through `launch.Bound` (what a new layout takes), and through Triton's JIT.
         launcher = calls["its plan's launcher"]
         bound_launch = Bound.launch
         for _ in range(3):
-            bound = host_us(launcher)
-            Bound.launch = _through_jit  # type: ignore[method-assign]
+            fast = host_us(launcher)
+            kvcache.hooks_idle = lambda: False  # the fast launch steps aside, as for a hook
             try:
+                bound = host_us(launcher)
+                Bound.launch = _through_jit  # type: ignore[method-assign]
                 jit = host_us(launcher)
             finally:
                 Bound.launch = bound_launch  # type: ignore[method-assign]
-            print(f"  launcher bound {bound:6.1f} us, through the JIT {jit:6.1f} us")
+                kvcache.hooks_idle = hooks_idle
+            print(f"  launcher fast {fast:6.1f} us, bound {bound:6.1f} us, "
+                  f"through the JIT {jit:6.1f} us")
         _print_profile(call, args.top)
 
 

@@ -344,6 +344,43 @@ def test_gpu_real_sizes(dtype: str, page: int, nq: int) -> None:
 
 
 @gpu
+@pytest.mark.parametrize("variant,page,lse", [
+    (GPU_FIXED_SPLITS, 0, False), (GPU_FUSED, 16, False), (GPU_HOISTED, 256, True),
+    (DecodeVariant(16, 64, 1, 4, 3), 0, True)])
+def test_gpu_fast_launch_reads_each_calls_own_inputs(
+        variant: DecodeVariant, page: int, lse: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """From a layout's third call on, the launches skip `launch.Bound` (the fast launch,
+    `kvcache.prepare_decode`): four caches of one layout in turn, three rounds; the last
+    round launches nothing through `Bound`, and every call matches the reference on its own
+    cache and equals its first round's output bitwise (LSE too)."""
+    from flashgen.runtime import launch
+
+    p = DecodeProblem(4, 32, 8, 1, 4096, 128, "bf16", True, page_size=page)
+    caches = [make_kvcache(p, "cuda", s, seqlens=[4096, 1000 + s, 17, 4000], capacity=4096)
+              for s in range(4)]
+    general = launch.Bound.launch
+    through: list[int] = []
+    monkeypatch.setattr(launch.Bound, "launch",
+                        lambda self, *a: through.append(1) or general(self, *a))
+    firsts: list[tuple] = []
+    for round_ in range(3):
+        through.clear()
+        for i, c in enumerate(caches):
+            got = flashgen.attention_with_kvcache(c.q, c.k, c.v, c.seqlens,
+                                                  block_table=c.block_table, return_lse=lse,
+                                                  variant=variant)
+            out, out_lse = got if lse else (got, None)
+            check = compare_kvcache(out, c, True, lse=out_lse)
+            assert check.ok, f"round {round_}, cache {i}: {check.reason}"
+            if round_ == 0:
+                firsts.append((out, out_lse))
+            else:
+                assert torch.equal(out, firsts[i][0])
+                assert out_lse is None or torch.equal(out_lse, firsts[i][1])
+    assert not through
+
+
+@gpu
 def test_gpu_fused_combine_repeats_bitwise() -> None:
     """Back-to-back fused calls share their stream's counters, which each merge sets back
     to zero: 50 calls on the default stream, 20 on a side stream, and 5 replays of a CUDA

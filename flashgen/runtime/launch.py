@@ -120,7 +120,7 @@ class Bound:
         hit = self.compiled.get(key) if key is not None else None
         if hit is not None:
             compiled, direct, rest = hit
-            if direct is not None and _hooks_idle():
+            if direct is not None and hooks_idle():
                 run, function, metadata, cooperative, pdl = direct
                 g = (*grid, 1, 1)
                 run(g[0], g[1], g[2], _stream(key[0]), function, cooperative, pdl, None, None,
@@ -138,6 +138,25 @@ class Bound:
             rest = tuple(kwargs[n] if n in kwargs else self.defaults[n]
                          for n in self.names[len(args):])
             self.compiled[key] = (compiled, _direct(compiled), rest)
+
+    def direct(self, args: tuple, kwargs: dict[str, Any]) -> Callable[..., Any] | None:
+        """The C launch of the kernel compiled for these arguments' signature, as a function
+        of (gridX, gridY, gridZ, stream, *args) with the constexprs bound, or None where
+        none is cached or it needs the runner (see `_direct`). For a caller whose own key
+        already fixes the signature: its later launches skip this key. Pointers may then go
+        as ints (the C launcher takes them so, and skips its pointer query); the caller
+        checks `hooks_idle()` before each launch."""
+        key = _key(args, kwargs) if len(args) <= self.positional else None
+        hit = self.compiled.get(key) if key is not None else None
+        if hit is None or hit[1] is None:
+            return None
+        (run, function, metadata, cooperative, pdl), rest = hit[1], hit[2]
+
+        def go(g0: int, g1: int, g2: int, stream: int, *args: Any) -> None:
+            run(g0, g1, g2, stream, function, cooperative, pdl, None, None, metadata, None,
+                None, None, *args, *rest)
+
+        return go
 
 
 def _key(args: tuple, kwargs: dict[str, Any]) -> tuple | None:
@@ -259,7 +278,7 @@ def descriptor_launch(launch: Callable[..., Any]) -> Callable[..., Any] | None:
     return run
 
 
-def _hooks_idle() -> bool:
+def hooks_idle() -> bool:
     """No launch hook registered (a profiler such as proton adds them): the direct launch
     passes none."""
     runtime = knobs.runtime
