@@ -6,6 +6,7 @@ tests run real sizes in bf16 with page sizes 16 and 256.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import itertools
 import threading
@@ -523,6 +524,33 @@ def test_gpu_growing_cache_hits_its_bucket_and_keeps_its_checks() -> None:
     with pytest.raises(ValueError, match="empty input"):
         flashgen.attention_with_kvcache(c.q, c.k[:, :, :0], c.v[:, :, :0], c.seqlens * 0,
                                         dispatcher=dispatcher)
+
+
+@gpu
+def test_gpu_dynamic_cache_steps_take_the_fast_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dynamic cache's steps: each a new (B, Hkv, N, D) tensor one key longer (as
+    transformers' cache concatenates), 40 steps from 4000 keys, the dispatched variant (its
+    plan is the Nk bucket's; an explicit variant's is the exact shape's). Steps whose length
+    specialises alike take the fast launch with their own strides and capacity (after the
+    first 32, two of each residue mod 16, nothing goes through `launch.Bound`), and every
+    step matches the reference."""
+    from flashgen.runtime import launch
+
+    p = DecodeProblem(4, 32, 8, 1, 4096, 128, "bf16", True)
+    c = make_kvcache(p, "cuda", 11, seqlens=[4096] * 4)
+    k_full, v_full = (t.contiguous() for t in (c.k, c.v))
+    general = launch.Bound.launch
+    through: list[int] = []
+    monkeypatch.setattr(launch.Bound, "launch",
+                        lambda self, *a: through.append(n) or general(self, *a))
+    for n in range(4000, 4040):
+        k, v = k_full[:, :, :n].contiguous(), v_full[:, :, :n].contiguous()
+        lens = torch.tensor([n, n - 7, n, 3000], dtype=torch.int32, device="cuda")
+        out = flashgen.attention_with_kvcache(c.q, k, v, lens)
+        step = dataclasses.replace(c, k=k, v=v, seqlens=lens)
+        got = compare_kvcache(out, step, True)
+        assert got.ok, f"{n} keys: {got.reason}"
+    assert through and max(through) < 4032
 
 
 def test_compiled_calls_keep_no_buffer(monkeypatch: pytest.MonkeyPatch) -> None:

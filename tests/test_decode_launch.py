@@ -127,14 +127,7 @@ def test_a_layouts_third_call_launches_what_the_general_launch_did(
     at = len(log)
     out3, lse3 = run(*inputs, 0.25, None, None, False)
     fast = _c_calls(log, at)
-    assert [e[0] for e in fast] == [e[0] for e in general] and fast
-    for (_, want), (_, got) in zip(general, fast, strict=True):
-        assert len(want) == len(got)
-        for a, b in zip(want, got, strict=True):
-            if isinstance(a, torch.Tensor):
-                assert b == (out3.data_ptr() if a is out2 else a.data_ptr())
-            else:
-                assert not isinstance(b, torch.Tensor) and a == b
+    _same_launches(general, fast, out2, out3)
     assert lse3.shape == (2, 4, 1)
     others = _inputs(p, seed=1)
     at = len(log)
@@ -164,4 +157,50 @@ def test_new_layouts_and_unaligned_inputs_take_the_general_launch(fake_gpu: list
     other = cuda_looking(torch.zeros(4, 2, 1, 16)).transpose(0, 1)  # another q layout
     at = len(log)
     run(other, k, v, lens, None, 0.25, None, None, False)
+    assert all(any(isinstance(a, torch.Tensor) for a in args) for _, args in _c_calls(log, at))
+
+
+def _same_launches(general: list, fast: list, out_general: torch.Tensor,
+                   out_fast: torch.Tensor) -> None:
+    """`fast` passes what `general` did, position by position, addresses as ints."""
+    assert [e[0] for e in fast] == [e[0] for e in general] and fast
+    for (_, want), (_, got) in zip(general, fast, strict=True):
+        assert len(want) == len(got)
+        for a, b in zip(want, got, strict=True):
+            if isinstance(a, torch.Tensor):
+                assert b == (out_fast.data_ptr() if a is out_general else a.data_ptr())
+            else:
+                assert not isinstance(b, torch.Tensor) and a == b
+
+
+def test_a_growing_cache_keeps_its_fast_launch(fake_gpu: list,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A contiguous cache a few keys longer each call ((B, N, Hkv, D) memory viewed as
+    (B, Hkv, N, D), as a dynamic cache grows) keeps one fast launch while its lengths and
+    strides specialise alike (N a multiple of 16 here); the launch passes each call's own
+    strides and capacity, as the general launch of the same inputs does. A length of
+    another residue is a layout of its own: first seen, it takes the general launch."""
+    log = fake_gpu
+    p = DecodeProblem(2, 4, 2, 1, 64, 16, "fp32", True)
+    run = _plan(p, DecodeVariant(16, 16, 3, 1, 1)).launch
+    q, _, _, lens, _ = _inputs(p)
+
+    def cache(n: int) -> torch.Tensor:
+        return cuda_looking(torch.randn(2, n, 2, 16)).transpose(1, 2)
+
+    for n in (64, 80):  # seen, then recorded
+        run(q, cache(n), cache(n), lens, None, 0.25, None, None, False)
+    k, v = cache(96), cache(96)
+    at = len(log)
+    out_fast, _ = run(q, k, v, lens, None, 0.25, None, None, False)
+    fast = _c_calls(log, at)
+    assert not any(isinstance(a, torch.Tensor) for _, args in fast for a in args)
+    monkeypatch.setattr(kvcache, "hooks_idle", lambda: False)  # the general launch
+    at = len(log)
+    out_general, _ = run(q, k, v, lens, None, 0.25, None, None, False)
+    _same_launches(_c_calls(log, at), fast, out_general, out_fast)
+    assert 96 in fast[0][1] and 96 * 2 * 16 in fast[0][1]
+    monkeypatch.setattr(kvcache, "hooks_idle", launch.hooks_idle)
+    at = len(log)
+    run(q, cache(72), cache(72), lens, None, 0.25, None, None, False)
     assert all(any(isinstance(a, torch.Tensor) for a in args) for _, args in _c_calls(log, at))

@@ -27,7 +27,7 @@ from triton import knobs as triton_knobs
 
 from .forward import cdiv, padded_head_dim, sm_count
 from .inputs import DTYPE_NAMES, MAX_HEAD_DIM
-from .launch import bind, hooks_idle
+from .launch import bind, hooks_idle, int_spec
 from .modifiers import Mods
 from .table import Entry, knobs
 
@@ -347,22 +347,28 @@ def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-#: Exact call layouts a decode plan keeps fast launches for (`prepare_decode`); a plan of a
-#: growing cache's bucket sees a new layout each token, so it is cleared when full.
+#: Call layouts a decode plan keeps fast launches for (`prepare_decode`); cleared when full.
 MAX_FAST_LAYOUTS = 64
 
 
 def _fast_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: torch.Tensor | None,
-              table: torch.Tensor | None, keep_lse: bool) -> tuple[tuple, tuple]:
-    """(key, pointers) of a GPU call without modifiers: the key holds everything its launches'
-    arguments and Triton's specialisation follow from (shapes, strides, whether every input
-    is 16-byte aligned, the current device, Triton's debug and instrumentation modes), not
-    the addresses, which go to the launches as the pointers."""
+              table: torch.Tensor | None, keep_lse: bool, cache: tuple) -> tuple[tuple, tuple]:
+    """(key, pointers) of a GPU call without modifiers. The key holds everything its launches'
+    arguments and Triton's specialisation follow from: q's shape and strides, the caches'
+    shape but a contiguous one's length, `cache` (their strides as the kernel takes them,
+    the keys a sequence may hold, the split count and the offsets' width; the first three by
+    what Triton specialises an int on, as `launch.int_spec` keys them, so a cache that grows
+    a key a step keeps its layout), whether every input is 16-byte aligned, the current
+    device, and Triton's debug and instrumentation modes. The addresses go to the launches
+    as the pointers."""
     ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(),
             None if seqlens is None else seqlens.data_ptr(),
             None if table is None else table.data_ptr())
     aligned = not ((ptrs[0] | ptrs[1] | ptrs[2] | (ptrs[3] or 0) | (ptrs[4] or 0)) & 15)
-    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(),
+    k_strides, v_strides, n_max, splits, narrow = cache
+    # A paged cache's shape is fixed; a contiguous one's keys are in `cache`.
+    key = (q.shape, q.stride(), k.shape if table is not None else k.shape[:2] + k.shape[3:],
+           tuple(map(int_spec, (*k_strides, *v_strides, n_max))), splits, narrow,
            None if seqlens is None else seqlens.stride(),
            None if table is None else (table.shape, table.stride()), keep_lse, aligned,
            torch.cuda.current_device(), triton_knobs.runtime.debug,
@@ -377,11 +383,11 @@ def prepare_decode(entry: Entry, shape: DecodeShape, kernel: KernelOf) -> Decode
     (B, Hkv, Nmax, D) from (B, Nmax, Hkv, D) memory, a paged cache's page and slot strides.
     The output keeps q's memory layout.
 
-    A GPU call without modifiers whose exact layout (`_fast_key`) comes a second time gets a
-    fast launch: its integer arguments, grid and scratch offsets kept from the second call,
-    and both kernels launched through Triton's C launcher with the addresses as ints. A
-    decode step's host time is what a short call is timed at, and the per-argument work of
-    a general launch (`launch.Bound`) was most of it.
+    A GPU call without modifiers whose layout (`_fast_key`) comes a second time gets a fast
+    launch: its other integer arguments, grid and scratch offsets kept from that call, and
+    both kernels launched through Triton's C launcher with the addresses as ints. A decode
+    step's host time is what a short call is timed at, and the per-argument work of a
+    general launch (`launch.Bound`) was most of it.
     """
     variant = knobs(entry["variant"])
     fused = getattr(variant, "fused_combine", False)  # rows stored before the knob lack it
@@ -394,45 +400,52 @@ def prepare_decode(entry: Entry, shape: DecodeShape, kernel: KernelOf) -> Decode
     padded = padded_head_dim(shape.head_dim)
     if fused:
         launch["MERGE"] = merge_width(padded, variant.num_warps)
-    #: exact layout -> False (seen once) or its fast launch
+    #: layout -> False (seen once) or its fast launch
     fast: dict[tuple, Any] = {}
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: torch.Tensor | None,
             block_table: torch.Tensor | None, scale: float, mods: Mods | None = None,
             leftpad: torch.Tensor | None = None,
             keep_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        b, hq, nq, d = q.shape
+        if paged:
+            assert block_table is not None
+            hkv, page = k.shape[2], k.shape[1]
+            n_max = block_table.shape[1] * page
+            # Pages play the batch's part, slots the sequence's.
+            k_strides = (k.stride(0), k.stride(2), k.stride(1), k.stride(3))
+            v_strides = (v.stride(0), v.stride(2), v.stride(1), v.stride(3))
+        else:
+            page = 1
+            hkv, n_max = k.shape[1], k.shape[2]
+            k_strides, v_strides = k.stride(), v.stride()
+        splits = variant.num_splits or auto_splits(b * hkv * row_tiles, n_max, variant.block_n,
+                                                   q.device)
+        narrow = narrow_offsets(k_strides, v_strides, k.shape[0] if paged else 1,
+                                page if paged else n_max, d) if hoisted else None
         key = None
         if mods is None and leftpad is None and q.is_cuda:
-            key, ptrs = _fast_key(q, k, v, seqlens, block_table, keep_lse)
+            key, ptrs = _fast_key(q, k, v, seqlens, block_table, keep_lse,
+                                  (k_strides, v_strides, n_max, splits, narrow))
             hit = fast.get(key)
             if hit:
                 if hooks_idle():
-                    return hit(q, ptrs, scale)
+                    return hit(q, ptrs, scale, k_strides, v_strides, n_max)
                 key = None  # a profiler's hooks: the general launch, and nothing recorded
             elif hit is None:
                 if len(fast) >= MAX_FAST_LAYOUTS:
                     fast.clear()
                 fast[key] = False
                 key = None
-            elif not (key[8] and (seqlens is None or seqlens.stride(0) == 1)
+            elif not (key[-4] and (seqlens is None or seqlens.stride(0) == 1)
                       and (block_table is None or block_table.stride(1) == 1)):
                 key = None  # recorded only where the launches take the inputs themselves
-        b, hq, nq, d = q.shape
         if paged:
             assert block_table is not None
             table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
-            hkv, page = k.shape[2], k.shape[1]
-            n_max = table.shape[1] * page
-            # Pages play the batch's part, slots the sequence's.
-            k_strides = (k.stride(0), k.stride(2), k.stride(1), k.stride(3))
-            v_strides = (v.stride(0), v.stride(2), v.stride(1), v.stride(3))
             table_stride = table.stride(0)
         else:
-            table, page, table_stride = None, 1, 0  # no table
-            hkv, n_max = k.shape[1], k.shape[2]
-            k_strides, v_strides = k.stride(), v.stride()
-        splits = variant.num_splits or auto_splits(b * hkv * row_tiles, n_max, variant.block_n,
-                                                   q.device)
+            table, table_stride = None, 0  # no table
         out = torch.empty_like(q)
         # Scratch (`split_scratch`, no allocation a call): the partial outputs and their
         # log-sum-exps where the keys are split, and the LSE where the caller drops it. Each
@@ -465,15 +478,15 @@ def prepare_decode(entry: Entry, shape: DecodeShape, kernel: KernelOf) -> Decode
         fused_ints = (*out.stride(), *out_lse_strides)
         if fused:
             extra += [split_counters(b * hkv * row_tiles, q.device), out, lse, *fused_ints]
-        narrow = {"NARROW": narrow_offsets(k_strides, v_strides, k.shape[0] if paged else 1,
-                                           page if paged else n_max, d)} if hoisted else {}
         grid = (splits, b * hkv, row_tiles)
-        ints = (*q.stride(), *k_strides, *v_strides, table_stride, *part_strides, *lse_strides)
-        tail = (nq, n_max, hkv, group, splits)
-        split_args = (q, k, v, seqlens, table, part, part_lse, *ints, scale, *tail, *extra)
-        split_named = {"PAGE_SIZE": page, **narrow, **launch}
+        after = (table_stride, *part_strides, *lse_strides)
+        split_args = (q, k, v, seqlens, table, part, part_lse, *q.stride(), *k_strides,
+                      *v_strides, *after, scale, nq, n_max, hkv, group, splits, *extra)
+        split_named = {"PAGE_SIZE": page, **({} if narrow is None else {"NARROW": narrow}),
+                       **launch}
         split_kernel[grid](*split_args, **split_named)
         combine_args: tuple = ()
+        combine_ints: tuple = ()
         if splits > 1 and not fused:
             if not combine:
                 combine.append(bind(kernel("decode_combine")))
@@ -492,8 +505,8 @@ def prepare_decode(entry: Entry, shape: DecodeShape, kernel: KernelOf) -> Decode
                      if combine_args else None)
             if go is not None and (merge is not None or not combine_args):
                 fast[key] = _fast_launch(
-                    go, grid, ints, tail, merge, (b * hq * nq, 1, 1),
-                    combine_ints if combine_args else (),
+                    go, grid, q.stride(), after, (nq,), (hkv, group, splits), merge,
+                    (b * hq * nq, 1, 1), combine_ints,
                     _Scratch(splits, used, at_lse, at_out_lse, (b, hq, nq), out_lse_strides,
                              keep_lse),
                     (b * hkv * row_tiles, fused_ints) if fused else None)
@@ -514,16 +527,19 @@ class _Scratch(NamedTuple):
     keep_lse: bool
 
 
-def _fast_launch(go: Callable[..., None], grid: tuple[int, int, int], ints: tuple,
-                 tail: tuple, merge: Callable[..., None] | None, merge_grid: tuple[int, int, int],
+def _fast_launch(go: Callable[..., None], grid: tuple[int, int, int], q_strides: tuple,
+                 after: tuple, before_n: tuple, after_n: tuple,
+                 merge: Callable[..., None] | None, merge_grid: tuple[int, int, int],
                  merge_ints: tuple, scratch: _Scratch,
                  fused: tuple[int, tuple] | None) -> Callable[..., Any]:
-    """A layout's fast launch: `run`'s work with everything but the addresses kept. Pointers go
-    as ints; the scratch and counters are the stream's, as `run` takes them."""
+    """A layout's fast launch: `run`'s work with everything but the addresses, the caches'
+    strides and their capacity kept. Pointers go as ints; the scratch and counters are the
+    stream's, as `run` takes them."""
     splits, used, at_lse, at_out_lse, lse_shape, lse_strides, keep_lse = scratch
     device_index = torch.cuda.current_device()
 
-    def launch(q: torch.Tensor, ptrs: tuple, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def launch(q: torch.Tensor, ptrs: tuple, scale: float, k_strides: tuple,
+               v_strides: tuple, n_max: int) -> tuple[torch.Tensor, torch.Tensor]:
         device = q.device
         out = torch.empty_like(q)
         o = out.data_ptr()
@@ -539,7 +555,8 @@ def _fast_launch(go: Callable[..., None], grid: tuple[int, int, int], ints: tupl
         extra = () if fused is None else (
             split_counters(fused[0], device).data_ptr(), o, lse_ptr, *fused[1])
         stream = torch._C._cuda_getCurrentRawStream(device_index)
-        go(*grid, stream, *ptrs, part, part_lse, *ints, scale, *tail, *extra)
+        go(*grid, stream, *ptrs, part, part_lse, *q_strides, *k_strides, *v_strides, *after,
+           scale, *before_n, n_max, *after_n, *extra)
         if merge is not None:
             merge(*merge_grid, stream, part, part_lse, o, lse_ptr, *merge_ints)
         return out, lse

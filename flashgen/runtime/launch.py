@@ -40,7 +40,7 @@ _UNKNOWN = object()
 MAX_SIGNATURES = 256
 
 
-def _int_spec(value: int) -> int:
+def int_spec(value: int) -> int:
     """An int's part of the key, finer than what Triton specialises it on (its type by range,
     a 1 as a constant, divisibility by 16): the bits above 31 (0 or -1 for every 32-bit
     value), the residue mod 16, and whether it is 1, packed in one int."""
@@ -82,7 +82,7 @@ def _spec(value: Any) -> Any:
     if type(value) is bool:  # apart from the ints 0 and 1, which Triton types otherwise
         return "true" if value else "false"
     if isinstance(value, int):
-        return _int_spec(value)
+        return int_spec(value)
     if value is None:
         return None
     if isinstance(value, str):
@@ -169,7 +169,7 @@ def _key(args: tuple, kwargs: dict[str, Any]) -> tuple | None:
     tensors = False
     for a in args:
         kind = type(a)
-        if kind is int:  # most arguments: `_int_spec` inline
+        if kind is int:  # most arguments: `int_spec` inline
             append(((a >> 31) << 5) + ((a & 15) << 1) + (a == 1))
         elif kind is _Tensor or isinstance(a, _Tensor):
             if not a.is_cuda:
