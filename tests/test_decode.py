@@ -503,6 +503,31 @@ def test_output_without_the_lse_is_the_same(splits: int) -> None:
     assert isinstance(alone, torch.Tensor) and torch.equal(alone, out)
 
 
+@interpreter
+@pytest.mark.parametrize("page", [0, 16])
+def test_no_lengths_means_every_sequence_holds_the_whole_cache(page: int) -> None:
+    """cache_seqlens=None: the call of full lengths (Nmax each; a paged cache's max_pages x
+    page_size), bitwise, output and LSE; under causal a cache shorter than Nq is named, and
+    cache_leftpad without lengths too."""
+    p = DecodeProblem(2, 4, 2, 3, 48, 16, "fp32", True, page_size=page)
+    c = make_kvcache(p, "cpu", 5)
+    variant = DecodeVariant(16, 16, 2, 1, 1)
+    full = torch.full((2,), 48, dtype=torch.int32)
+    want = flashgen.attention_with_kvcache(c.q, c.k, c.v, full, block_table=c.block_table,
+                                           return_lse=True, variant=variant)
+    got = flashgen.attention_with_kvcache(c.q, c.k, c.v, None, block_table=c.block_table,
+                                          return_lse=True, variant=variant)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    check = compare_kvcache(got[0], c, True, lse=got[1])
+    assert check.ok, check.reason
+    if page:
+        return
+    with pytest.raises(ValueError, match="fewer than Nq = 3"):
+        flashgen.attention_with_kvcache(c.q, c.k[:, :, :2], c.v[:, :, :2], None)
+    with pytest.raises(ValueError, match="cache_leftpad needs cache_seqlens"):
+        flashgen.attention_with_kvcache(c.q, c.k, c.v, None, cache_leftpad=full * 0)
+
+
 @gpu
 def test_gpu_growing_cache_hits_its_bucket_and_keeps_its_checks() -> None:
     """GPU lengths skip the checks on a plan hit, and a contiguous cache's plan is looked up

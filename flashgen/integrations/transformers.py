@@ -142,10 +142,12 @@ def flashgen_attention_forward(
         out = flashgen.attention_varlen(q, k, v, *packed, **options)
         out = out.view(query.shape[0], nq, query.shape[1], query.shape[3])
     elif nq <= DECODE_MAX_NEW_TOKENS and valid > nq and not grads:
-        # New tokens against a cache: the decode family, every sequence `valid` keys long
-        # (window, softcap and sinks included).
-        lengths = _lengths(query.shape[0], valid, query.device)
-        out = flashgen.attention_with_kvcache(query, key, value, lengths, **options
+        # New tokens against a cache: the decode family (window, softcap and sinks included)
+        # on the caches cut to their `valid` keys, every sequence full (no lengths tensor to
+        # make each step).
+        if valid < key.shape[2]:
+            key, value = key[:, :, :valid], value[:, :, :valid]
+        out = flashgen.attention_with_kvcache(query, key, value, None, **options
                                               ).transpose(1, 2)
     else:
         out = flashgen.attention(query, key[:, :, :valid], value[:, :, :valid],
@@ -176,26 +178,6 @@ def _widened(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     out, _ = flashgen_attention_forward(module, pad(query), pad(key), pad(value), mask,
                                         dropout, scaling, *rest, **kwargs)
     return out[..., :value.shape[-1]].contiguous(), None
-
-
-#: The last lengths tensor of an eager decode step per (device, stream): every layer of a
-#: step asks for the same one, which is only ever read, in stream order.
-_lengths_made: dict[tuple[torch.device, int], tuple[int, int, torch.Tensor]] = {}
-
-
-def _lengths(batch: int, valid: int, device: torch.device) -> torch.Tensor:
-    """(batch,) int32 of `valid`: made once per step in eager mode, not once per layer; made
-    afresh under torch.compile and CUDA graph capture (a graph would keep its address)."""
-    if (torch.compiler.is_compiling() or device.type != "cuda"
-            or torch.cuda.is_current_stream_capturing()):
-        return torch.full((batch,), valid, dtype=torch.int32, device=device)
-    where = (device, torch.cuda.current_stream(device).cuda_stream)
-    last = _lengths_made.get(where)
-    if last is not None and last[0] == batch and last[1] == valid:
-        return last[2]
-    made = torch.full((batch,), valid, dtype=torch.int32, device=device)
-    _lengths_made[where] = (batch, valid, made)
-    return made
 
 
 def _decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

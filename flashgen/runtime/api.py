@@ -271,7 +271,7 @@ def attention_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    cache_seqlens: torch.Tensor,
+    cache_seqlens: torch.Tensor | None,
     *,
     block_table: torch.Tensor | None = None,
     causal: bool = True,
@@ -287,16 +287,18 @@ def attention_with_kvcache(
     """Attention of a few new queries against a KV cache: the decode family (flash-decoding:
     the keys split across programs, the query heads of one K/V head packed into one tile).
 
-    q: (B, Hq, Nq, D), any strides. Caches, either contiguous, k_cache and v_cache
-    (B, Hkv, Nmax, D) with any strides (a (B, Nmax, Hkv, D) tensor transposed works), or paged
+    q: (B, Hq, Nq, D), any strides. Caches, either contiguous, k_cache and v_cache (B, Hkv,
+    Nmax, D) with any strides (a (B, Nmax, Hkv, D) tensor transposed works), or paged
     (num_pages, page_size, Hkv, D) with `block_table` (B, max_pages) int32 naming each
     sequence's pages in order; page_size a power of two. `cache_seqlens` (B,) int32: the valid
-    keys of each sequence (ragged batches work). With `causal` (the default) the last Nq of a
-    sequence's keys are the queries' own: query i sees keys j <= i + L - Nq. Lengths beyond
-    the cache, negative lengths and (under causal) lengths below Nq are ValueErrors, checked
-    on the host where the lengths are (CPU tensors) or with FLASHGEN_DEBUG=1, which also checks
-    page ids; without it GPU lengths are clamped to the cache in the kernel, and pages are
-    trusted (a check would cost a GPU sync each call). Inference only: no gradient.
+    keys of each sequence (ragged batches work); None: every sequence holds the whole cache
+    (Nmax keys; paged: max_pages x page_size), a call with no lengths tensor to make. With
+    `causal` (the default) the last Nq of a sequence's keys are the queries' own: query i sees
+    keys j <= i + L - Nq. Lengths beyond the cache, negative lengths and (under causal) lengths
+    below Nq are ValueErrors, checked on the host where the lengths are (CPU tensors) or with
+    FLASHGEN_DEBUG=1, which also checks page ids; without it GPU lengths are clamped to the
+    cache in the kernel, and pages are trusted (a check would cost a GPU sync each call).
+    Inference only: no gradient.
     `window`, `softcap` and `sinks` as `attention` takes them, query i of a sequence of L
     keys at position i + L - Nq (the window's splits start at the first query's left edge).
     `cache_leftpad` (B,) int32, contiguous caches only: pad slots at the start of each

@@ -399,7 +399,8 @@ class Dispatcher:
                      default_scale(shape.head_dim))
 
     def _decode_plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     seqlens: torch.Tensor, block_table: torch.Tensor | None, causal: bool,
+                     seqlens: torch.Tensor | None, block_table: torch.Tensor | None,
+                     causal: bool,
                      variant: Any, mods: Mods | None = None,
                      leftpad: torch.Tensor | None = None) -> _Plan:
         """The decode plan of a call's shape (`runtime.kvcache`), checked and chosen on the
@@ -419,14 +420,16 @@ class Dispatcher:
                                  k.shape == v.shape)
             else:
                 caches = (k.shape, v.shape)
+            lengths = (None if seqlens is None
+                       else (seqlens.shape, seqlens.dtype, seqlens.device))
             key = (q.shape, caches, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
-                   seqlens.shape, seqlens.dtype, seqlens.device, table_kind, causal, variant,
+                   lengths, table_kind, causal, variant,
                    None if mods is None else mods.plan_key, pads)  # fmt: skip
             plan = self._decode_plans.get(key)
         except (AttributeError, TypeError, IndexError):  # not 4-D tensors, unhashable variant
             key, plan = None, None
         if plan is not None:
-            if seqlens.device.type == "cpu" or debug_checks():
+            if (seqlens if seqlens is not None else q).device.type == "cpu" or debug_checks():
                 check_kvcache(q, k, v, seqlens, block_table, causal, leftpad)
             return plan
         check_options(causal, None)
@@ -458,7 +461,7 @@ class Dispatcher:
         return plan
 
     def kvcache(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                cache_seqlens: torch.Tensor, block_table: torch.Tensor | None = None,
+                cache_seqlens: torch.Tensor | None, block_table: torch.Tensor | None = None,
                 causal: bool = True, scale: float | None = None,
                 variant: Any = None, mods: Mods | None = None,
                 leftpad: torch.Tensor | None = None,
@@ -473,7 +476,8 @@ class Dispatcher:
                            plan.scale if scale is None else scale, mods, leftpad, keep_lse)
 
     def explain_kvcache(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        cache_seqlens: torch.Tensor, block_table: torch.Tensor | None = None,
+                        cache_seqlens: torch.Tensor | None,
+                        block_table: torch.Tensor | None = None,
                         causal: bool = True, variant: Any = None, *,
                         window: tuple[int, int] | None = None, softcap: float | None = None,
                         sinks: torch.Tensor | None = None,

@@ -98,11 +98,12 @@ def _tensor(name: str, t: object) -> torch.Tensor:
 
 
 def check_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
+                  cache_seqlens: torch.Tensor | None, block_table: torch.Tensor | None,
                   causal: bool, cache_leftpad: torch.Tensor | None = None,
                   empty: bool = False) -> DecodeShape:
     """Raise TypeError/ValueError naming the problem, else the call's `DecodeShape`
-    (`empty`: a batch or Nq of 0 is fine, for a call answered without a kernel)."""
+    (`empty`: a batch or Nq of 0 is fine, for a call answered without a kernel).
+    `cache_seqlens` None: every sequence holds the whole cache."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _tensor(name, t)
         if t.dim() != 4:
@@ -116,8 +117,8 @@ def check_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache shapes differ: {tuple(k_cache.shape)} and "
                          f"{tuple(v_cache.shape)}")
-    seqlens = _tensor("cache_seqlens", cache_seqlens)
-    if seqlens.dtype != torch.int32:
+    seqlens = None if cache_seqlens is None else _tensor("cache_seqlens", cache_seqlens)
+    if seqlens is not None and seqlens.dtype != torch.int32:
         raise TypeError(f"cache_seqlens must be int32, got {seqlens.dtype}")
     b, hq, nq, d = q.shape
     if block_table is None and k_cache.shape[0] != b:
@@ -125,7 +126,7 @@ def check_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         # one out more often.
         raise ValueError(f"batch sizes differ: q {b}, k_cache {k_cache.shape[0]} (a contiguous "
                          "cache is (B, Hkv, Nmax, D); pass block_table for a paged one)")
-    if seqlens.shape != (b,):
+    if seqlens is not None and seqlens.shape != (b,):
         raise ValueError(f"cache_seqlens must have shape (batch,) = ({b},); got "
                          f"{tuple(seqlens.shape)}")
     if block_table is None:
@@ -161,7 +162,12 @@ def check_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          f"({hkv}){read_as}")
     if d > MAX_HEAD_DIM:
         raise ValueError(f"head dim {d} is over the supported maximum {MAX_HEAD_DIM}")
-    devices = {t.device for t in (q, k_cache, v_cache, seqlens)}
+    if seqlens is None and causal and n_max < nq and not empty:
+        raise ValueError(f"the cache holds {n_max} keys a sequence, fewer than Nq = {nq}: under "
+                         "causal the last Nq keys of each sequence are the queries' own")
+    devices = {t.device for t in (q, k_cache, v_cache)}
+    if seqlens is not None:
+        devices.add(seqlens.device)
     if block_table is not None:
         devices.add(block_table.device)
     if cache_leftpad is not None:
@@ -171,13 +177,19 @@ def check_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              "table already names where each sequence's keys are")
         if pads.dtype != torch.int32:
             raise TypeError(f"cache_leftpad must be int32, got {pads.dtype}")
+        if seqlens is None:
+            raise ValueError("cache_leftpad needs cache_seqlens: a row's keys run from its pad "
+                             "to its length")
         if pads.shape != (b,):
             raise ValueError(f"cache_leftpad must have shape (batch,) = ({b},); got "
                              f"{tuple(pads.shape)}")
         devices.add(pads.device)
     if len(devices) > 1:
         raise ValueError(f"inputs are on different devices: {sorted(map(str, devices))}")
-    if seqlens.device.type == "cpu" or debug_checks():
+    if seqlens is None:
+        if block_table is not None and (block_table.device.type == "cpu" or debug_checks()):
+            check_pages(block_table, torch.full((b,), n_max), page_size, k_cache.shape[0])
+    elif seqlens.device.type == "cpu" or debug_checks():
         check_lengths(seqlens, n_max, nq, causal)
         if block_table is not None:
             check_pages(block_table, seqlens, page_size, k_cache.shape[0])

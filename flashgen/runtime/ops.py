@@ -157,7 +157,7 @@ def attention_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    cache_seqlens: torch.Tensor,
+    cache_seqlens: torch.Tensor | None,
     block_table: torch.Tensor | None,
     causal: bool,
     scale: float | None,
