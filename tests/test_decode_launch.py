@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_launch import cuda_looking
 
 from flashgen import DecodeVariant
 from flashgen.kernels.problem import DecodeProblem
@@ -18,16 +19,6 @@ from flashgen.serve import Dispatcher
 from flashgen.tune.decode_bench import make_kvcache
 
 STREAM = 77
-
-
-class CudaLooking(torch.Tensor):
-    @property
-    def is_cuda(self) -> bool:  # type: ignore[override]
-        return True
-
-
-def cuda_looking(t: torch.Tensor) -> torch.Tensor:
-    return torch.Tensor._make_subclass(CudaLooking, t)
 
 
 class Launcher:
