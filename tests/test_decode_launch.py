@@ -42,6 +42,10 @@ class Compiled:
 
     def __init__(self, log: list, name: str) -> None:
         self.run = Launcher(log, name)
+        self.log = log
+
+    def __getitem__(self, grid: tuple) -> Any:  # Triton's runner
+        return lambda *args: self.log.append(("runner", args))
 
 
 class Rendered:
@@ -93,7 +97,7 @@ def _inputs(problem: DecodeProblem, seed: int = 0) -> tuple:
 
 
 def _c_calls(log: list, start: int) -> list:
-    return [e for e in log[start:] if e[0] != "jit"]
+    return [e for e in log[start:] if e[0] not in ("jit", "runner")]
 
 
 @pytest.mark.parametrize("case", ["split", "fused", "paged", "one-split"])
@@ -195,3 +199,22 @@ def test_a_growing_cache_keeps_its_fast_launch(fake_gpu: list,
     at = len(log)
     run(q, cache(72), cache(72), lens, None, 0.25, None, None, False)
     assert all(any(isinstance(a, torch.Tensor) for a in args) for _, args in _c_calls(log, at))
+
+
+def test_a_layout_the_runner_must_launch_is_not_recorded_again(
+        fake_gpu: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compiled kernel that needs Triton's runner (global scratch here) has no direct
+    launch: its layout is marked for the general launch once, and later calls neither
+    launch fast nor look for a direct launch again."""
+    monkeypatch.setattr(Launcher, "global_scratch_size", 64)
+    asked: list[int] = []
+    direct = launch.Bound.direct
+    monkeypatch.setattr(launch.Bound, "direct",
+                        lambda self, *a: asked.append(1) or direct(self, *a))
+    p = DecodeProblem(2, 4, 2, 1, 64, 16, "fp32", True)
+    run = _plan(p, DecodeVariant(16, 16, 3, 1, 1)).launch
+    inputs = _inputs(p)
+    for _ in range(5):
+        run(*inputs, 0.25, None, None, False)
+    assert len(asked) == 1
+    assert {e[0] for e in fake_gpu} == {"jit", "runner"}  # never the C launcher itself

@@ -361,6 +361,8 @@ def _pow2(n: int) -> int:
 
 #: Call layouts a decode plan keeps fast launches for (`prepare_decode`); cleared when full.
 MAX_FAST_LAYOUTS = 64
+#: A layout that always takes the general launch (see `prepare_decode`): not recorded again.
+_GENERAL = 0
 
 
 def _fast_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: torch.Tensor | None,
@@ -405,6 +407,8 @@ def prepare_decode(entry: Entry, shape: DecodeShape, kernel: KernelOf) -> Decode
     fused = getattr(variant, "fused_combine", False)  # rows stored before the knob lack it
     hoisted = getattr(variant, "hoisted", False)
     split_kernel = bind(kernel("decode"))
+    # An exported package's cubin launcher has no direct launch to record.
+    recordable = hasattr(split_kernel, "direct")
     combine: list[Any] = []  # the combine kernel, loaded on first need
     launch = {"num_warps": variant.num_warps, "num_stages": variant.num_stages}
     group, paged = shape.group, bool(shape.page_size)
@@ -412,7 +416,7 @@ def prepare_decode(entry: Entry, shape: DecodeShape, kernel: KernelOf) -> Decode
     padded = padded_head_dim(shape.head_dim)
     if fused:
         launch["MERGE"] = merge_width(padded, variant.num_warps)
-    #: layout -> False (seen once) or its fast launch
+    #: layout -> False (seen once), its fast launch, or _GENERAL
     fast: dict[tuple, Any] = {}
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: torch.Tensor | None,
@@ -436,7 +440,7 @@ def prepare_decode(entry: Entry, shape: DecodeShape, kernel: KernelOf) -> Decode
         narrow = narrow_offsets(k_strides, v_strides, k.shape[0] if paged else 1,
                                 page if paged else n_max, d) if hoisted else None
         key = None
-        if mods is None and leftpad is None and q.is_cuda:
+        if recordable and mods is None and leftpad is None and q.is_cuda:
             key, ptrs = _fast_key(q, k, v, seqlens, block_table, keep_lse,
                                   (k_strides, v_strides, n_max, splits, narrow))
             hit = fast.get(key)
@@ -449,9 +453,13 @@ def prepare_decode(entry: Entry, shape: DecodeShape, kernel: KernelOf) -> Decode
                     fast.clear()
                 fast[key] = False
                 key = None
+            elif hit is _GENERAL:
+                key = None
             elif not (key[-4] and (seqlens is None or seqlens.stride(0) == 1)
                       and (block_table is None or block_table.stride(1) == 1)):
-                key = None  # recorded only where the launches take the inputs themselves
+                # Recorded only where the launches take the inputs themselves.
+                fast[key] = _GENERAL
+                key = None
         if paged:
             assert block_table is not None
             table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
@@ -511,11 +519,13 @@ def prepare_decode(entry: Entry, shape: DecodeShape, kernel: KernelOf) -> Decode
                              "num_warps": 4 if width * padded <= 4096 else 8}
             combine[0][(b * hq * nq,)](*combine_args, **combine_named)
         if key is not None:  # a layout's second call: keep its fast launch
-            go = getattr(split_kernel, "direct", lambda *a: None)(split_args, split_named)
+            go = split_kernel.direct(split_args, split_named)
             merge = (getattr(combine[0], "direct", lambda *a: None)(combine_args,
                                                                   combine_named)
-                     if combine_args else None)
-            if go is not None and (merge is not None or not combine_args):
+                     if combine_args and go is not None else None)
+            if go is None or (merge is None and combine_args):
+                fast[key] = _GENERAL  # a launcher that needs Triton's runner
+            else:
                 fast[key] = _fast_launch(
                     go, grid, q.stride(), after, (nq,), (hkv, group, splits), merge,
                     (b * hq * nq, 1, 1), combine_ints,
