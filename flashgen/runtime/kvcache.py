@@ -23,11 +23,10 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
-from triton import knobs as triton_knobs
 
 from .forward import cdiv, padded_head_dim, sm_count
 from .inputs import DTYPE_NAMES, MAX_HEAD_DIM
-from .launch import bind, hooks_idle, int_spec
+from .launch import bind, hooks_idle, int_spec, launch_context
 from .modifiers import Mods
 from .table import Entry, knobs
 
@@ -372,9 +371,9 @@ def _fast_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: torch.
     shape but a contiguous one's length, `cache` (their strides as the kernel takes them,
     the keys a sequence may hold, the split count and the offsets' width; the first three by
     what Triton specialises an int on, as `launch.int_spec` keys them, so a cache that grows
-    a key a step keeps its layout), whether every input is 16-byte aligned, the current
-    device, and Triton's debug and instrumentation modes. The addresses go to the launches
-    as the pointers."""
+    a key a step keeps its layout), whether every input is 16-byte aligned, and
+    `launch.launch_context()` (as the general launch's key). The addresses go to the
+    launches as the pointers."""
     ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(),
             None if seqlens is None else seqlens.data_ptr(),
             None if table is None else table.data_ptr())
@@ -385,8 +384,7 @@ def _fast_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: torch.
            tuple(map(int_spec, (*k_strides, *v_strides, n_max))), splits, narrow,
            None if seqlens is None else seqlens.stride(),
            None if table is None else (table.shape, table.stride()), keep_lse, aligned,
-           torch.cuda.current_device(), triton_knobs.runtime.debug,
-           triton_knobs.compilation.instrumentation_mode)
+           *launch_context())
     return key, ptrs
 
 
@@ -520,8 +518,7 @@ def prepare_decode(entry: Entry, shape: DecodeShape, kernel: KernelOf) -> Decode
             combine[0][(b * hq * nq,)](*combine_args, **combine_named)
         if key is not None:  # a layout's second call: keep its fast launch
             go = split_kernel.direct(split_args, split_named)
-            merge = (getattr(combine[0], "direct", lambda *a: None)(combine_args,
-                                                                  combine_named)
+            merge = (combine[0].direct(combine_args, combine_named)
                      if combine_args and go is not None else None)
             if go is None or (merge is None and combine_args):
                 fast[key] = _GENERAL  # a launcher that needs Triton's runner

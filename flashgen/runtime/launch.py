@@ -202,9 +202,15 @@ def _key(args: tuple, kwargs: dict[str, Any]) -> tuple | None:
         hash(named)
     except TypeError:
         return None
-    # Triton's own key adds its debug and instrumentation modes (a profiler such as proton
-    # sets the latter, and its kernels then need profile scratch).
-    return (torch.cuda.current_device(), tuple(parts), named, knobs.runtime.debug,
+    device, debug, mode = launch_context()
+    return (device, tuple(parts), named, debug, mode)
+
+
+def launch_context() -> tuple[int, Any, Any]:
+    """What a launch's compiled kernel depends on besides its arguments: the current device
+    and, as in Triton's own key, its debug and instrumentation modes (a profiler such as
+    proton sets the latter, and its kernels then need profile scratch)."""
+    return (torch.cuda.current_device(), knobs.runtime.debug,
             knobs.compilation.instrumentation_mode)
 
 
